@@ -1,0 +1,159 @@
+"""The main job: `python -m apex_compile` answers a batch of chat prompts with the apex engine (offload on),
+then runs the same batch through HF `generate` and prints both speeds.
+
+    python -m apex_compile                                  # embedded SmolLM2-135M-Instruct, 8 prompts, offload 0.5
+    python -m apex_compile --model /path/to/hf_checkpoint --device cuda --offload all --batch-size 16
+    python -m apex_compile --prompt "Why is the sky blue?" --prompt "Name a prime number." --no-hf
+"""
+import argparse
+import sys
+import time
+from typing import List, Optional
+
+import torch
+
+DEFAULT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain gravity to a child in two sentences.",
+    "Give me three tips for learning to cook.",
+    "What is 12 times 12?",
+    "Tell me a short joke about computers.",
+    "Describe the ocean at night in one sentence.",
+    "Why do cats purr?",
+]
+
+
+def parse_offload(text: str):
+    """'auto' | 'never' | 'all' | a fraction such as 0.5."""
+    if text in ("auto", "never", "all"):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"offload must be auto, never, all or a fraction, got {text!r}")
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"offload fraction must be in [0, 1], got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line options of the main job."""
+    parser = argparse.ArgumentParser(prog="python -m apex_compile", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None,
+                        help="local HF LLaMA-family checkpoint directory or .gguf file (default: the embedded "
+                             "SmolLM2-135M-Instruct)")
+    parser.add_argument("--prompt", action="append", default=None, help="a chat prompt (repeatable)")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="number of prompts in the batch (the prompts are cycled to fill it; default 8)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--offload", type=parse_offload, default=0.5,
+                        help="auto | never | all | fraction of requests in the host pool (default 0.5)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="model dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    parser.add_argument("--gpu-cache-mb", type=int, default=None, help="device KV pool size in MiB")
+    parser.add_argument("--cpu-cache-mb", type=int, default=None, help="host KV pool size in MiB")
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF generate comparison")
+    parser.add_argument("--explain", action="store_true", help="print the pass report and pool layout")
+    return parser
+
+
+def chat_batch(tokenizer, prompts: List[str], batch_size: int) -> List[List[int]]:
+    """Token ids of each prompt in the model's chat template, cycled to batch_size prompts."""
+    if batch_size < 1:
+        raise SystemExit("--batch-size must be >= 1")
+    chosen = [prompts[i % len(prompts)] for i in range(batch_size)]
+    rows = []
+    for prompt in chosen:
+        if tokenizer.chat_template is not None:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                 add_generation_prompt=True)
+            rows.append(tokenizer.encode(text, add_special_tokens=False))
+        else:
+            rows.append(tokenizer.encode(prompt))
+    return rows
+
+
+def run_hf(model, tokenizer, rows: List[List[int]], max_new_tokens: int, eos: List[int]):
+    """HF generate (greedy, DynamicCache) on the left-padded batch; returns (new tokens per row, seconds)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    width = max(len(r) for r in rows)
+    input_ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=model.device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=model.device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=eos, pad_token_id=pad)
+    seconds = time.perf_counter() - start
+    rows_out = []
+    for row in out[:, width:].tolist():
+        tokens = []
+        for token in row:
+            tokens.append(token)
+            if token in eos:
+                break
+        rows_out.append(tokens)
+    return rows_out, seconds
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Runs the main job; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    from apex_compile.config import ApexConfig
+    from apex_compile.model import optimize
+    from apex_compile.runtime.loader import load_model
+    from apex_compile.runtime.request import SamplingParams
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device == "cuda" else torch.float32)
+    start = time.perf_counter()
+    model, tokenizer = load_model(args.model, dtype=dtype, device=device)
+    print(f"loaded {type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {dtype}) "
+          f"on {device} in {time.perf_counter() - start:.1f}s")
+    mib = 1 << 20
+    config = ApexConfig(offload=args.offload,
+                        gpu_cache_size=None if args.gpu_cache_mb is None else args.gpu_cache_mb * mib,
+                        cpu_cache_size=None if args.cpu_cache_mb is None else args.cpu_cache_mb * mib)
+    apex = optimize(model, config, tokenizer)
+    rows = chat_batch(tokenizer, args.prompt or DEFAULT_PROMPTS, args.batch_size)
+    sampling = SamplingParams(max_new_tokens=args.max_new_tokens,
+                              eos_token_ids=apex.engine.default_sampling().eos_token_ids)
+
+    start = time.perf_counter()
+    apex.engine.generate(rows[:1], SamplingParams(max_new_tokens=2))  # compiles the step graphs
+    warmup = time.perf_counter() - start
+    print(f"compiled the apex step in {warmup:.1f}s (once per process)")
+    stats_before = apex.engine.stats.requests_per_pool.copy()
+    start = time.perf_counter()
+    completions = apex.engine.generate(rows, sampling)
+    apex_seconds = time.perf_counter() - start
+    apex_tokens = sum(len(c.token_ids) for c in completions)
+    per_pool = [a - b for a, b in zip(apex.engine.stats.requests_per_pool, stats_before)]
+
+    prompts = [args.prompt[i % len(args.prompt)] if args.prompt else DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)]
+               for i in range(len(rows))]
+    for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+        where = "host (CPU attention)" if completion.steps_per_pool["host"] else "device"
+        print(f"\n[{i}] {prompt}\n    -> {completion.text.strip()}\n    ({len(completion.token_ids)} tokens, "
+              f"{completion.finish_reason}, KV in the {where} pool)")
+    apex_rate = apex_tokens / apex_seconds
+    print(f"\napex: {apex_tokens} tokens in {apex_seconds:.2f}s = {apex_rate:.1f} tokens/s; requests attended on "
+          f"the device: {per_pool[0]}, on the CPU (host pool): {per_pool[1]} (offload={args.offload!r})")
+    if args.explain:
+        apex.explain()
+    if args.no_hf:
+        return 0
+    hf_rows, hf_seconds = run_hf(model, tokenizer, rows, args.max_new_tokens, list(sampling.eos_token_ids))
+    hf_tokens = sum(len(r) for r in hf_rows)
+    hf_rate = hf_tokens / hf_seconds
+    same = sum(a == c.token_ids for a, c in zip(hf_rows, completions))
+    print(f"HF generate: {hf_tokens} tokens in {hf_seconds:.2f}s = {hf_rate:.1f} tokens/s")
+    print(f"speed ratio apex / HF: {apex_rate / hf_rate:.2f}x; identical answers: {same}/{len(rows)}"
+          + ("" if dtype == torch.float32 else " (reduced precision: small differences are expected)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""`ApexConfig`: memory pools, batching limits and offload policy of an `ApexModel`."""
+import dataclasses
+from typing import Optional, Union
+
+OFFLOAD_MODES = ("auto", "never", "all")
+PREEMPTION_MODES = ("swap", "recompute")
+INNER_COMPILERS = ("inductor", "eager")
+
+GiB = 1 << 30
+
+
+@dataclasses.dataclass
+class ApexConfig:
+    """Settings of the paged-KV runtime.
+
+    gpu_cache_size: bytes of KV blocks in the device pool (the model's device; the CPU on a CPU-only run).
+        None: 90% of the free CUDA memory, or 1 GiB when the model is on the CPU.
+    cpu_cache_size: bytes of KV blocks in the host pool (host memory, attended by the CPU kernel). None: 1 GiB.
+    block_size: tokens per KV block (a power of two in 16..256).
+    offload: where running requests keep their KV and attend: "never" (device pool), "all" (host pool),
+        a float in [0, 1] (that fraction of running requests in the host pool, for tests and experiments), or
+        "auto" (a measured performance model decides; until one exists it behaves as "never").
+    max_num_seqs: most requests in one step.
+    max_num_batched_tokens: most tokens in one step (the chunked-prefill budget).
+    max_model_len: longest prompt + generation; None: the model's max_position_embeddings.
+    preemption: what happens to a request evicted when its pool is full: "swap" (its blocks move to the other
+        pool when it has room and is not running requests there; else recompute) or "recompute" (blocks freed,
+        prompt + generated tokens prefilled again later).
+    compile: run the model through torch.compile(backend="apex"); False runs the HF modules eagerly with their
+        attention routed to the paged runner (debugging, models the compiler cannot capture).
+    inner: what the apex backend hands the rewritten graph to: "inductor", "eager", or None (inductor on CUDA,
+        inductor on CPU as well).
+    """
+
+    gpu_cache_size: Optional[int] = None
+    cpu_cache_size: Optional[int] = None
+    block_size: int = 16
+    offload: Union[str, float] = "auto"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: Optional[int] = None
+    preemption: str = "swap"
+    compile: bool = True
+    inner: Optional[str] = None
+
+    def __post_init__(self):
+        for name in ("gpu_cache_size", "cpu_cache_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"ApexConfig.{name} must be a non-negative number of bytes or None, got {value!r}")
+        bs = self.block_size
+        if not isinstance(bs, int) or bs < 16 or bs > 256 or bs & (bs - 1):
+            raise ValueError(f"ApexConfig.block_size must be a power of two in 16..256, got {bs!r}")
+        off = self.offload
+        if isinstance(off, str):
+            if off not in OFFLOAD_MODES:
+                raise ValueError(f"ApexConfig.offload must be one of {OFFLOAD_MODES} or a fraction, got {off!r}")
+        elif isinstance(off, bool) or not isinstance(off, (int, float)) or not 0.0 <= off <= 1.0:
+            raise ValueError(f"ApexConfig.offload as a number must be a fraction in [0, 1], got {off!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"ApexConfig.max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"ApexConfig.max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"ApexConfig.max_model_len must be >= 1, got {self.max_model_len}")
+        if self.preemption not in PREEMPTION_MODES:
+            raise ValueError(f"ApexConfig.preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
+        if self.inner is not None and self.inner not in INNER_COMPILERS:
+            raise ValueError(f"ApexConfig.inner must be one of {INNER_COMPILERS} or None, got {self.inner!r}")
+
+    def host_fraction(self) -> float:
+        """The fraction of running requests placed in the host pool ("auto" behaves as "never" for now)."""
+        if self.offload in ("auto", "never"):
+            return 0.0
+        if self.offload == "all":
+            return 1.0
+        return float(self.offload)

@@ -1,0 +1,1 @@
+"""Triton GPU kernels for the decoder layer (each runs on CPU tensors under TRITON_INTERPRET=1)."""

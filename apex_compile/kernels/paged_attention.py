@@ -1,0 +1,402 @@
+"""GPU paged KV cache: allocation, `apex::cache_append_gpu` and decode attention `apex::paged_attention_gpu`.
+
+Cache layout (notes/HELPERS.md, identical to the CPU pool): key_cache and value_cache are contiguous
+`[num_blocks, num_kv_heads, block_size, head_dim]`; V is stored as that shape; inside each (block, kv_head)
+slab K element (token t, dim d) is at `((t // 16) * head_dim + d) * 16 + t % 16` (16-token panels,
+dim-major), so a `[head_dim, 16*k]` tile of K^T from one block is contiguous memory.
+
+Decode kernel (`_paged_decode_kernel`), grid (num_seqs, num_kv_heads, num_splits):
+- one program handles all `group = num_heads / num_kv_heads` query heads of its kv head, so each K/V byte is
+  loaded once per step: the scores of a chunk are one `tl.dot([group (padded to 16), D] x [D, BLOCK_T])`;
+- chunks of BLOCK_T tokens may span cache blocks (each token looks up its block; tokens of one 16-panel
+  share it), so the chunk size does not depend on block_size;
+- loads are unmasked along tokens (tail tokens of the last block are read and discarded: their scores become
+  -inf and their V rows are zeroed), which keeps them vectorised; block-table lookups are clamped to the
+  context, so only blocks of the sequence are touched;
+- online softmax in base 2 with fp32 statistics and accumulator;
+- split-K over long contexts: when num_seqs * num_kv_heads programs cannot fill the GPU, each sequence's
+  tokens are split into ranges; each split writes its normalised partial output and log-sum-exp, and
+  `_paged_decode_merge_kernel` combines them. With one split the first kernel writes the output directly.
+The number of splits depends only on shapes and an optional host-side `max_context_len` (no device sync).
+
+On CUDA, data-dependent checks are not made (they would synchronise): a zero context gives NaN rows, and
+cache_append_gpu ignores slots outside [0, num_blocks * block_size). On CPU tensors (interpreter) both raise.
+"""
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from apex_compile.kernels._common import (
+    INTERPRET,
+    UPCAST_DOT_OPERANDS,
+    check_float_dtype,
+    check_same_device,
+    dot_precision,
+    sm_count,
+)
+
+LOG2E = 1.4426950408889634
+DECODE_BLOCK_T = 64
+"""Tokens per inner-loop chunk of the decode kernel."""
+DECODE_NUM_STAGES = 2
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 128
+PROGRAMS_PER_SM = 4
+"""Split-K is used until num_seqs * num_kv_heads * num_splits reaches this many programs per SM."""
+
+
+@triton.jit
+def _cache_append_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
+    stride_key_token, stride_key_head, stride_value_token, stride_value_head, num_slots,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    in_range = (slot >= 0) & (slot < num_slots)
+    slot = tl.where(in_range, slot, 0)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h < tl.where(in_range, NUM_KV_HEADS, 0))[:, None] & (offs_d < HEAD_DIM)[None, :]
+    key = tl.load(key_ptr + token * stride_key_token + offs_h[:, None] * stride_key_head + offs_d[None, :],
+                  mask=mask)
+    value = tl.load(value_ptr + token * stride_value_token + offs_h[:, None] * stride_value_head + offs_d[None, :],
+                    mask=mask)
+    slabs = (block * NUM_KV_HEADS + offs_h) * (BLOCK_SIZE * HEAD_DIM)
+    key_offsets = (slabs + (offset // 16) * (16 * HEAD_DIM) + offset % 16)[:, None] + offs_d[None, :] * 16
+    tl.store(key_cache_ptr + key_offsets, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    value_offsets = (slabs + offset * HEAD_DIM)[:, None] + offs_d[None, :]
+    tl.store(value_cache_ptr + value_offsets, value.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["stride_block_tables", "max_blocks_per_seq", "num_splits", "tokens_per_split"])
+def _paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2e, stride_q_seq, stride_q_head, stride_block_tables, max_blocks_per_seq,
+    num_splits, tokens_per_split,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq64 = seq.to(tl.int64)
+
+    context_len = tl.load(context_lens_ptr + seq)
+    context_len = tl.minimum(context_len, max_blocks_per_seq * BLOCK_SIZE)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, context_len)
+    end = tl.where(split == num_splits - 1, context_len, end)  # the last split covers any remainder
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_t = tl.arange(0, BLOCK_T)
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(q_ptr + seq64 * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = q.to(k_cache_ptr.dtype.element_ty)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    block_table_row = block_tables_ptr + seq64 * stride_block_tables
+    # Per-token parts of the K^T / V tile offsets that do not depend on the chunk.
+    k_tile = offs_d[:, None] * 16 + (offs_t % 16)[None, :]
+    v_tile = offs_d[None, :]
+    for chunk_start in range(start, end, BLOCK_T):
+        tokens = chunk_start + offs_t
+        valid = tokens < end
+        # Clamping to the last context token keeps each aligned 16-token panel on one block (bs >= 16).
+        block_ids = tl.load(block_table_row + tl.minimum(tokens, context_len - 1) // BLOCK_SIZE)
+        block_ids = tl.max_constancy(block_ids, [16])
+        slab = (block_ids.to(tl.int64) * NUM_KV_HEADS + kv_head) * (BLOCK_SIZE * HEAD_DIM)
+        in_block = tokens % BLOCK_SIZE
+        k_offsets = (slab + (in_block // 16) * (16 * HEAD_DIM))[None, :] + k_tile
+        k_offsets = tl.max_contiguous(tl.multiple_of(k_offsets, [1, 16]), [1, 16])
+        if BLOCK_D == HEAD_DIM:
+            k = tl.load(k_cache_ptr + k_offsets)
+        else:
+            k = tl.load(k_cache_ptr + k_offsets, mask=d_mask[:, None], other=0.0)
+        if UPCAST_DOT:
+            k = k.to(tl.float32)
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2e
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_offsets = (slab + in_block * HEAD_DIM)[:, None] + v_tile
+        if BLOCK_D == HEAD_DIM:
+            v = tl.load(v_cache_ptr + v_offsets)
+        else:
+            v = tl.load(v_cache_ptr + v_offsets, mask=d_mask[None, :], other=0.0)
+        v = tl.where(valid[:, None], v, 0.0)
+        p = p.to(v_cache_ptr.dtype.element_ty)
+        if UPCAST_DOT:
+            v = v.to(tl.float32)
+            p = p.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    num_heads = NUM_KV_HEADS * GROUP
+    rows = seq64 * num_heads + heads
+    store_mask = g_mask[:, None] & d_mask[None, :]
+    if SINGLE_SPLIT:
+        out = acc / l_i[:, None]  # a zero context gives 0/0 = NaN rows
+        tl.store(out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=store_mask)
+    else:
+        part_rows = rows * num_splits + split
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + offs_d[None, :], out, mask=store_mask)
+        # l_i >= 1 after any token; an empty split stores m_i = -inf (the max only avoids log2(0)).
+        tl.store(part_lse_ptr + part_rows, m_i + tl.log2(tl.maximum(l_i, 1e-30)), mask=g_mask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _paged_decode_merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, num_splits,
+                               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(part_lse_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"))
+    weights = tl.exp2(lse - tl.max(lse, axis=0))  # empty splits weigh 0; all empty (zero context): NaN
+    parts = tl.load(part_out_ptr + (row * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(parts * weights[:, None], axis=0) / tl.sum(weights, axis=0)
+    tl.store(out_ptr + row * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Host side
+
+
+def check_cache_geometry(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """Validates a K/V cache pair; returns (num_blocks, num_kv_heads, block_size, head_dim)."""
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(f"caches must both be [num_blocks, num_kv_heads, block_size, head_dim], got "
+                         f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}")
+    if key_cache.dtype != value_cache.dtype:
+        raise TypeError(f"key_cache {key_cache.dtype} and value_cache {value_cache.dtype} differ")
+    check_float_dtype("key_cache", key_cache)
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("key_cache and value_cache must be contiguous")
+    num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
+    check_block_geometry(block_size, head_dim)
+    return num_blocks, num_kv_heads, block_size, head_dim
+
+
+def check_block_geometry(block_size: int, head_dim: int) -> None:
+    """Raises unless block_size is a power of two in 16..256 and head_dim a multiple of 16 in 16..256."""
+    if block_size < 16 or block_size > 256 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two in 16..256, got {block_size}")
+    if head_dim < 16 or head_dim > 256 or head_dim % 16:
+        raise ValueError(f"head_dim must be a multiple of 16 in 16..256, got {head_dim}")
+
+
+def allocate_kv_cache_gpu(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype,
+                          device="cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns uninitialised (key_cache, value_cache), each [num_blocks, num_kv_heads, block_size, head_dim].
+
+    Only tokens written by `cache_append_gpu` (or copied in with `copy_blocks`) are used by the kernels.
+    `device` may be "cpu" for the kernels under TRITON_INTERPRET=1.
+    """
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"KV cache dtype must be float32, bfloat16 or float16, got {dtype}")
+    if num_blocks < 1 or num_kv_heads < 1:
+        raise ValueError(f"num_blocks and num_kv_heads must be >= 1, got {num_blocks}, {num_kv_heads}")
+    check_block_geometry(block_size, head_dim)
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    return (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+
+
+def _check_append_inputs(key, value, key_cache, value_cache, slot_mapping):
+    num_blocks, num_kv_heads, block_size, head_dim = check_cache_geometry(key_cache, value_cache)
+    if key.dim() != 3 or key.shape != value.shape or key.shape[1:] != (num_kv_heads, head_dim):
+        raise ValueError(f"key/value must be [num_tokens, {num_kv_heads}, {head_dim}], got "
+                         f"{tuple(key.shape)} and {tuple(value.shape)}")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != key.shape[0] or slot_mapping.dtype != torch.int64:
+        raise ValueError(f"slot_mapping must be int64 [{key.shape[0]}], got {slot_mapping.dtype} "
+                         f"{tuple(slot_mapping.shape)}")
+    check_same_device(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping)
+    if not slot_mapping.is_cuda and slot_mapping.numel() and int(slot_mapping.max()) >= num_blocks * block_size:
+        raise IndexError(f"slot_mapping has a slot >= {num_blocks * block_size} (num_blocks * block_size)")
+    return num_blocks, num_kv_heads, block_size, head_dim
+
+
+def cache_append_launch(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """Triton scatter of key/value [num_tokens, num_kv_heads, head_dim] into the caches (negative slots skipped)."""
+    num_blocks, num_kv_heads, block_size, head_dim = _check_append_inputs(
+        key, value, key_cache, value_cache, slot_mapping)
+    if key.shape[0] == 0:
+        return
+    if key.stride(2) != 1:
+        key = key.contiguous()
+    if value.stride(2) != 1:
+        value = value.contiguous()
+    _cache_append_kernel[(key.shape[0],)](
+        key, value, key_cache, value_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1), num_blocks * block_size,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=max(2, triton.next_power_of_2(num_kv_heads)),
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, num_warps=2,
+    )
+
+
+@torch.library.custom_op("apex::cache_append_gpu", mutates_args=("key_cache", "value_cache"))
+def _cache_append_op(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> None:
+    cache_append_launch(key, value, key_cache, value_cache, slot_mapping)
+
+
+@_cache_append_op.register_kernel("cpu")
+def _cache_append_cpu(key, value, key_cache, value_cache, slot_mapping):
+    if INTERPRET:
+        cache_append_launch(key, value, key_cache, value_cache, slot_mapping)
+    else:
+        from apex_compile.ops.cpu_attention import cache_append_cpu
+
+        cache_append_cpu(key, value, key_cache, value_cache, slot_mapping)
+
+
+@_cache_append_op.register_fake
+def _cache_append_fake(key, value, key_cache, value_cache, slot_mapping):
+    return None
+
+
+def cache_append_gpu(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> None:
+    """Writes key/value [num_tokens, num_kv_heads, head_dim] (may be strided) into the caches at slot_mapping
+    (int64 [num_tokens], slot = block_id * block_size + offset); negative slots are skipped (padding)."""
+    torch.ops.apex.cache_append_gpu(key, value, key_cache, value_cache, slot_mapping)
+
+
+def check_attention_inputs(query, key_cache, value_cache, block_tables, context_lens):
+    """Shared validation of the paged attention ops; returns (num_kv_heads, group, block_size, head_dim)."""
+    _, num_kv_heads, block_size, head_dim = check_cache_geometry(key_cache, value_cache)
+    if query.dim() != 3 or query.shape[2] != head_dim:
+        raise ValueError(f"query must be [*, num_heads, {head_dim}], got {tuple(query.shape)}")
+    if query.dtype != key_cache.dtype:
+        raise TypeError(f"query dtype {query.dtype} must equal the cache dtype {key_cache.dtype}")
+    if query.shape[1] % num_kv_heads:
+        raise ValueError(f"num_heads {query.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
+    if block_tables.dim() != 2 or block_tables.dtype != torch.int32:
+        raise ValueError(f"block_tables must be int32 [num_seqs, max_blocks], got {block_tables.dtype} "
+                         f"{tuple(block_tables.shape)}")
+    if context_lens.dim() != 1 or context_lens.dtype != torch.int32 or context_lens.shape[0] != block_tables.shape[0]:
+        raise ValueError(f"context_lens must be int32 [{block_tables.shape[0]}], got {context_lens.dtype} "
+                         f"{tuple(context_lens.shape)}")
+    check_same_device(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+                      context_lens=context_lens)
+    if not context_lens.is_cuda and context_lens.numel():
+        if int(context_lens.min()) < 1:
+            raise ValueError("context_lens must be >= 1 (the current token is already appended)")
+        if int(context_lens.max()) > block_tables.shape[1] * block_size:
+            raise ValueError(f"a context is longer than its block table ({block_tables.shape[1]} blocks)")
+    return num_kv_heads, query.shape[1] // num_kv_heads, block_size, head_dim
+
+
+def decode_split_plan(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device,
+                      block_t: int = DECODE_BLOCK_T) -> tuple[int, int]:
+    """(num_splits, tokens_per_split) for a decode launch, from shapes only (no device synchronisation)."""
+    programs = max(1, num_seqs * num_kv_heads)
+    wanted = triton.cdiv(PROGRAMS_PER_SM * sm_count(device), programs)
+    splits = max(1, min(wanted, triton.cdiv(max_context_len, MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
+    tokens_per_split = triton.cdiv(triton.cdiv(max(max_context_len, 1), splits), block_t) * block_t
+    return triton.cdiv(max(max_context_len, 1), tokens_per_split), tokens_per_split
+
+
+def paged_decode_launch(query, key_cache, value_cache, block_tables, context_lens, scale=None,
+                        max_context_len=None, tokens_per_split=None, block_t=DECODE_BLOCK_T,
+                        num_warps=None, num_stages=DECODE_NUM_STAGES) -> torch.Tensor:
+    """Runs the Triton decode kernel(s); `tokens_per_split` forces a split size (tests, benchmarks)."""
+    num_kv_heads, group, block_size, head_dim = check_attention_inputs(
+        query, key_cache, value_cache, block_tables, context_lens)
+    num_seqs, num_heads = query.shape[0], query.shape[1]
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_seqs == 0:
+        return out
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    capacity = block_tables.shape[1] * block_size
+    if tokens_per_split is None:
+        num_splits, tokens_per_split = decode_split_plan(
+            num_seqs, num_kv_heads, min(max_context_len or capacity, capacity), query.device, block_t)
+    else:
+        if tokens_per_split % block_t:
+            raise ValueError(f"tokens_per_split must be a multiple of {block_t}")
+        num_splits = triton.cdiv(capacity, tokens_per_split)
+    scale = head_dim ** -0.5 if scale is None else scale
+    single = num_splits == 1
+    if single:
+        part_out = part_lse = out  # unused
+    else:
+        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    block_d = triton.next_power_of_2(head_dim)
+    num_warps = num_warps or (4 if head_dim <= 128 else 8)
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query, key_cache, value_cache, block_tables, context_lens, out, part_out, part_lse,
+        scale * LOG2E, query.stride(0), query.stride(1), block_tables.stride(0), block_tables.shape[1],
+        num_splits, tokens_per_split,
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, BLOCK_T=block_t,
+        SINGLE_SPLIT=single, DOT_PRECISION=dot_precision(key_cache.dtype), UPCAST_DOT=UPCAST_DOT_OPERANDS,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if not single:
+        _paged_decode_merge_kernel[(num_seqs * num_heads,)](
+            part_out, part_lse, out, num_splits,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return out
+
+
+@torch.library.custom_op("apex::paged_attention_gpu", mutates_args=())
+def _paged_attention_op(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        block_tables: torch.Tensor, context_lens: torch.Tensor, scale: Optional[float] = None,
+                        max_context_len: Optional[int] = None) -> torch.Tensor:
+    return paged_decode_launch(query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len)
+
+
+@_paged_attention_op.register_kernel("cpu")
+def _paged_attention_cpu(query, key_cache, value_cache, block_tables, context_lens, scale=None,
+                         max_context_len=None):
+    if INTERPRET:
+        return paged_decode_launch(query, key_cache, value_cache, block_tables, context_lens, scale,
+                                   max_context_len)
+    from apex_compile.ops.cpu_attention import paged_attention_cpu
+
+    return paged_attention_cpu(query, key_cache, value_cache, block_tables, context_lens, scale)
+
+
+@_paged_attention_op.register_fake
+def _paged_attention_fake(query, key_cache, value_cache, block_tables, context_lens, scale=None,
+                          max_context_len=None):
+    return query.new_empty(query.shape)
+
+
+def paged_attention_gpu(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        block_tables: torch.Tensor, context_lens: torch.Tensor, scale: Optional[float] = None,
+                        max_context_len: Optional[int] = None) -> torch.Tensor:
+    """Decode attention of query [num_seqs, num_heads, head_dim] (may be strided) over each sequence's cached
+    tokens: block_tables int32 [num_seqs, max_blocks], context_lens int32 [num_seqs] (>= 1, counting the
+    current token). Returns [num_seqs, num_heads, head_dim] in the query's (= the cache's) dtype; scale defaults
+    to head_dim ** -0.5. `max_context_len`, a host-side upper bound of context_lens, only tunes the split-K
+    choice (default: the block-table capacity); results never depend on it.
+    """
+    return torch.ops.apex.paged_attention_gpu(query, key_cache, value_cache, block_tables, context_lens, scale,
+                                              max_context_len)

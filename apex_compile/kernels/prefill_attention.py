@@ -1,0 +1,222 @@
+"""Causal prefill attention over packed variable-length prompts, read from the paged KV cache:
+`apex::paged_prefill_attention_gpu`.
+
+Sequence s owns query rows `query_start_loc[s] : query_start_loc[s + 1]` of the packed `query [T, Hq, D]`;
+those are the last `q_len` tokens of its `context_lens[s]` cached tokens (append them with cache_append_gpu
+first). Query i of the chunk sits at position `context_len - q_len + i` and attends to cached tokens
+0..position. This covers whole prompts (q_len == context_len), chunked prefill and cached prefixes
+(q_len < context_len), and decode rows (q_len == 1).
+
+Kernel: flash-attention forward, grid (num_heads, query blocks, num_seqs); each program holds BLOCK_M query
+rows of one head and walks the sequence's K/V in chunks of BLOCK_N tokens through the block table (same
+panel-aware K^T loads as the decode kernel), stopping at the causal diagonal; online softmax in base 2.
+Heads of one kv head are adjacent programs, so their shared K/V tiles come from L2.
+"""
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from apex_compile.kernels._common import INTERPRET, UPCAST_DOT_OPERANDS, dot_precision
+from apex_compile.kernels.paged_attention import LOG2E, check_attention_inputs
+
+
+@triton.jit(do_not_specialize=["stride_block_tables", "max_blocks_per_seq", "num_q_blocks"])
+def _paged_prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_ptr, context_lens_ptr, out_ptr,
+    scale_log2e, stride_q_token, stride_q_head, stride_block_tables, max_blocks_per_seq, num_q_blocks,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    head = tl.program_id(0)
+    q_block = num_q_blocks - 1 - tl.program_id(1)  # the longest (latest) query blocks start first
+    seq = tl.program_id(2)
+    kv_head = head // GROUP
+
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    context_len = tl.minimum(tl.load(context_lens_ptr + seq), max_blocks_per_seq * BLOCK_SIZE)
+    prefix = context_len - q_len
+
+    offs_m = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_valid = offs_m < q_len
+    d_mask = offs_d < HEAD_DIM
+    positions = prefix + offs_m
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_q_token + head * stride_q_head + offs_d[None, :],
+                mask=row_valid[:, None] & d_mask[None, :], other=0.0)
+    q = q.to(k_cache_ptr.dtype.element_ty)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Keys up to the last valid row of this block; nothing for blocks past the end of the chunk.
+    kv_end = tl.minimum(context_len, prefix + (q_block + 1) * BLOCK_M)
+    kv_end = tl.where(q_block * BLOCK_M < q_len, kv_end, 0)
+    block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_tables
+    k_tile = offs_d[:, None] * 16 + (offs_n % 16)[None, :]
+    for chunk_start in range(0, kv_end, BLOCK_N):
+        tokens = chunk_start + offs_n
+        block_ids = tl.load(block_table_row + tl.minimum(tokens, context_len - 1) // BLOCK_SIZE)
+        block_ids = tl.max_constancy(block_ids, [16])
+        slab = (block_ids.to(tl.int64) * NUM_KV_HEADS + kv_head) * (BLOCK_SIZE * HEAD_DIM)
+        in_block = tokens % BLOCK_SIZE
+        k_offsets = (slab + (in_block // 16) * (16 * HEAD_DIM))[None, :] + k_tile
+        k_offsets = tl.max_contiguous(tl.multiple_of(k_offsets, [1, 16]), [1, 16])
+        if BLOCK_D == HEAD_DIM:
+            k = tl.load(k_cache_ptr + k_offsets)
+        else:
+            k = tl.load(k_cache_ptr + k_offsets, mask=d_mask[:, None], other=0.0)
+        if UPCAST_DOT:
+            k = k.to(tl.float32)
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2e
+        scores = tl.where(tokens[None, :] <= positions[:, None], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_offsets = (slab + in_block * HEAD_DIM)[:, None] + offs_d[None, :]
+        if BLOCK_D == HEAD_DIM:
+            v = tl.load(v_cache_ptr + v_offsets)
+        else:
+            v = tl.load(v_cache_ptr + v_offsets, mask=d_mask[None, :], other=0.0)
+        v = tl.where((tokens < context_len)[:, None], v, 0.0)  # tail slots of the last block hold garbage
+        p = p.to(v_cache_ptr.dtype.element_ty)
+        if UPCAST_DOT:
+            v = v.to(tl.float32)
+            p = p.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    out_rows = q_rows * (NUM_KV_HEADS * GROUP) + head
+    tl.store(out_ptr + out_rows[:, None] * HEAD_DIM + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_valid[:, None] & d_mask[None, :])
+
+
+def default_prefill_config(head_dim: int, device: torch.device) -> dict:
+    """Tile sizes of the prefill kernel: 128-row query tiles on the GPU, small tiles under the interpreter."""
+    if device.type != "cuda":
+        return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    if head_dim <= 128:
+        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+    return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+
+
+def _check_prefill_inputs(query, key_cache, value_cache, block_tables, query_start_loc, context_lens):
+    geometry = check_attention_inputs(query, key_cache, value_cache, block_tables, context_lens)
+    num_seqs = block_tables.shape[0]
+    if (query_start_loc.dim() != 1 or query_start_loc.dtype != torch.int32
+            or query_start_loc.shape[0] != num_seqs + 1):
+        raise ValueError(f"query_start_loc must be int32 [{num_seqs + 1}], got {query_start_loc.dtype} "
+                         f"{tuple(query_start_loc.shape)}")
+    if query_start_loc.device != query.device:
+        raise ValueError(f"query_start_loc is on {query_start_loc.device}, query on {query.device}")
+    if not query_start_loc.is_cuda:
+        q_lens = query_start_loc[1:] - query_start_loc[:-1]
+        if int(query_start_loc[0]) != 0 or int(query_start_loc[-1]) != query.shape[0] or bool((q_lens < 0).any()):
+            raise ValueError(f"query_start_loc must rise from 0 to num_tokens={query.shape[0]}")
+        if bool((q_lens > context_lens).any()):
+            raise ValueError("a sequence has more query tokens than cached tokens (append K/V first)")
+    return geometry
+
+
+def paged_prefill_launch(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale=None,
+                         max_query_len=None, config: Optional[dict] = None) -> torch.Tensor:
+    """Runs the Triton prefill kernel; `config` overrides the tile sizes (tests, benchmarks)."""
+    num_kv_heads, group, block_size, head_dim = _check_prefill_inputs(
+        query, key_cache, value_cache, block_tables, query_start_loc, context_lens)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    num_seqs = block_tables.shape[0]
+    if num_seqs == 0 or query.shape[0] == 0:
+        return out
+    if query.stride(2) != 1:
+        query = query.contiguous()
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    config = config or default_prefill_config(head_dim, query.device)
+    num_q_blocks = triton.cdiv(max_query_len, config["BLOCK_M"])
+    if num_q_blocks == 0:
+        return out
+    scale = head_dim ** -0.5 if scale is None else scale
+    _paged_prefill_kernel[(query.shape[1], num_q_blocks, num_seqs)](
+        query, key_cache, value_cache, block_tables, query_start_loc, context_lens, out,
+        scale * LOG2E, query.stride(0), query.stride(1), block_tables.stride(0), block_tables.shape[1],
+        num_q_blocks,
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
+        DOT_PRECISION=dot_precision(key_cache.dtype), UPCAST_DOT=UPCAST_DOT_OPERANDS,
+        num_warps=config["num_warps"], num_stages=config["num_stages"],
+    )
+    return out
+
+
+def paged_prefill_torch(query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
+                        scale=None) -> torch.Tensor:
+    """Plain torch implementation (fp32 math, one sequence at a time): the CPU path of the op."""
+    from apex_compile.ops.kv_layout import gather_kv
+
+    num_kv_heads, group, _, head_dim = _check_prefill_inputs(
+        query, key_cache, value_cache, block_tables, query_start_loc, context_lens)
+    scale = head_dim ** -0.5 if scale is None else scale
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    starts = query_start_loc.tolist()
+    for seq, context_len in enumerate(context_lens.tolist()):
+        begin, end = starts[seq], starts[seq + 1]
+        if begin == end:
+            continue
+        k, v = gather_kv(key_cache, value_cache, block_tables[seq], context_len)
+        q = query[begin:end].float().transpose(0, 1)  # [Hq, L, D]
+        k = k.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, ctx, D]
+        v = v.float().transpose(0, 1).repeat_interleave(group, dim=0)
+        positions = torch.arange(context_len - (end - begin), context_len, device=query.device)
+        allowed = torch.arange(context_len, device=query.device)[None, :] <= positions[:, None]
+        scores = (q @ k.transpose(1, 2)) * scale
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+        out[begin:end] = (probs @ v).transpose(0, 1).to(query.dtype)
+    return out
+
+
+@torch.library.custom_op("apex::paged_prefill_attention_gpu", mutates_args=())
+def _paged_prefill_op(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+                      scale: Optional[float] = None, max_query_len: Optional[int] = None) -> torch.Tensor:
+    return paged_prefill_launch(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
+                                max_query_len)
+
+
+@_paged_prefill_op.register_kernel("cpu")
+def _paged_prefill_cpu(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale=None,
+                       max_query_len=None):
+    if INTERPRET:
+        return paged_prefill_launch(query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
+                                    scale, max_query_len)
+    return paged_prefill_torch(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale)
+
+
+@_paged_prefill_op.register_fake
+def _paged_prefill_fake(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale=None,
+                        max_query_len=None):
+    return query.new_empty(query.shape)
+
+
+def paged_prefill_attention_gpu(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                                block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                                context_lens: torch.Tensor, scale: Optional[float] = None,
+                                max_query_len: Optional[int] = None) -> torch.Tensor:
+    """Causal attention of packed queries [T, num_heads, head_dim] over the paged cache.
+
+    query_start_loc int32 [num_seqs + 1] (rows of sequence s: query_start_loc[s]:query_start_loc[s+1]);
+    context_lens int32 [num_seqs] count every cached token including this chunk (append K/V first); each
+    chunk is the last tokens of its context. Returns [T, num_heads, head_dim] in the query's dtype.
+    `max_query_len` (host int, >= the longest chunk) avoids a device sync; computed from query_start_loc if
+    omitted.
+    """
+    return torch.ops.apex.paged_prefill_attention_gpu(query, key_cache, value_cache, block_tables,
+                                                      query_start_loc, context_lens, scale, max_query_len)

@@ -1,0 +1,170 @@
+"""Fused residual add + RMSNorm with HuggingFace LlamaRMSNorm numerics: `apex::rms_norm`.
+
+    residual_out = x + residual            (in x's dtype; a copy of x when no residual is given)
+    y = weight * (residual_out_fp32 * rsqrt(mean(residual_out_fp32 ** 2) + eps)).to(x.dtype)
+
+The product with the weight follows torch type promotion (bf16 x and bf16 weight give bf16; an fp32 weight
+gives fp32), exactly like `LlamaRMSNorm.forward`.
+
+Kernel: one program per row. Rows up to `MAX_SINGLE_PASS_HIDDEN` elements are held in registers (one read of
+x and residual, one write of y and residual_out); wider rows take a two-pass loop that re-reads the inputs.
+"""
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from apex_compile.kernels._common import INTERPRET, check_float_dtype, check_same_device
+
+MAX_SINGLE_PASS_HIDDEN = 16384
+LOOP_BLOCK = 4096
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, y_ptr, residual_out_ptr,
+    hidden, stride_x, stride_residual, stride_y, stride_residual_out, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_H: tl.constexpr, SINGLE_PASS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    residual_row = residual_ptr + row * stride_residual
+    y_row = y_ptr + row * stride_y
+    residual_out_row = residual_out_ptr + row * stride_residual_out
+    cols = tl.arange(0, BLOCK_H)
+    if SINGLE_PASS:
+        mask = cols < hidden
+        h = tl.load(x_row + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(residual_row + cols, mask=mask, other=0.0)
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(residual_out_row + cols, h, mask=mask)
+        h_f32 = h.to(tl.float32)
+        variance = tl.sum(h_f32 * h_f32, axis=0) / hidden
+        rstd = tl.rsqrt(variance + eps)
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+        normed = (h_f32 * rstd).to(x_ptr.dtype.element_ty)
+        y = w.to(tl.float32) * normed.to(tl.float32)
+        tl.store(y_row + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        sum_sq = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for start in range(0, hidden, BLOCK_H):
+            c = start + cols
+            mask = c < hidden
+            h = tl.load(x_row + c, mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(residual_row + c, mask=mask, other=0.0)
+                h = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            tl.store(residual_out_row + c, h, mask=mask)
+            h_f32 = h.to(tl.float32)
+            sum_sq += h_f32 * h_f32
+        rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / hidden + eps)
+        for start in range(0, hidden, BLOCK_H):
+            c = start + cols
+            mask = c < hidden
+            h = tl.load(x_row + c, mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(residual_row + c, mask=mask, other=0.0)
+                h = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            w = tl.load(weight_ptr + c, mask=mask, other=0.0)
+            normed = (h.to(tl.float32) * rstd).to(x_ptr.dtype.element_ty)
+            y = w.to(tl.float32) * normed.to(tl.float32)
+            tl.store(y_row + c, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_inputs(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
+    check_float_dtype("rms_norm x", x)
+    check_float_dtype("rms_norm weight", weight)
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"rms_norm: x must have a non-empty last dimension, got shape {tuple(x.shape)}")
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} != ({x.shape[-1]},)")
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(
+                f"rms_norm: residual {tuple(residual.shape)} {residual.dtype} must match x {tuple(x.shape)} {x.dtype}"
+            )
+        check_same_device(x=x, weight=weight, residual=residual)
+    else:
+        check_same_device(x=x, weight=weight)
+
+
+def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor],
+                    y: torch.Tensor, residual_out: torch.Tensor) -> None:
+    """Runs the Triton kernel writing into preallocated contiguous `y` and `residual_out` (x's shape)."""
+    hidden = x.shape[-1]
+    x2 = x.reshape(-1, hidden)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    r2 = None
+    if residual is not None:
+        r2 = residual.reshape(-1, hidden)
+        if r2.stride(-1) != 1:
+            r2 = r2.contiguous()
+    weight = weight.contiguous()
+    y2 = y.view(-1, hidden)
+    residual_out2 = residual_out.view(-1, hidden)
+    rows = x2.shape[0]
+    if rows == 0:
+        return
+    single_pass = hidden <= MAX_SINGLE_PASS_HIDDEN
+    block_h = triton.next_power_of_2(hidden) if single_pass else LOOP_BLOCK
+    num_warps = max(1, min(16, block_h // 512))
+    _rms_norm_kernel[(rows,)](
+        x2, r2 if r2 is not None else x2, weight, y2, residual_out2,
+        hidden, x2.stride(0), r2.stride(0) if r2 is not None else 0, y2.stride(0), residual_out2.stride(0),
+        float(eps),
+        HAS_RESIDUAL=r2 is not None, BLOCK_H=block_h, SINGLE_PASS=single_pass,
+        num_warps=num_warps,
+    )
+
+
+def _rms_norm_triton(x, weight, eps, residual):
+    _check_inputs(x, weight, residual)
+    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rms_norm_launch(x, weight, eps, residual, y, residual_out)
+    return y, residual_out
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch implementation, operation for operation LlamaRMSNorm (the CPU path of `apex::rms_norm`)."""
+    _check_inputs(x, weight, residual)
+    x = x.contiguous()
+    hidden = x + residual.contiguous() if residual is not None else x.clone()
+    hidden_f32 = hidden.to(torch.float32)
+    variance = hidden_f32.pow(2).mean(-1, keepdim=True)
+    y = weight * (hidden_f32 * torch.rsqrt(variance + eps)).to(hidden.dtype)
+    return y.contiguous(), hidden
+
+
+@torch.library.custom_op("apex::rms_norm", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rms_norm_triton(x, weight, eps, residual)
+
+
+@_rms_norm_op.register_kernel("cpu")
+def _rms_norm_cpu(x, weight, eps, residual=None):
+    if INTERPRET:
+        return _rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_torch(x, weight, eps, residual)
+
+
+@_rms_norm_op.register_fake
+def _rms_norm_fake(x, weight, eps, residual=None):
+    y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+    return y, x.new_empty(x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused `residual_out = x + residual; y = LlamaRMSNorm(residual_out)`; returns `(y, residual_out)`.
+
+    Without `residual`, residual_out is a copy of x. Runs the Triton kernel on CUDA (and on CPU under
+    TRITON_INTERPRET=1), plain torch on CPU otherwise. Same numerics as HuggingFace LlamaRMSNorm.
+    """
+    return torch.ops.apex.rms_norm(x, weight, eps, residual)
+

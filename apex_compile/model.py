@@ -1,0 +1,192 @@
+"""`optimize(hf_model)` -> `ApexModel`: HF-compatible `generate()` and forward on the paged-KV engine."""
+from typing import List, Optional, Sequence, Union
+
+import torch
+
+from apex_compile.config import ApexConfig
+from apex_compile.runtime.engine import Engine
+from apex_compile.runtime.kv_manager import POOL_NAMES
+from apex_compile.runtime.request import SamplingParams
+
+# generate() keyword arguments accepted when they ask for HF's default behaviour (anything else raises).
+_DEFAULT_ONLY = {"num_beams": 1, "num_return_sequences": 1, "return_dict_in_generate": False,
+                 "output_scores": False, "output_logits": False, "output_attentions": False,
+                 "output_hidden_states": False, "repetition_penalty": 1.0, "min_new_tokens": 0, "min_length": 0}
+
+
+def optimize(hf_model: torch.nn.Module, config: Optional[ApexConfig] = None, tokenizer=None) -> "ApexModel":
+    """Wraps a HF LLaMA-family causal LM in an `ApexModel` (paged KV pools, compiled step, scheduler).
+
+    The HF model itself is left unchanged. `tokenizer` (optional) enables string prompts and stop strings in
+    `ApexModel.engine`.
+    """
+    return ApexModel(hf_model, config, tokenizer)
+
+
+def _as_list(value) -> List[int]:
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [int(v) for v in value.flatten().tolist()]
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+class ApexModel:
+    """A HF causal LM served by the apex engine: `generate()` and `model(input_ids)` behave like HF's."""
+
+    def __init__(self, hf_model: torch.nn.Module, config: Optional[ApexConfig] = None, tokenizer=None):
+        self.hf_model = hf_model
+        self.config = config or ApexConfig()
+        self.engine = Engine(hf_model, self.config, tokenizer)
+
+    @property
+    def device(self) -> torch.device:
+        """The model's device."""
+        return self.engine.device
+
+    def __call__(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, **kwargs):
+        """Logits of every position, as the HF model's forward returns them (`.logits` [B, L, vocab]).
+
+        With an attention_mask, each row is computed without its padding (positions from 0, as `generate` does)
+        and padded positions get zero logits.
+        """
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in ("use_cache", "return_dict"))
+        if unknown:
+            raise ValueError(f"ApexModel forward does not support {unknown}")
+        rows, mask = self._rows(input_ids, attention_mask)
+        scores = self.engine.score(rows)
+        batch, length = input_ids.shape
+        logits = torch.zeros(batch, length, scores[0].shape[-1], dtype=scores[0].dtype, device=scores[0].device)
+        for i, row_logits in enumerate(scores):
+            logits[i, length - row_logits.shape[0]:] = row_logits
+        return CausalLMOutputWithPast(logits=logits.to(input_ids.device))
+
+    forward = __call__
+
+    def _rows(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]):
+        """Unpadded token lists of a left-padded batch (errors for right padding or empty rows)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError("input_ids must be a 2-D LongTensor [batch, length]")
+        if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+            raise ValueError(f"empty input: input_ids has shape {tuple(input_ids.shape)}")
+        if attention_mask is None:
+            mask = torch.ones_like(input_ids, dtype=torch.bool)
+        else:
+            if attention_mask.shape != input_ids.shape:
+                raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+                                 f"{tuple(input_ids.shape)}")
+            mask = attention_mask.to(torch.bool)
+        ids, mask = input_ids.cpu(), mask.cpu()
+        rows = []
+        for i in range(ids.shape[0]):
+            keep = mask[i]
+            count = int(keep.sum())
+            if count == 0:
+                raise ValueError(f"row {i} of the batch is empty (its attention_mask is all zeros)")
+            if not bool(keep[ids.shape[1] - count:].all()):
+                raise ValueError(f"row {i} is not left-padded: apex_compile needs left padding "
+                                 "(tokenizer.padding_side = 'left'), as HF generate does for decoder-only models")
+            rows.append(ids[i, ids.shape[1] - count:].tolist())
+        return rows, mask
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                 max_new_tokens: Optional[int] = None, do_sample: Optional[bool] = None,
+                 temperature: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
+                 eos_token_id: Union[None, int, Sequence[int]] = None, pad_token_id: Optional[int] = None,
+                 max_length: Optional[int] = None, generation_config=None, **kwargs) -> torch.LongTensor:
+        """Same call and result as HF `generate` for greedy / sampled decoding.
+
+        Returns [batch, prompt_len + new_len] (LongTensor): the (left-padded) prompt, then each row's tokens;
+        a row that emitted EOS is padded with pad_token_id up to the longest row, as HF does. Unset arguments
+        come from `generation_config` (default: the model's). Sampling draws from torch's global RNG
+        (`torch.manual_seed` makes it reproducible).
+        """
+        gen = generation_config or self.hf_model.generation_config
+        for name, value in kwargs.items():
+            if name == "use_cache" or value is None:
+                continue
+            if name not in _DEFAULT_ONLY or value != _DEFAULT_ONLY[name]:
+                raise ValueError(f"ApexModel.generate does not support {name}={value!r}")
+        eos = _as_list(eos_token_id if eos_token_id is not None else gen.eos_token_id)
+        pad = pad_token_id if pad_token_id is not None else gen.pad_token_id
+        if pad is None:
+            pad = eos[0] if eos else 0
+        if attention_mask is None and isinstance(input_ids, torch.Tensor):
+            attention_mask = self._infer_mask(input_ids, pad, eos)
+        rows, _ = self._rows(input_ids, attention_mask)
+        length = input_ids.shape[1]
+        if max_new_tokens is None:
+            max_new_tokens = gen.max_new_tokens
+        if max_new_tokens is None:
+            max_new_tokens = (max_length or gen.max_length or 20) - length
+        if max_new_tokens < 1:
+            raise ValueError(f"nothing to generate: max_new_tokens={max_new_tokens} (prompt length {length})")
+        do_sample = bool(gen.do_sample) if do_sample is None else bool(do_sample)
+        sampling = SamplingParams(
+            max_new_tokens=max_new_tokens, do_sample=do_sample,
+            temperature=(temperature if temperature is not None else (gen.temperature or 1.0)),
+            top_k=(top_k if top_k is not None else (gen.top_k or 0)),
+            top_p=(top_p if top_p is not None else (gen.top_p or 1.0)),
+            eos_token_ids=tuple(eos))
+        completions = self.engine.generate(rows, sampling)
+        new_len = max(len(c.token_ids) for c in completions)
+        out = torch.full((len(rows), length + new_len), pad, dtype=torch.long)
+        out[:, :length] = input_ids.cpu()
+        for i, completion in enumerate(completions):
+            out[i, length:length + len(completion.token_ids)] = torch.tensor(completion.token_ids)
+        return out.to(input_ids.device)
+
+    @staticmethod
+    def _infer_mask(input_ids: torch.Tensor, pad: int, eos: List[int]) -> Optional[torch.Tensor]:
+        """HF's rule: mask out pad tokens when the pad token occurs and differs from every EOS token."""
+        if pad in eos or not bool((input_ids == pad).any()):
+            return None
+        return input_ids.ne(pad).long()
+
+    def explain(self, file=None) -> str:
+        """Prints (and returns) the pass report of each compiled graph, the pools and the offload decision."""
+        engine = self.engine
+        lines = [f"apex_compile: {type(self.hf_model).__name__} ({self.hf_model.config.model_type}) on "
+                 f"{engine.device}, {engine.dtype}"]
+        kv = engine.kv
+        for pool in kv.pools:
+            tokens = pool.num_blocks * kv.block_size
+            mib = pool.num_blocks * kv.shape.block_bytes / (1 << 20)
+            lines.append(f"  {pool.name} pool: {pool.num_blocks} blocks of {kv.block_size} tokens "
+                         f"({tokens} tokens, {mib:.1f} MiB) on {pool.device}")
+        lines.append("  offload: " + self.offload_decision())
+        lines.append(f"  batching: max_num_seqs={self.config.max_num_seqs}, max_num_batched_tokens="
+                     f"{self.config.max_num_batched_tokens} (chunked prefill), preemption={self.config.preemption}")
+        if not self.config.compile:
+            lines.append("  compile: off (eager HF modules, attention routed to the paged runner)")
+        elif not engine.reports:
+            lines.append("  compile: apex backend (no graph compiled yet: run generate() first)")
+        for i, report in enumerate(engine.reports):
+            lines.append(f"  compiled graph {i}:")
+            lines.extend("    " + line for line in str(report).splitlines())
+        stats = engine.stats
+        if stats.steps:
+            per_pool = ", ".join(f"{n} {c}" for n, c in zip(POOL_NAMES, stats.requests_per_pool))
+            lines.append(f"  run so far: {stats.steps} steps, {stats.generated_tokens} tokens generated, requests "
+                         f"per pool: {per_pool}; moved {stats.moved}, parked {stats.parked}, recomputed "
+                         f"{stats.recomputed}")
+        text = "\n".join(lines)
+        print(text, file=file)
+        return text
+
+    def offload_decision(self) -> str:
+        """One line saying where requests run and why."""
+        mode = self.config.offload
+        if mode == "auto":
+            return ("auto -> never: no measured performance model exists yet, so 'auto' keeps every request in "
+                    "the device pool (offloading is never allowed to make a run slower than not offloading)")
+        if mode == "never":
+            return "never: every running request in the device pool; the host pool only parks swapped-out requests"
+        if mode == "all":
+            return "all: every running request keeps its KV in the host pool and attends on the CPU"
+        return (f"fraction {float(mode):g}: about that share of running requests in the host pool (CPU attention), "
+                "the rest in the device pool")

@@ -1,0 +1,8 @@
+"""Public op entry points; each is also registered as `torch.ops.apex.<name>` with a fake implementation."""
+from apex_compile.ops.cpu_attention import (  # noqa: F401
+    allocate_kv_cache_cpu,
+    cache_append_cpu,
+    cpu_isa,
+    paged_attention_cpu,
+)
+from apex_compile.ops.kv_layout import copy_blocks, gather_kv  # noqa: F401

@@ -1,0 +1,85 @@
+"""The opaque attention ops that graphs rewritten by `partition_attention` / `overlap` call.
+
+    apex::attention(Tensor q, Tensor k, Tensor v, int layer_idx, float scale) -> Tensor
+    apex::offload_launch(Tensor q, Tensor k, Tensor v, int layer_idx, float scale) -> Tensor   (a token)
+    apex::device_attention(Tensor q, Tensor k, Tensor v, int layer_idx, float scale, Tensor token) -> Tensor
+    apex::offload_wait(Tensor token, Tensor device_out, int layer_idx) -> Tensor
+
+q: [T, Hq, D], k/v: [T, Hkv, D] for the step's T flattened tokens (RoPE applied); outputs [T, Hq, D].
+The ops take no cache or metadata arguments: they delegate to the `AttentionRunner` installed for the
+current step (`apex_compile.runtime.context`). So the KV caches never enter a graph, functionalization
+has nothing to clone, and the ops are functional as far as the compiler can see. The token of
+`offload_launch` (a 1-element tensor of q's dtype on q's device) orders launch -> device part -> wait by
+data dependency alone.
+
+All four are tagged `cudagraph_unsafe` (where this torch has the tag): they run Python that reads
+per-step runner state and touch the CPU, so inductor keeps them out of CUDA graphs (graph partition).
+"""
+import torch
+
+from apex_compile.runtime.context import get_attention_runner
+
+_LIB = torch.library.Library("apex", "FRAGMENT")
+_TAGS = tuple(tag for tag in (getattr(torch.Tag, "cudagraph_unsafe", None),) if tag is not None)
+
+_SCHEMAS = {
+    "attention": "attention(Tensor q, Tensor k, Tensor v, int layer_idx, float scale) -> Tensor",
+    "offload_launch": "offload_launch(Tensor q, Tensor k, Tensor v, int layer_idx, float scale) -> Tensor",
+    "device_attention": ("device_attention(Tensor q, Tensor k, Tensor v, int layer_idx, float scale, "
+                         "Tensor token) -> Tensor"),
+    "offload_wait": "offload_wait(Tensor token, Tensor device_out, int layer_idx) -> Tensor",
+}
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _fresh(out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+    """`out` as the fake impls promise it: contiguous, and copied if the runner returned (a view of) an input
+    (a functional op must not alias its inputs; compiled code relies on both)."""
+    if any(_shares_memory(out, t) for t in inputs):
+        return out.clone(memory_format=torch.contiguous_format)
+    return out.contiguous()
+
+
+def _attention(q, k, v, layer_idx, scale):
+    return _fresh(get_attention_runner().attention(layer_idx, q, k, v, scale), q, k, v)
+
+
+def _offload_launch(q, k, v, layer_idx, scale):
+    return _fresh(get_attention_runner().offload_launch(layer_idx, q, k, v, scale), q, k, v)
+
+
+def _device_attention(q, k, v, layer_idx, scale, token):
+    return _fresh(get_attention_runner().device_attention(layer_idx, q, k, v, scale, token), q, k, v, token)
+
+
+def _offload_wait(token, device_out, layer_idx):
+    return _fresh(get_attention_runner().offload_wait(layer_idx, token, device_out), token, device_out)
+
+
+def _attention_fake(q, k, v, layer_idx, scale):
+    return q.new_empty(q.shape[:-1] + v.shape[-1:])
+
+
+def _launch_fake(q, k, v, layer_idx, scale):
+    return q.new_empty(1)
+
+
+def _device_attention_fake(q, k, v, layer_idx, scale, token):
+    return q.new_empty(q.shape[:-1] + v.shape[-1:])
+
+
+def _wait_fake(token, device_out, layer_idx):
+    return torch.empty_like(device_out)
+
+
+for _name, _impl, _fake in (("attention", _attention, _attention_fake),
+                            ("offload_launch", _offload_launch, _launch_fake),
+                            ("device_attention", _device_attention, _device_attention_fake),
+                            ("offload_wait", _offload_wait, _wait_fake)):
+    _LIB.define(_SCHEMAS[_name], tags=_TAGS)
+    _LIB.impl(_name, _impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"apex::{_name}", _fake, lib=_LIB)
+

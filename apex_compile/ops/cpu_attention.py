@@ -1,0 +1,133 @@
+"""CPU paged decode attention and KV-cache append (OpenMP + AVX-512/AVX2/portable C++ in csrc/openmp/).
+
+The schemas are defined here (namespace ``apex``), with fake implementations so the ops trace under
+torch.compile; the C++ library, loaded at import, registers the CPU kernels. KV cache layout: see
+``apex_compile.ops.kv_layout`` and notes/HELPERS.md ("KV cache contract").
+
+Conventions:
+- ``context_lens`` count the current token, already appended; a context of 0 is an error (every decode row
+  attends at least to its own token).
+- ``cache_append_cpu`` skips tokens whose slot is negative (padding rows); a slot >= num_blocks * block_size
+  is an error. Duplicate slots in one call leave one of the rows (unspecified which).
+- ``query`` must have the cache's dtype; accumulation is fp32; the output has the query's dtype.
+- Threads: ``torch.get_num_threads()``. Kernel path: best of avx512 > avx2 > scalar that the CPU supports,
+  or the one named by the environment variable ``APEX_CPU_ISA`` (read on every call; see ``cpu_isa``).
+"""
+import ctypes
+import mmap
+import sys
+from typing import Optional, Tuple
+
+import torch
+
+from apex_compile import _build
+
+_lib = torch.library.Library("apex", "FRAGMENT")
+_lib.define(
+    "cache_append_cpu(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+    "Tensor slot_mapping) -> ()"
+)
+_lib.define(
+    "paged_attention_cpu(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+    "Tensor context_lens, float? scale=None) -> Tensor"
+)
+_lib.define("cpu_isa_code() -> int")
+
+_ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
+_MADV_HUGEPAGE = 14
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_cpu(op: str, **tensors: torch.Tensor) -> None:
+    for name, tensor in tensors.items():
+        torch._check(tensor.device.type == "cpu", lambda: f"{op}: {name} must be a CPU tensor, got {tensor.device}")
+
+
+@torch.library.register_fake("apex::cache_append_cpu")
+def _cache_append_cpu_fake(key, value, key_cache, value_cache, slot_mapping):
+    _check_cpu("cache_append_cpu", key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+               slot_mapping=slot_mapping)
+
+
+@torch.library.register_fake("apex::paged_attention_cpu")
+def _paged_attention_cpu_fake(query, key_cache, value_cache, block_tables, context_lens, scale=None):
+    _check_cpu("paged_attention_cpu", query=query, key_cache=key_cache, value_cache=value_cache,
+               block_tables=block_tables, context_lens=context_lens)
+    torch._check(query.dim() == 3, lambda: f"query must be [num_seqs, num_heads, head_dim], got {query.shape}")
+    torch._check(query.dtype == key_cache.dtype, lambda: f"query dtype {query.dtype} must equal {key_cache.dtype}")
+    return query.new_empty(query.shape)
+
+
+_build.load_cpu_library()
+
+
+def allocate_kv_cache_cpu(
+    num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype, pin_memory: bool = False
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Returns uninitialised (key_cache, value_cache), each [num_blocks, num_kv_heads, block_size, head_dim].
+
+    Only tokens written by `cache_append_cpu` (or copied in with `copy_blocks`) are ever read. `pin_memory`
+    page-locks the pool for asynchronous copies to and from a GPU (needs CUDA). Unpinned pools are backed by
+    transparent huge pages where Linux allows it (block tables scatter reads over the pool; huge pages save
+    TLB misses).
+    """
+    if dtype not in _DTYPES:
+        raise ValueError(f"KV cache dtype must be one of {_DTYPES}, got {dtype}")
+    if num_blocks < 1 or num_kv_heads < 1:
+        raise ValueError(f"num_blocks and num_kv_heads must be >= 1, got {num_blocks}, {num_kv_heads}")
+    if block_size < 16 or block_size > 256 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two in 16..256, got {block_size}")
+    if head_dim < 16 or head_dim > 256 or head_dim % 16:
+        raise ValueError(f"head_dim must be a multiple of 16 in 16..256, got {head_dim}")
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
+    key_cache = torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
+    value_cache = torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
+    if not pin_memory:
+        _advise_huge_pages(key_cache)
+        _advise_huge_pages(value_cache)
+    return key_cache, value_cache
+
+
+def _advise_huge_pages(tensor: torch.Tensor) -> None:
+    """Best effort madvise(MADV_HUGEPAGE) on the whole pages inside a fresh (untouched) tensor's memory."""
+    if not sys.platform.startswith("linux") or tensor.nbytes < (4 << 20):
+        return
+    page = mmap.PAGESIZE
+    start = -(-tensor.data_ptr() // page) * page
+    end = (tensor.data_ptr() + tensor.nbytes) // page * page
+    try:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+    except (OSError, AttributeError):
+        pass
+
+
+def cache_append_cpu(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Writes key/value [num_tokens, num_kv_heads, head_dim] into the caches at slot_mapping (int64 [num_tokens],
+    slot = block_id * block_size + offset); tokens with a negative slot are skipped."""
+    torch.ops.apex.cache_append_cpu(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention_cpu(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: Optional[float] = None,
+) -> torch.Tensor:
+    """Decode attention of query [num_seqs, num_heads, head_dim] (may be strided) over each sequence's cached
+    tokens; block_tables int32 [num_seqs, max_blocks], context_lens int32 [num_seqs] (>= 1). Returns
+    [num_seqs, num_heads, head_dim] in the query's dtype; scale defaults to head_dim ** -0.5."""
+    return torch.ops.apex.paged_attention_cpu(query, key_cache, value_cache, block_tables, context_lens, scale)
+
+
+def cpu_isa() -> str:
+    """Name of the kernel path the CPU ops will use now: "avx512", "avx2" or "scalar" (honours APEX_CPU_ISA;
+    raises if it names a path this CPU lacks)."""
+    return _ISA_NAMES[torch.ops.apex.cpu_isa_code()]

@@ -1,0 +1,1 @@
+"""Runtime: paged KV memory across device and host, scheduler, engine, sampler."""

@@ -1,0 +1,295 @@
+"""The attention of one engine step over the paged device and host KV pools.
+
+The engine orders a step's tokens as [device-pool tokens..., host-pool tokens...]; inside each pool first
+the "paged" tokens (decode tokens, and chunks that continue a prompt whose earlier tokens are cached), then
+the "fresh" chunks (the first chunk of a prompt, with no earlier context). Per layer:
+
+- new K/V of each pool's tokens are appended to that pool's cache;
+- paged tokens attend with the pool's paged decode op, one row per token with its own context length (for a
+  continued prompt chunk that is exactly causal attention over cache + chunk);
+- a fresh chunk attends to itself with causal SDPA on the model's device (for host-pool requests too).
+
+On CUDA, host-pool work runs on a CPU worker thread between `offload_launch` and `offload_wait` (pinned,
+double-buffered staging; CUDA events order copies against the compute stream), so it overlaps the GPU's
+device-pool attention. On a CPU-only machine both pools are host memory and everything runs synchronously.
+"""
+import concurrent.futures
+import dataclasses
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, KVManager, KVPool
+from apex_compile.runtime.scheduler import ScheduledChunk
+
+
+@dataclasses.dataclass
+class PoolPart:
+    """The rows of one pool in a step and the metadata its ops need (tensors on the pool's device)."""
+
+    pool: KVPool
+    start: int  # first row of the pool in the step
+    end: int
+    paged_end: int  # rows start..paged_end-1 are paged rows, the rest fresh chunks
+    slot_mapping: torch.Tensor  # int64 [end - start]
+    block_tables: Optional[torch.Tensor]  # int32 [paged rows, max blocks]
+    context_lens: Optional[torch.Tensor]  # int32 [paged rows]
+    max_context_len: int  # host-side bound of context_lens (tunes the GPU kernel's split-K)
+    fresh: List[Tuple[int, int]]  # (start, end) rows of each fresh chunk
+
+
+def order_chunks(chunks: Sequence[ScheduledChunk]) -> List[ScheduledChunk]:
+    """The step's token order: device pool then host pool; inside each, paged chunks then fresh ones."""
+    return sorted(chunks, key=lambda c: (c.pool, c.start == 0))
+
+
+def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a chunk to itself: q [c, Hq, D], k/v [c, Hkv, D] -> [c, Hq, D]."""
+    q = query.transpose(0, 1).unsqueeze(0)
+    k = key.transpose(0, 1).unsqueeze(0)
+    v = value.transpose(0, 1).unsqueeze(0)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)
+
+
+class PagedAttentionRunner:
+    """Implements `apex_compile.runtime.context.AttentionRunner` over a `KVManager`'s two pools."""
+
+    def __init__(self, kv: KVManager, device: torch.device):
+        from apex_compile.kernels.paged_attention import cache_append_gpu, paged_attention_gpu
+        from apex_compile.ops import cache_append_cpu, paged_attention_cpu
+
+        self.kv = kv
+        self.device = device
+        self._append = {DEVICE_POOL: cache_append_gpu, HOST_POOL: cache_append_cpu}
+        self._paged_gpu = paged_attention_gpu
+        self._paged_cpu = paged_attention_cpu
+        self.parts: List[PoolPart] = []
+        self.num_rows = 0
+        self._whole_paged: Optional[PoolPart] = None  # set when one pool's paged rows are the whole step
+        self._async = _HostOffload(device) if device.type == "cuda" else None
+        self._stash: dict = {}  # layer -> host rows' output (synchronous offload on a CPU-only machine)
+
+    def prepare(self, chunks: Sequence[ScheduledChunk]) -> None:
+        """Builds the step's metadata; `chunks` must be in `order_chunks` order."""
+        block_size = self.kv.block_size
+        self.parts = []
+        row = 0
+        for pool_index in (DEVICE_POOL, HOST_POOL):
+            pool_chunks = [c for c in chunks if c.pool == pool_index]
+            if not pool_chunks:
+                continue
+            pool = self.kv.pools[pool_index]
+            start = row
+            slots: List[int] = []
+            tables: List[List[int]] = []
+            context_lens: List[int] = []
+            fresh: List[Tuple[int, int]] = []
+            paged_end = start
+            for chunk in pool_chunks:
+                block_ids = self.kv.tables[chunk.request.request_id].block_ids
+                positions = range(chunk.start, chunk.start + chunk.num_tokens)
+                slots.extend(block_ids[p // block_size] * block_size + p % block_size for p in positions)
+                if chunk.start == 0:
+                    fresh.append((row, row + chunk.num_tokens))
+                else:
+                    tables.extend([block_ids] * chunk.num_tokens)
+                    context_lens.extend(p + 1 for p in positions)
+                    paged_end = row + chunk.num_tokens
+                row += chunk.num_tokens
+            dev = pool.device
+            block_tables = lens = None
+            if tables:
+                width = max(len(t) for t in tables)
+                padded = [t + [0] * (width - len(t)) for t in tables]
+                block_tables = torch.tensor(padded, dtype=torch.int32).to(dev, non_blocking=True)
+                lens = torch.tensor(context_lens, dtype=torch.int32).to(dev, non_blocking=True)
+            self.parts.append(PoolPart(pool, start, row, paged_end,
+                                       torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
+                                       block_tables, lens, max(context_lens, default=0), fresh))
+        self.num_rows = row
+        only = self.parts[0] if len(self.parts) == 1 else None
+        self._whole_paged = only if only is not None and only.paged_end == only.end else None
+        self._stash.clear()
+
+    def _attend(self, part: PoolPart, layer_idx: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """Paged attention of the part's paged rows (query holds exactly those rows)."""
+        pool = part.pool
+        if pool.index == DEVICE_POOL:
+            return self._paged_gpu(query, pool.key_caches[layer_idx], pool.value_caches[layer_idx],
+                                   part.block_tables, part.context_lens, scale, part.max_context_len)
+        return self._paged_cpu(query, pool.key_caches[layer_idx], pool.value_caches[layer_idx], part.block_tables,
+                               part.context_lens, scale)
+
+    @property
+    def host_part(self) -> Optional[PoolPart]:
+        """The host pool's rows of this step, if any."""
+        return next((p for p in self.parts if p.pool.index == HOST_POOL), None)
+
+    def _run_part(self, part: PoolPart, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor, scale: float) -> torch.Tensor:
+        """Appends and attends one pool's rows (tensors already on the pool's device); returns their output."""
+        index = part.pool.index
+        key_cache, value_cache = part.pool.key_caches[layer_idx], part.pool.value_caches[layer_idx]
+        self._append[index](key, value, key_cache, value_cache, part.slot_mapping)
+        num_paged = part.paged_end - part.start
+        if num_paged == part.end - part.start:
+            return self._attend(part, layer_idx, query, scale)
+        out = torch.empty_like(query)
+        if num_paged:
+            out[:num_paged] = self._attend(part, layer_idx, query[:num_paged], scale)
+        for begin, end in part.fresh:
+            begin, end = begin - part.start, end - part.start
+            out[begin:end] = prefill_attention(query[begin:end], key[begin:end], value[begin:end], scale)
+        return out
+
+    def attention(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+        """Appends every row's K/V to its request's cache and returns the attention output of all rows."""
+        whole = self._whole_paged
+        if whole is not None and whole.pool.device == query.device:
+            pool = whole.pool
+            self._append[pool.index](key, value, pool.key_caches[layer_idx], pool.value_caches[layer_idx],
+                                     whole.slot_mapping)
+            return self._attend(whole, layer_idx, query, scale)
+        out = torch.empty_like(query)
+        for part in self.parts:
+            rows = slice(part.start, part.end)
+            if part.pool.device == query.device:
+                out[rows] = self._run_part(part, layer_idx, query[rows], key[rows], value[rows], scale)
+            else:
+                out[rows] = self._host_rows_from_device(part, layer_idx, query[rows], key[rows], value[rows],
+                                                        scale).to(query.device)
+        return out
+
+    def _host_rows_from_device(self, part: PoolPart, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
+                               value: torch.Tensor, scale: float) -> torch.Tensor:
+        """Host-pool rows whose q/k/v are on the model's device: fresh chunks attend there, the rest on the CPU."""
+        fresh_out = [(b - part.start, e - part.start,
+                      prefill_attention(query[b - part.start:e - part.start], key[b - part.start:e - part.start],
+                                        value[b - part.start:e - part.start], scale).cpu())
+                     for b, e in part.fresh]
+        host_out = self._host_work(part, layer_idx, query.cpu(), key.cpu(), value.cpu(), scale)
+        for begin, end, chunk_out in fresh_out:
+            host_out[begin:end] = chunk_out
+        return host_out
+
+    def _host_work(self, part: PoolPart, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, scale: float) -> torch.Tensor:
+        """CPU side of the host rows: append all rows' K/V, attend the paged rows (fresh rows left as they are)."""
+        pool = part.pool
+        key_cache, value_cache = pool.key_caches[layer_idx], pool.value_caches[layer_idx]
+        self._append[HOST_POOL](key, value, key_cache, value_cache, part.slot_mapping)
+        num_paged = part.paged_end - part.start
+        out = torch.empty_like(query)
+        if num_paged:
+            out[:num_paged] = self._attend(part, layer_idx, query[:num_paged], scale)
+        return out
+
+    def offload_launch(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       scale: float) -> torch.Tensor:
+        """Starts the host-pool rows: on CUDA asynchronously on the CPU worker; on a CPU-only run right away."""
+        part = self.host_part
+        if part is None:
+            return query.new_zeros(1)
+        rows = slice(part.start, part.end)
+        if self._async is None:
+            self._stash[layer_idx] = self._run_part(part, layer_idx, query[rows], key[rows], value[rows], scale)
+        else:
+            self._async.launch(self, part, layer_idx, query[rows], key[rows], value[rows], scale)
+        return query.new_zeros(1)
+
+    def device_attention(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         scale: float, token: torch.Tensor) -> torch.Tensor:
+        """Appends and attends the device-pool rows; the host rows of the result are left unset."""
+        part = next((p for p in self.parts if p.pool.index == DEVICE_POOL), None)
+        if part is not None and part.end - part.start == query.shape[0]:
+            return self._run_part(part, layer_idx, query, key, value, scale)
+        out = torch.empty_like(query)
+        if part is not None:
+            rows = slice(part.start, part.end)
+            out[rows] = self._run_part(part, layer_idx, query[rows], key[rows], value[rows], scale)
+        return out
+
+    def offload_wait(self, layer_idx: int, token: torch.Tensor, device_out: torch.Tensor) -> torch.Tensor:
+        """Waits for the host rows started by `offload_launch` and returns the output with them filled in."""
+        part = self.host_part
+        if part is None:
+            return device_out
+        out = device_out.clone()
+        rows = slice(part.start, part.end)
+        if self._async is None:
+            out[rows] = self._stash.pop(layer_idx)
+        else:
+            self._async.wait(layer_idx, out[rows])
+        return out
+
+
+class _HostOffload:
+    """CUDA side of the host-pool rows: pinned double-buffered staging, a CPU worker thread, CUDA events.
+
+    launch: the compute stream records an event after q/k/v exist; a copy stream waits for it and copies the
+    host rows to pinned staging (buffer = layer parity); the worker waits for that copy, appends K/V to the
+    host cache and attends into a pinned output buffer. Fresh chunks of host requests attend on the GPU right
+    away. wait: joins the worker and copies the pinned output rows back on the compute stream; the event
+    recorded after that copy guards the buffer before the worker reuses it two layers later.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.copy_stream = torch.cuda.Stream(device)
+        self.worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="apex-offload")
+        self.staging: List[dict] = [{}, {}]
+        self.reuse_events: List[Optional[torch.cuda.Event]] = [None, None]
+        self.pending: dict = {}
+
+    def _buffer(self, parity: int, name: str, like: torch.Tensor) -> torch.Tensor:
+        buf = self.staging[parity].get(name)
+        if buf is None or buf.shape[0] < like.shape[0] or buf.shape[1:] != like.shape[1:] or buf.dtype != like.dtype:
+            buf = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+            self.staging[parity][name] = buf
+        return buf[:like.shape[0]]
+
+    def launch(self, runner: PagedAttentionRunner, part: PoolPart, layer_idx: int, query: torch.Tensor,
+               key: torch.Tensor, value: torch.Tensor, scale: float) -> None:
+        """Starts D2H copies and submits the CPU append + attention of the host rows of `layer_idx`."""
+        parity = layer_idx % 2
+        fresh_out = [(b - part.start, e - part.start,
+                      prefill_attention(query[b - part.start:e - part.start], key[b - part.start:e - part.start],
+                                        value[b - part.start:e - part.start], scale))
+                     for b, e in part.fresh]
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        staged = {}
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(ready)
+            for name, tensor in (("q", query), ("k", key), ("v", value)):
+                staged[name] = self._buffer(parity, name, tensor)
+                staged[name].copy_(tensor, non_blocking=True)
+            for tensor in (query, key, value):
+                tensor.record_stream(self.copy_stream)
+        copied = torch.cuda.Event()
+        copied.record(self.copy_stream)
+        out_buf = self._buffer(parity, "out", query)
+        reuse = self.reuse_events[parity]
+
+        def host_job():
+            copied.synchronize()
+            if reuse is not None:
+                reuse.synchronize()
+            out_buf.copy_(runner._host_work(part, layer_idx, staged["q"], staged["k"], staged["v"], scale))
+
+        self.pending[layer_idx] = (self.worker.submit(host_job), out_buf, fresh_out, parity)
+
+    def wait(self, layer_idx: int, out_rows: torch.Tensor) -> None:
+        """Joins the layer's CPU job and writes its rows (and the fresh chunks' rows) into `out_rows`."""
+        future, out_buf, fresh_out, parity = self.pending.pop(layer_idx)
+        future.result()
+        out_rows.copy_(out_buf, non_blocking=True)
+        for begin, end, chunk_out in fresh_out:
+            out_rows[begin:end] = chunk_out
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self.reuse_events[parity] = event

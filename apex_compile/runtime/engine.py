@@ -1,0 +1,437 @@
+"""The engine: requests in, tokens out, one flattened forward step at a time.
+
+Each step the scheduler picks chunks; the engine flattens them into input_ids / position_ids [1, T] in the
+runner's token order, prepares the runner's metadata once, and runs the model's step
+`step(input_ids, position_ids, logits_indices) -> logits [N, vocab]` (compiled with the "apex" backend, whose
+attention ops call the runner) inside `with attention_runner(runner)`. The sampler picks the next token of
+every request whose chunk reached its last token; stop conditions are checked; finished requests return
+their blocks.
+"""
+import contextlib
+import dataclasses
+import sys
+import time
+from typing import Callable, Iterator, List, Optional, Sequence, Union
+
+import torch
+
+from apex_compile.config import GiB, ApexConfig
+from apex_compile.runtime.attention_runner import PagedAttentionRunner, order_chunks
+from apex_compile.runtime.context import attention_runner
+from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, POOL_NAMES, CacheShape, KVManager
+from apex_compile.runtime.request import Request, SamplingParams
+from apex_compile.runtime.sampler import Sampler
+from apex_compile.runtime.scheduler import ScheduledChunk, Scheduler
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+EAGER_ATTENTION_NAME = "apex_paged"
+_PROGRESS_MIN_TOKENS = 4096  # default progress bar only for runs generating at least this many tokens
+
+
+@dataclasses.dataclass
+class TokenEvent:
+    """One generated token of request `index` (the position of its prompt in the `generate` call)."""
+
+    index: int
+    token_id: int
+    text: str  # newly decoded text ("" without a tokenizer, or while a multi-byte character is incomplete)
+    finish_reason: Optional[str]  # None while the request goes on
+
+
+@dataclasses.dataclass
+class Completion:
+    """The result of one prompt."""
+
+    index: int
+    prompt_token_ids: List[int]
+    token_ids: List[int]
+    text: Optional[str]
+    finish_reason: str
+    steps_per_pool: dict  # {"device": steps, "host": steps} this request ran in each pool
+    num_preemptions: int
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Counters of the engine since it was built (or since `reset`)."""
+
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    forward_seconds: float = 0.0
+    requests_per_pool: List[int] = dataclasses.field(default_factory=lambda: [0, 0])
+    moved: int = 0
+    parked: int = 0
+    recomputed: int = 0
+
+    def as_dict(self) -> dict:
+        """Plain dict for printing / JSON."""
+        out = dataclasses.asdict(self)
+        out["requests_per_pool"] = dict(zip(POOL_NAMES, self.requests_per_pool))
+        return out
+
+
+def check_supported(hf_model: torch.nn.Module) -> None:
+    """Raises a clear error unless `hf_model` is a decoder-only LLaMA-family HF causal LM the engine handles."""
+    config = getattr(hf_model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if config is None or not hasattr(hf_model, "generation_config"):
+        raise TypeError(f"apex_compile.optimize expects a HuggingFace causal LM (PreTrainedModel), got "
+                        f"{type(hf_model).__name__}")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported model type {model_type!r} ({type(hf_model).__name__}): apex_compile "
+                         f"supports the LLaMA-family decoders {SUPPORTED_MODEL_TYPES}")
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError("unsupported model: encoder-decoder models are not LLaMA-family decoders")
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
+        raise ValueError(f"unsupported model: sliding-window attention (window {window}) is not implemented by "
+                         f"the paged kernels")
+
+
+def _eager_paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """HF attention-interface function: routes a layer's attention to the step's runner (eager mode)."""
+    from apex_compile.runtime.context import get_attention_runner
+
+    out = get_attention_runner().attention(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
+                                           value[0].transpose(0, 1), scaling)
+    return out.unsqueeze(0), None
+
+
+@contextlib.contextmanager
+def _attn_implementation(config, name: str):
+    """Sets config._attn_implementation for one forward and restores the user's setting afterwards."""
+    previous = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+def _model_step(model: torch.nn.Module) -> Callable:
+    """step(input_ids [1, T], position_ids [1, T], logits_indices [N]) -> logits [N, vocab] of `model`."""
+
+    def step(input_ids, position_ids, logits_indices):
+        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=logits_indices)
+        return out.logits[0]
+
+    return step
+
+
+_COMPILED_ATTR = "_apex_compiled_steps"
+
+
+def _compiled_step(model: torch.nn.Module, overlap: bool, inner: Optional[str]):
+    """(compiled step, list receiving its pass reports) for `model` with these apex backend options.
+
+    Kept on the model (a private attribute) and shared by every engine of that model: compiling costs far more
+    than a step, and the graph reads no engine state (the runner comes from the context).
+    """
+    per_model = model.__dict__.setdefault(_COMPILED_ATTR, {})
+    key = (overlap, inner)
+    if key not in per_model:
+        from apex_compile.backend import apex_backend
+
+        reports: list = []
+        options = {"attention": "paged", "overlap": overlap, "on_report": reports.append}
+        if inner is not None:
+            options["inner"] = inner
+        per_model[key] = (torch.compile(_model_step(model), backend=apex_backend, dynamic=True, options=options),
+                          reports)
+    return per_model[key]
+
+
+class Engine:
+    """Continuous-batching generation over paged device + host KV pools for one HF model."""
+
+    def __init__(self, hf_model: torch.nn.Module, config: Optional[ApexConfig] = None, tokenizer=None):
+        check_supported(hf_model)
+        self.model = hf_model
+        self.config = config or ApexConfig()
+        self.tokenizer = tokenizer
+        model_config = hf_model.config
+        param = next(hf_model.parameters())
+        self.device = param.device
+        self.dtype = param.dtype
+        self.max_model_len = self.config.max_model_len or model_config.max_position_embeddings
+        num_heads = model_config.num_attention_heads
+        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // num_heads
+        self.shape = CacheShape(model_config.num_hidden_layers,
+                                getattr(model_config, "num_key_value_heads", None) or num_heads, head_dim,
+                                self.config.block_size, self.dtype)
+        device_bytes, host_bytes = self._pool_bytes()
+        block_bytes = self.shape.block_bytes
+        self.kv = KVManager(self.shape, device_bytes // block_bytes, host_bytes // block_bytes, self.device)
+        self.scheduler = Scheduler(self.config, self.kv)
+        self.runner = PagedAttentionRunner(self.kv, self.device)
+        self.sampler = Sampler()
+        self.reports: list = []  # pass reports of the compiled step's graphs
+        self.stats = EngineStats()
+        self._next_id = 0
+        self._step_fn = self._build_step()
+
+    def _pool_bytes(self):
+        """(device pool bytes, host pool bytes) from the config, defaults filled in."""
+        device_bytes = self.config.gpu_cache_size
+        if device_bytes is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                device_bytes = int(0.9 * free)
+            else:
+                device_bytes = GiB
+        host_bytes = GiB if self.config.cpu_cache_size is None else self.config.cpu_cache_size
+        return device_bytes, host_bytes
+
+    @property
+    def overlap(self) -> bool:
+        """Whether compiled graphs split attention into launch / device / wait (CUDA with host-pool requests)."""
+        return self.device.type == "cuda" and HOST_POOL in self.scheduler.run_pools
+
+    def _build_step(self) -> Callable:
+        """The step function: compiled with the apex backend, or eager HF modules with attention routed here."""
+        model = self.model
+        if not self.config.compile:
+            from transformers import AttentionInterface
+
+            AttentionInterface.register(EAGER_ATTENTION_NAME, _eager_paged_attention)
+            forward = _model_step(model)
+
+            def eager_step(input_ids, position_ids, logits_indices):
+                with _attn_implementation(model.config, EAGER_ATTENTION_NAME):
+                    return forward(input_ids, position_ids, logits_indices)
+
+            return eager_step
+        compiled, self.reports = _compiled_step(model, self.overlap, self.config.inner)
+
+        def compiled_step(input_ids, position_ids, logits_indices):
+            with _attn_implementation(model.config, "sdpa"):
+                return compiled(input_ids, position_ids, logits_indices)
+
+        return compiled_step
+
+    # ----------------------------------------------------------------------------------------------------
+    # requests
+
+    def add_request(self, prompt_token_ids: Sequence[int], sampling: Optional[SamplingParams] = None) -> Request:
+        """Validates and queues one prompt; raises before any work if it is empty, too long or cannot fit."""
+        sampling = sampling or SamplingParams()
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError("empty prompt: a request needs at least one prompt token")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens is too long: the model's maximum length is "
+                             f"{self.max_model_len} tokens (prompt + at least one generated token)")
+        vocab = self.model.config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(prompt)}..{max(prompt)}")
+        if sampling.stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer: pass one to apex_compile.optimize(..., tokenizer=...)")
+        request = Request(self._next_id, prompt, sampling)
+        self.scheduler.add(request)
+        self._next_id += 1
+        self.stats.prompt_tokens += len(prompt)
+        return request
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is not finished."""
+        return self.scheduler.has_unfinished()
+
+    def _stop_reason(self, request: Request) -> Optional[str]:
+        last = request.output_token_ids[-1]
+        sampling = request.sampling
+        if last in sampling.eos_token_ids:
+            return "eos"
+        if sampling.stop_strings:
+            text = self.tokenizer.decode(request.output_token_ids)
+            hits = [text.find(s) for s in sampling.stop_strings if s in text]
+            if hits:
+                request.output_text = text[:min(hits)]
+                return "stop"
+        if len(request.output_token_ids) >= sampling.max_new_tokens or request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    # ----------------------------------------------------------------------------------------------------
+    # one step
+
+    def _schedule(self) -> List[ScheduledChunk]:
+        """The scheduler's next chunks in the runner's token order."""
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            raise RuntimeError("scheduler found nothing to run although requests are pending")
+        self.stats.moved += len(plan.moved)
+        self.stats.parked += len(plan.parked)
+        self.stats.recomputed += len(plan.recomputed)
+        for chunk in plan.chunks:
+            if chunk.request.steps_per_pool[chunk.pool] == 1:
+                self.stats.requests_per_pool[chunk.pool] += 1
+        self.kv.wait_for_moves()
+        return order_chunks(plan.chunks)
+
+    def _forward_chunks(self, chunks: List[ScheduledChunk], logit_rows: List[int]) -> torch.Tensor:
+        """Runs the model on the chunks (flattened in order) and returns the logits of `logit_rows`."""
+        token_ids: List[int] = []
+        positions: List[int] = []
+        for chunk in chunks:
+            token_ids.extend(chunk.request.token_ids(chunk.start, chunk.start + chunk.num_tokens))
+            positions.extend(range(chunk.start, chunk.start + chunk.num_tokens))
+        self.runner.prepare(chunks)
+        device = self.device
+        input_ids = torch.tensor([token_ids], dtype=torch.int64).to(device, non_blocking=True)
+        position_ids = torch.tensor([positions], dtype=torch.int64).to(device, non_blocking=True)
+        # Always at least one logits row, so the graph never sees an empty index (N=0 would recompile).
+        indices = torch.tensor(logit_rows or [len(token_ids) - 1], dtype=torch.int64).to(device, non_blocking=True)
+        start = time.perf_counter()
+        with attention_runner(self.runner), torch.inference_mode():
+            logits = self._step_fn(input_ids, position_ids, indices)
+        self.stats.forward_seconds += time.perf_counter() - start
+        self.stats.steps += 1
+        for chunk in chunks:
+            chunk.request.num_computed += chunk.num_tokens
+        return logits
+
+    def step(self) -> List[Request]:
+        """Runs one forward step; returns the requests that got a new token (in scheduling order)."""
+        chunks = self._schedule()
+        logit_rows: List[int] = []
+        sampled: List[Request] = []
+        row = 0
+        for chunk in chunks:
+            row += chunk.num_tokens
+            if chunk.samples:
+                logit_rows.append(row - 1)
+                sampled.append(chunk.request)
+        logits = self._forward_chunks(chunks, logit_rows)
+        if not sampled:
+            return []
+        for request, token in zip(sampled, self.sampler.sample(logits, sampled)):
+            request.output_token_ids.append(token)
+            self.stats.generated_tokens += 1
+            reason = self._stop_reason(request)
+            if reason is not None:
+                self.scheduler.finish(request, reason)
+                self.sampler.forget(request.request_id)
+        return sampled
+
+    def score(self, token_lists: Sequence[Sequence[int]]) -> List[torch.Tensor]:
+        """Logits [len(tokens), vocab] of every position of each token list (a prefill only, nothing sampled)."""
+        requests = self._submit(token_lists, SamplingParams(max_new_tokens=1))
+        pieces: dict = {r.request_id: {} for r in requests}  # start -> logits (a recomputed chunk overwrites)
+        try:
+            while self.has_unfinished():
+                chunks = self._schedule()
+                logit_rows = list(range(sum(c.num_tokens for c in chunks)))
+                logits = self._forward_chunks(chunks, logit_rows)
+                row = 0
+                for chunk in chunks:
+                    pieces[chunk.request.request_id][chunk.start] = logits[row:row + chunk.num_tokens]
+                    row += chunk.num_tokens
+                    if chunk.samples:
+                        self.scheduler.finish(chunk.request, "length")
+        finally:
+            self.scheduler.abort_all()
+        return [torch.cat([piece for _, piece in sorted(pieces[r.request_id].items())]) for r in requests]
+
+    # ----------------------------------------------------------------------------------------------------
+    # request-level API
+
+    def _encode(self, prompt: Union[str, Sequence[int]]) -> List[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("string prompts need a tokenizer: pass one to apex_compile.optimize(..., "
+                                 "tokenizer=...) or give token ids")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return list(prompt)
+
+    def stream(self, prompts: Sequence[Union[str, Sequence[int]]],
+               sampling: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+               progress: Optional[bool] = None) -> Iterator[TokenEvent]:
+        """Generates for every prompt (strings or token-id lists), yielding each token as it is produced.
+
+        sampling: one SamplingParams for all prompts or one per prompt (default: greedy, 64 new tokens, the
+        model's EOS). Every prompt is validated here, before any work. progress: a tqdm bar (default: on a
+        terminal when the run may generate many tokens).
+        """
+        return self._events(self._submit(prompts, sampling), progress)
+
+    def _events(self, requests: List[Request], progress: Optional[bool]) -> Iterator[TokenEvent]:
+        """Steps until `requests` finish, yielding their tokens; on any error every request is dropped."""
+        index_of = {r.request_id: i for i, r in enumerate(requests)}
+        decoded = {r.request_id: "" for r in requests}
+        total = sum(r.sampling.max_new_tokens for r in requests)
+        if progress is None:
+            progress = sys.stderr.isatty() and total >= _PROGRESS_MIN_TOKENS
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, unit="tok", desc="apex generate")
+        try:
+            while self.has_unfinished():
+                for request in self.step():
+                    text = ""
+                    if self.tokenizer is not None:
+                        full = self.tokenizer.decode(request.output_token_ids)
+                        if request.finish_reason == "stop":
+                            full = request.output_text
+                        if not full.endswith("\ufffd") or request.is_finished:
+                            text, decoded[request.request_id] = full[len(decoded[request.request_id]):], full
+                    if bar is not None:
+                        bar.update(1)
+                    yield TokenEvent(index_of[request.request_id], request.output_token_ids[-1], text,
+                                     request.finish_reason)
+        finally:
+            self.scheduler.abort_all()  # no-op after a normal end; returns every block after an error / close
+            if bar is not None:
+                bar.close()
+
+    def _submit(self, prompts, sampling) -> List[Request]:
+        """Validates every prompt, then queues them all (nothing is queued if one is invalid)."""
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
+            raise ValueError("prompts must be a non-empty list of strings or token-id lists")
+        token_lists = [self._encode(p) for p in prompts]
+        if sampling is None or isinstance(sampling, SamplingParams):
+            params = [sampling or self.default_sampling() for _ in token_lists]
+        else:
+            params = list(sampling)
+            if len(params) != len(token_lists):
+                raise ValueError(f"{len(params)} SamplingParams for {len(token_lists)} prompts")
+        if self.has_unfinished():
+            raise RuntimeError("the engine is already running requests (generate/stream calls do not nest)")
+        requests = []
+        try:
+            for tokens, param in zip(token_lists, params):
+                requests.append(self.add_request(tokens, param))
+        except BaseException:
+            self.scheduler.abort_all()
+            raise
+        return requests
+
+    def default_sampling(self) -> SamplingParams:
+        """Greedy, 64 new tokens, stopping at the model's EOS token(s)."""
+        eos = self.model.generation_config.eos_token_id
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return SamplingParams(eos_token_ids=tuple(eos))
+
+    def generate(self, prompts: Sequence[Union[str, Sequence[int]]],
+                 sampling: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+                 progress: Optional[bool] = None) -> List[Completion]:
+        """Generates for every prompt and returns one Completion per prompt, in order (see `stream`)."""
+        requests = self._submit(prompts, sampling)
+        for _ in self._events(requests, progress):
+            pass
+        return [self._completion(i, r) for i, r in enumerate(requests)]
+
+    def _completion(self, index: int, request: Request) -> Completion:
+        text = None
+        if self.tokenizer is not None:
+            text = request.output_text if request.finish_reason == "stop" else self.tokenizer.decode(
+                request.output_token_ids, skip_special_tokens=True)
+        return Completion(index, request.prompt_token_ids, list(request.output_token_ids), text,
+                          request.finish_reason, dict(zip(POOL_NAMES, request.steps_per_pool)),
+                          request.num_preemptions)
+
+    def blocks_in_use(self) -> dict:
+        """Blocks held by requests in each pool (all zero when idle)."""
+        return {POOL_NAMES[p]: self.kv.num_used(p) for p in (DEVICE_POOL, HOST_POOL)}

@@ -1,0 +1,206 @@
+"""Continuous batching with chunked prefill over the device and host KV pools.
+
+Each step every running request gets its next chunk of not-yet-computed tokens (one token when decoding, up
+to the token budget when prefilling), oldest first. When a request's pool has no block left for its chunk,
+the newest running request of that pool is evicted: moved to the other pool when that pool also runs
+requests (offload fraction) and has room, else parked in the other pool (swap preemption), else its blocks
+are freed and it is prefilled again later (recompute preemption). Parked requests resume before waiting
+requests are admitted; waiting requests are admitted in arrival order while their first chunk fits.
+"""
+import collections
+import dataclasses
+from typing import Deque, List, Optional, Tuple
+
+from apex_compile.config import ApexConfig
+from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, POOL_NAMES, KVManager
+from apex_compile.runtime.request import Request, RequestStatus
+
+
+@dataclasses.dataclass
+class ScheduledChunk:
+    """Tokens start..start+num_tokens-1 of a request, computed this step in pool `pool`."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    pool: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether the chunk reaches the request's last token, so its logits give the next token."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """What one step computes, and the evictions decided on the way."""
+
+    chunks: List[ScheduledChunk] = dataclasses.field(default_factory=list)
+    moved: List[Tuple[Request, int]] = dataclasses.field(default_factory=list)  # (request, destination pool)
+    parked: List[Request] = dataclasses.field(default_factory=list)
+    resumed: List[Request] = dataclasses.field(default_factory=list)
+    recomputed: List[Request] = dataclasses.field(default_factory=list)
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which requests run and where their KV lives."""
+
+    def __init__(self, config: ApexConfig, kv: KVManager):
+        self.config = config
+        self.kv = kv
+        self.host_fraction = config.host_fraction()
+        if self.host_fraction == 0.0:
+            self.run_pools: Tuple[int, ...] = (DEVICE_POOL,)
+        elif self.host_fraction == 1.0:
+            self.run_pools = (HOST_POOL,)
+        else:
+            self.run_pools = (DEVICE_POOL, HOST_POOL)
+        for pool in self.run_pools:
+            if kv.pools[pool].num_blocks == 0:
+                size = "gpu_cache_size" if pool == DEVICE_POOL else "cpu_cache_size"
+                raise ValueError(
+                    f"offload={config.offload!r} runs requests in the {POOL_NAMES[pool]} pool, but it holds no KV "
+                    f"block: raise ApexConfig.{size} (one block takes {kv.shape.block_bytes} bytes)")
+        self.park_pool: Optional[int] = None
+        if len(self.run_pools) == 1 and config.preemption == "swap":
+            other = 1 - self.run_pools[0]
+            if kv.pools[other].num_blocks > 0:
+                self.park_pool = other
+        self.waiting: Deque[Request] = collections.deque()
+        self.running: List[Request] = []
+        self.parked: Deque[Request] = collections.deque()
+
+    def capacity_tokens(self) -> int:
+        """Tokens the largest pool that runs requests can hold (the longest request that can ever run)."""
+        return max(self.kv.pools[p].num_blocks for p in self.run_pools) * self.kv.block_size
+
+    def add(self, request: Request) -> None:
+        """Queues a request; raises if it could never fit in a pool, so no work starts for it."""
+        total = len(request.prompt_token_ids) + request.sampling.max_new_tokens
+        if total > self.capacity_tokens():
+            raise ValueError(
+                f"request {request.request_id} needs KV for {total} tokens (prompt {len(request.prompt_token_ids)}"
+                f" + max_new_tokens {request.sampling.max_new_tokens}) but the largest pool that runs requests "
+                f"under offload={self.config.offload!r} holds {self.capacity_tokens()} tokens: raise "
+                f"ApexConfig.gpu_cache_size / cpu_cache_size or lower max_new_tokens")
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting, running or parked."""
+        return bool(self.waiting or self.running or self.parked)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Marks a running request finished and returns its blocks."""
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+
+    def abort_all(self) -> None:
+        """Drops every unfinished request and returns all their blocks (after an error mid-run)."""
+        for request in list(self.waiting) + self.running + list(self.parked):
+            self.kv.free(request.request_id)
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = "abort"
+        self.waiting.clear()
+        self.running.clear()
+        self.parked.clear()
+
+    def schedule(self) -> SchedulerOutput:
+        """Picks this step's chunks, evicting requests where pools are full."""
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_tokens = min(request.num_tokens - request.num_computed, budget)
+            if not self._grow_evicting(request, index, num_tokens, out):
+                continue  # the request itself was evicted; the list shifted left
+            pool = self.kv.pool_of(request.request_id)
+            out.chunks.append(ScheduledChunk(request, request.num_computed, num_tokens, pool))
+            budget -= num_tokens
+            index += 1
+        while self.parked and len(self.running) < self.config.max_num_seqs and budget > 0:
+            request = self.parked[0]
+            pool = self.run_pools[0]
+            num_tokens = min(request.num_tokens - request.num_computed, budget)
+            blocks = len(self.kv.tables[request.request_id].block_ids)
+            if self.kv.num_free(pool) < blocks + self.kv.extra_blocks(request.request_id, request.num_computed
+                                                                     + num_tokens):
+                break
+            self.kv.move(request.request_id, pool)
+            self.kv.grow(request.request_id, pool, request.num_computed + num_tokens)
+            self.parked.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.resumed.append(request)
+            out.chunks.append(ScheduledChunk(request, request.num_computed, num_tokens, pool))
+            budget -= num_tokens
+        while (self.waiting and not self.parked and len(self.running) < self.config.max_num_seqs
+               and budget > 0):
+            request = self.waiting[0]
+            num_tokens = min(request.num_tokens - request.num_computed, budget)
+            pool = self._admit_pool(request, num_tokens)
+            if pool is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(ScheduledChunk(request, request.num_computed, num_tokens, pool))
+            budget -= num_tokens
+        for chunk in out.chunks:
+            chunk.request.steps_per_pool[chunk.pool] += 1
+        return out
+
+    def _grow_evicting(self, request: Request, index: int, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Gets blocks for the request's chunk, evicting newer requests of its pool; False if it was evicted."""
+        while True:
+            pool = self.kv.pool_of(request.request_id)
+            if self.kv.grow(request.request_id, pool, request.num_computed + num_tokens):
+                return True
+            victim = next((r for r in reversed(self.running[index + 1:])
+                           if self.kv.pool_of(r.request_id) == pool), None)
+            if victim is None:
+                if self._evict(request, out):
+                    continue  # moved to the other running pool: try again there
+                return False
+            self._evict(victim, out)
+
+    def _evict(self, request: Request, out: SchedulerOutput) -> bool:
+        """Frees the request's blocks in its pool; True if it stays running (moved to the other running pool)."""
+        pool = self.kv.pool_of(request.request_id)
+        other = 1 - pool
+        total = len(request.prompt_token_ids) + request.sampling.max_new_tokens
+        room_needed = self.kv.blocks_for(request.num_tokens)  # every chunk it may run this step
+        if (other in self.run_pools and self.kv.num_free(other) >= room_needed
+                and self.kv.pools[other].num_blocks * self.kv.block_size >= total):
+            self.kv.move(request.request_id, other)
+            out.moved.append((request, other))
+            return True
+        request.num_preemptions += 1
+        self.running.remove(request)
+        if other == self.park_pool and self.kv.can_move(request.request_id, other):
+            self.kv.move(request.request_id, other)
+            request.status = RequestStatus.PARKED
+            self.parked.append(request)
+            out.parked.append(request)
+            return False
+        self.kv.free(request.request_id)
+        request.num_computed = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        out.recomputed.append(request)
+        return False
+
+    def _admit_pool(self, request: Request, num_tokens: int) -> Optional[int]:
+        """Allocates the first chunk of a waiting request in the pool the offload policy prefers; None if full."""
+        total = len(request.prompt_token_ids) + request.sampling.max_new_tokens
+        fitting = [p for p in self.run_pools if self.kv.pools[p].num_blocks * self.kv.block_size >= total]
+        if len(fitting) == 2:
+            on_host = sum(1 for r in self.running if self.kv.pool_of(r.request_id) == HOST_POOL)
+            preferred = HOST_POOL if on_host < self.host_fraction * (len(self.running) + 1) else DEVICE_POOL
+            fitting = [preferred, 1 - preferred]
+        for pool in fitting:
+            if self.kv.grow(request.request_id, pool, request.num_computed + num_tokens):
+                return pool
+        return None

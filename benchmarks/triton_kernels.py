@@ -1,0 +1,564 @@
+"""Benchmark of the Triton decoder-layer kernels against their torch baselines on one CUDA GPU (issue 3).
+
+    python benchmarks/triton_kernels.py --out benchmarks/results/triton_kernels_h200.json --write-dispatch
+
+Sections (all in one run; `--sections` picks some):
+  rms_norm   fused residual add + RMSNorm, bf16, hidden 2048/4096/8192, tokens 1..16384, vs unfused torch ops
+  silu_mul   silu(gate) * up, bf16, I = 11008/14336, vs F.silu(gate) * up
+  mlp        gate/up projections + SiLU-mul (Llama-2-7B 4096->11008, Llama-3-8B 4096->14336, SmolLM2 576->1536),
+             bf16, M = 1..512: torch eager (two cuBLAS GEMMs + F.silu * up) vs cuBLAS + silu_mul (one GEMM over a
+             merged [2I, H] buffer, or two GEMMs) vs the fused Triton GEMM (best of a few configs). Produces the
+             swiglu dispatch table (per shape and M: the faster of cuBLAS and fused, fused only when >= 3% faster);
+             --write-dispatch stores it in apex_compile/kernels/swiglu_dispatch.json, which apex::swiglu reads.
+  decode     paged_attention_gpu, bf16, Llama-2-7B (32/32 heads) and Llama-3-8B (32/8) layouts, batch 1..128,
+             context 512..32k, vs torch SDPA on contiguous K/V of the same bytes; plus a block-size sweep
+  prefill    paged_prefill_attention_gpu over packed causal prompts vs torch SDPA called once per prompt
+
+Timing: triton.testing.do_bench (CUDA events, warm-up, median of the timed runs; it clears L2 before every
+run), and each measured function rotates over several input sets totalling at least 2x the L2 size when one
+set is smaller. Every kernel output is checked against its baseline before timing; any error is printed with
+its row and the script exits with status 1 after finishing the other rows. Table to stdout, JSON to --out.
+"""
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from apex_compile.kernels.paged_attention import (  # noqa: E402
+    DECODE_BLOCK_T,
+    DECODE_NUM_STAGES,
+    cache_append_gpu,
+    decode_split_plan,
+    paged_attention_gpu,
+    paged_decode_launch,
+)
+from apex_compile.kernels.prefill_attention import paged_prefill_launch  # noqa: E402
+from apex_compile.kernels.rms_norm import rms_norm  # noqa: E402
+from apex_compile.kernels.swiglu import (  # noqa: E402
+    DISPATCH_TABLE_PATH,
+    dispatch_key,
+    fused_config_fits,
+    silu_mul,
+    swiglu_fused_launch,
+    swiglu_triton,
+)
+
+DEVICE = "cuda"
+DTYPE = torch.bfloat16
+EPS = 1e-6
+WARMUP_MS = 25
+REP_MS = 100
+MAX_ROTATION_SETS = 16
+FUSED_MARGIN = 0.97
+"""The fused MLP kernel enters the dispatch table only where it takes <= 97% of the cuBLAS path's time."""
+KV_BUDGET_BYTES = 8 << 30
+"""Decode rows whose KV cache would exceed this are skipped (the contiguous baseline copy doubles it)."""
+
+# Shape grids: {"full": ..., "quick": ...} where they differ.
+RMS_HIDDEN = [2048, 4096, 8192]
+RMS_TOKENS = {"full": [1, 16, 256, 4096, 16384], "quick": [1, 256, 4096, 16384]}
+SILU_INTER = [11008, 14336]
+SILU_TOKENS = {"full": [1, 64, 1024, 4096, 16384], "quick": [1, 1024, 16384]}
+MLP_SHAPES = {"llama2-7b": (4096, 11008), "llama3-8b": (4096, 14336), "smollm2-135m": (576, 1536)}
+MLP_TOKENS = {"full": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], "quick": [1, 8, 32, 64, 256, 512]}
+ATTENTION_LAYOUTS = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}
+DECODE_BATCHES = {"full": [1, 8, 32, 128], "quick": [1, 32, 128]}
+DECODE_CONTEXTS = {"full": [512, 2048, 8192, 32768], "quick": [512, 2048, 32768]}
+DECODE_SWEEP = ("llama3-8b", 32, 4096, [16, 32, 64, 128, 256])
+"""Block-size sweep: layout, batch, context, block sizes."""
+DECODE_TUNE = ("llama3-8b", 32, 2048)
+"""Decode launch-parameter sweep (layout, batch, context): informs the defaults in paged_attention.py."""
+DECODE_TUNE_LAUNCHES = [  # (block_t, num_warps, num_stages, tokens_per_split); None: the automatic split plan
+    (DECODE_BLOCK_T, 4, DECODE_NUM_STAGES, None), (64, 4, 3, None), (128, 4, 2, None), (128, 8, 3, None),
+    (32, 4, 3, None), (64, 8, 2, None), (DECODE_BLOCK_T, 4, DECODE_NUM_STAGES, 256),
+    (DECODE_BLOCK_T, 4, DECODE_NUM_STAGES, 512), (DECODE_BLOCK_T, 4, DECODE_NUM_STAGES, 2048),
+]
+PREFILL_CASES = {
+    "full": {"1x4096": [4096], "4x1024": [1024] * 4, "16x256": [256] * 16,
+             "8 ragged": [1500, 100, 731, 1024, 37, 512, 900, 260]},
+    "quick": {"1x4096": [4096], "8 ragged": [1500, 100, 731, 1024, 37, 512, 900, 260]},
+}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# measurement helpers
+
+
+class Bench:
+    """Timing, rotation and result rows shared by the sections."""
+
+    def __init__(self, hbm_gbps: float):
+        self.hbm_gbps = hbm_gbps
+        props = torch.cuda.get_device_properties(DEVICE)
+        self.l2_bytes = getattr(props, "L2_cache_size", 50 << 20) or (50 << 20)
+        self.rows = []
+        self.errors = []
+
+    def rotation(self, bytes_per_set: int) -> int:
+        """Number of input sets so that all sets together exceed twice the L2 cache (at most 16)."""
+        return max(1, min(MAX_ROTATION_SETS, math.ceil(2 * self.l2_bytes / max(1, bytes_per_set))))
+
+    @staticmethod
+    def time_ms(calls) -> float:
+        """Median milliseconds of one call, cycling through `calls` (one closure per input set)."""
+        state = {"i": 0}
+
+        def run():
+            calls[state["i"] % len(calls)]()
+            state["i"] += 1
+
+        return do_bench(run, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+
+    def add(self, section, name, ms, baseline_ms=None, bytes_moved=None, flops=None, target=None, **extra):
+        row = {"section": section, "name": name, "ms": ms, "baseline_ms": baseline_ms,
+               "speedup": baseline_ms / ms if baseline_ms else None,
+               "gbps": bytes_moved / ms / 1e6 if bytes_moved else None,
+               "tflops": flops / ms / 1e9 if flops else None, **extra}
+        row["pct_hbm"] = 100 * row["gbps"] / self.hbm_gbps if row["gbps"] else None
+        if target is not None:
+            row["target"], row["meets"] = target(row)
+        self.rows.append(row)
+        print(format_row(row), flush=True)
+        return row
+
+    def guard(self, section, name, fn):
+        """Runs one row; an exception is reported (with its row) and recorded instead of stopping the run."""
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - every failure must be reported, then the run goes on
+            message = f"{type(exc).__name__}: {exc}"
+            print(f"!! ERROR in {section} [{name}]: {message}", flush=True)
+            traceback.print_exc(file=sys.stderr)
+            self.errors.append({"section": section, "name": name, "error": message})
+            return None
+        finally:
+            torch.cuda.empty_cache()
+
+
+def format_row(row) -> str:
+    def num(value, fmt):
+        return format(value, fmt) if value is not None else "-"
+
+    meets = {True: "ok", False: "MISS", None: ""}[row.get("meets")]
+    baseline_us = row["baseline_ms"] * 1e3 if row["baseline_ms"] else None
+    return (f"{row['section']:<9} {row['name']:<44} {num(row['ms'] * 1e3, '10.1f')} us"
+            f" {num(row['gbps'], '8.0f')} GB/s {num(row['pct_hbm'], '5.1f')} %HBM"
+            f" {num(row['tflops'], '7.1f')} TF/s  base {num(baseline_us, '9.1f')} us"
+            f" x{num(row['speedup'], '5.2f')}  {row.get('target', '')} {meets}")
+
+
+def check_close(name, out, ref, rel=2e-2):
+    """Raises with a readable message unless max |out - ref| <= rel * max |ref| (and out has no NaN)."""
+    out64, ref64 = out.double(), ref.double()
+    if torch.isnan(out64).any():
+        raise AssertionError(f"{name}: NaN in kernel output")
+    err = (out64 - ref64).abs().max().item()
+    scale = ref64.abs().max().item()
+    if err > rel * max(scale, 1e-30):
+        raise AssertionError(f"{name}: kernel differs from baseline: max error {err:.3g} vs max |ref| {scale:.3g}")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# rms_norm and silu_mul
+
+
+def torch_rms_norm(x, weight, residual):
+    hidden = x + residual
+    hidden_f32 = hidden.float()
+    variance = hidden_f32.pow(2).mean(-1, keepdim=True)
+    return weight * (hidden_f32 * torch.rsqrt(variance + EPS)).to(hidden.dtype), hidden
+
+
+def bench_rms_norm(bench, grid):
+    for hidden in RMS_HIDDEN:
+        for tokens in RMS_TOKENS[grid]:
+            name = f"H={hidden} tokens={tokens} +residual"
+
+            def row(hidden=hidden, tokens=tokens, name=name):
+                bytes_moved = 4 * tokens * hidden * 2 + hidden * 2
+                sets = [(torch.randn(tokens, hidden, dtype=DTYPE, device=DEVICE),
+                         torch.randn(tokens, hidden, dtype=DTYPE, device=DEVICE),
+                         torch.randn(hidden, dtype=DTYPE, device=DEVICE))
+                        for _ in range(bench.rotation(bytes_moved))]
+                x, residual, weight = sets[0]
+                y, residual_out = rms_norm(x, weight, EPS, residual)
+                ref_y, ref_hidden = torch_rms_norm(x, weight, residual)
+                check_close("rms_norm y", y, ref_y)
+                check_close("rms_norm residual_out", residual_out, ref_hidden)
+                residual_exact = torch.equal(residual_out, ref_hidden)
+                ms = bench.time_ms([lambda s=s: rms_norm(s[0], s[2], EPS, s[1]) for s in sets])
+                base = bench.time_ms([lambda s=s: torch_rms_norm(s[0], s[2], s[1]) for s in sets])
+                target = None
+                if tokens >= 4096:
+                    def target(r):
+                        return ">=85%HBM >=1.5x", r["pct_hbm"] >= 85 and r["speedup"] >= 1.5
+                bench.add("rms_norm", name, ms, base, bytes_moved=bytes_moved, target=target,
+                          residual_out_bitwise_equal=residual_exact)
+
+            bench.guard("rms_norm", name, row)
+
+
+def bench_silu_mul(bench, grid):
+    for inter in SILU_INTER:
+        for tokens in SILU_TOKENS[grid]:
+            name = f"I={inter} tokens={tokens}"
+
+            def row(inter=inter, tokens=tokens, name=name):
+                bytes_moved = 3 * tokens * inter * 2
+                sets = [torch.randn(tokens, 2 * inter, dtype=DTYPE, device=DEVICE) * 3
+                        for _ in range(bench.rotation(bytes_moved))]
+
+                def eager(gate_up):
+                    gate, up = gate_up.chunk(2, dim=-1)
+                    return F.silu(gate) * up
+
+                check_close("silu_mul", silu_mul(sets[0]), eager(sets[0]))
+                ms = bench.time_ms([lambda s=s: silu_mul(s) for s in sets])
+                base = bench.time_ms([lambda s=s: eager(s) for s in sets])
+                target = None
+                if tokens >= 4096:
+                    def target(r):
+                        return ">=85%HBM", r["pct_hbm"] >= 85
+                bench.add("silu_mul", name, ms, base, bytes_moved=bytes_moved, target=target)
+
+            bench.guard("silu_mul", name, row)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# MLP (gate/up + SiLU-mul) and the dispatch table
+
+
+def fused_candidates(m: int):
+    """A few fused-GEMM configs for `m` rows, filtered by the shared-memory budget."""
+    block_m = min(128, max(16, triton.next_power_of_2(m)))
+    shapes = [(16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3)]
+    if block_m >= 64:
+        shapes = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3), (128, 32, 4, 4)]
+    configs = [{"BLOCK_M": block_m, "BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": s}
+               for n, k, w, s in shapes]
+    return [c for c in configs if fused_config_fits(c, 2)]
+
+
+def bench_mlp(bench, grid):
+    table = {"device_name": torch.cuda.get_device_name(DEVICE),
+             "measured": datetime.date.today().isoformat(),
+             "torch": torch.__version__, "triton": triton.__version__, "shapes": {}}
+    for model, (hidden, inter) in MLP_SHAPES.items():
+        buffer = torch.randn(2 * inter, hidden, dtype=DTYPE, device=DEVICE) / hidden ** 0.5
+        merged = (buffer[:inter], buffer[inter:])
+        separate = (merged[0].clone(), merged[1].clone())
+        weight_bytes = 2 * inter * hidden * 2
+        rows = []
+        for m in MLP_TOKENS[grid]:
+            name = f"{model} M={m}"
+
+            def row(m=m, name=name):
+                flops = 2 * m * hidden * 2 * inter
+                bytes_moved = weight_bytes + m * (hidden + inter) * 2
+                weight_sets = bench.rotation(weight_bytes)
+                weights_m = [merged] + [(lambda b: (b[:inter], b[inter:]))(buffer.clone())
+                                        for _ in range(weight_sets - 1)]
+                weights_s = [separate] + [(w[0].clone(), w[1].clone()) for w in weights_m[1:]]
+                xs = [torch.randn(m, hidden, dtype=DTYPE, device=DEVICE) for _ in weights_m]
+
+                def eager(x, w):
+                    return F.silu(F.linear(x, w[0])) * F.linear(x, w[1])
+
+                ref = eager(xs[0], separate)
+                timings = {"eager": bench.time_ms([lambda x=x, w=w: eager(x, w) for x, w in zip(xs, weights_s)])}
+                for label, weights in (("cublas_merged", weights_m), ("cublas_separate", weights_s)):
+                    check_close(label, swiglu_triton(xs[0], *weights[0], path="cublas"), ref)
+                    timings[label] = bench.time_ms(
+                        [lambda x=x, w=w: swiglu_triton(x, *w, path="cublas") for x, w in zip(xs, weights)])
+                best_config, best_ms = None, math.inf
+                for config in fused_candidates(m):
+                    try:
+                        out = swiglu_fused_launch(xs[0], *merged, config=config)
+                    except Exception as exc:  # noqa: BLE001 - a config the GPU cannot run is skipped
+                        print(f"   (fused config {config} skipped: {type(exc).__name__}: {exc})", flush=True)
+                        continue
+                    check_close(f"fused {config}", out, ref)
+                    ms = bench.time_ms([lambda x=x, w=w, c=config: swiglu_fused_launch(x, *w, config=c)
+                                        for x, w in zip(xs, weights_m)])
+                    if ms < best_ms:
+                        best_config, best_ms = config, ms
+                timings["fused"] = best_ms
+                choice = {"max_m": m, "config": best_config}
+                for form in ("merged", "separate"):
+                    fused_wins = best_config is not None and best_ms <= FUSED_MARGIN * timings[f"cublas_{form}"]
+                    choice[form] = "fused" if fused_wins else "cublas"
+                rows.append(choice)
+                eager_ms = timings["eager"]
+                for label in ("cublas_merged", "cublas_separate", "fused"):
+                    if math.isfinite(timings[label]):
+                        bench.add("mlp", f"{name} {label}", timings[label], eager_ms, bytes_moved=bytes_moved,
+                                  flops=flops, config=best_config if label == "fused" else None)
+                for form in ("merged", "separate"):
+                    chosen_ms = timings["fused"] if choice[form] == "fused" else timings[f"cublas_{form}"]
+
+                    def target(r, m=m):
+                        if m <= 64:
+                            return ">=1.1x eager", r["speedup"] >= 1.1
+                        return ">=1.0x eager", r["speedup"] >= 1.0
+
+                    bench.add("mlp", f"{name} apex.swiglu[{form}]->{choice[form]}", chosen_ms, eager_ms,
+                              bytes_moved=bytes_moved, flops=flops, target=target)
+
+            bench.guard("mlp", name, row)
+        table["shapes"][dispatch_key(DTYPE, hidden, inter)] = rows
+        del buffer, merged, separate
+    return table
+
+
+# ----------------------------------------------------------------------------------------------------------
+# attention
+
+
+def sdpa_function(q, k, v, causal):
+    """A call of torch SDPA with GQA on the first backend that accepts these inputs, and its name."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    gqa = q.shape[1] != k.shape[1]
+    failures = []
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                    SDPBackend.MATH):
+        def call(q=q, k=k, v=v, backend=backend):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+        try:
+            call()
+            torch.cuda.synchronize()
+            return call, backend.name
+        except RuntimeError as exc:
+            failures.append(f"{backend.name}: {str(exc).splitlines()[0]}")
+    raise RuntimeError("no SDPA backend accepts these inputs: " + "; ".join(failures))
+
+
+def build_paged(k, v, block_size):
+    """Paged caches holding contiguous k/v [B, Hkv, ctx, D] in shuffled blocks (written by cache_append_gpu)."""
+    batch, num_kv_heads, ctx, head_dim = k.shape
+    blocks_per_seq = triton.cdiv(ctx, block_size)
+    num_blocks = batch * blocks_per_seq
+    key_cache = torch.empty(num_blocks, num_kv_heads, block_size, head_dim, dtype=k.dtype, device=DEVICE)
+    value_cache = torch.empty_like(key_cache)
+    block_tables = torch.randperm(num_blocks, device=DEVICE).to(torch.int32).view(batch, blocks_per_seq)
+    tokens = torch.arange(ctx, device=DEVICE)
+    slots = (block_tables[:, tokens // block_size].long() * block_size + tokens % block_size).reshape(-1)
+    cache_append_gpu(k.transpose(1, 2).reshape(-1, num_kv_heads, head_dim),
+                     v.transpose(1, 2).reshape(-1, num_kv_heads, head_dim), key_cache, value_cache, slots)
+    context_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
+    return key_cache, value_cache, block_tables, context_lens
+
+
+def decode_row(bench, model, batch, ctx, block_size, section_name="decode", with_target=True):
+    num_heads, num_kv_heads, head_dim = ATTENTION_LAYOUTS[model]
+    kv_bytes = 2 * batch * ctx * num_kv_heads * head_dim * 2
+    name = f"{model} bs={block_size} batch={batch} ctx={ctx}"
+
+    def row():
+        sets = []
+        for _ in range(bench.rotation(kv_bytes)):
+            q = torch.randn(batch, num_heads, head_dim, dtype=DTYPE, device=DEVICE)
+            k = torch.randn(batch, num_kv_heads, ctx, head_dim, dtype=DTYPE, device=DEVICE)
+            v = torch.randn_like(k)
+            sets.append((q, k, v, build_paged(k, v, block_size)))
+        q, k, v, paged = sets[0]
+        sdpa, backend = sdpa_function(q[:, :, None], k, v, causal=False)
+        check_close("paged decode", paged_attention_gpu(q, *paged, max_context_len=ctx), sdpa()[:, :, 0])
+        ms = bench.time_ms([lambda s=s: paged_attention_gpu(s[0], *s[3], max_context_len=ctx) for s in sets])
+        calls = [sdpa_function(s[0][:, :, None], s[1], s[2], causal=False)[0] for s in sets]
+        base = bench.time_ms(calls)
+        splits, _ = decode_split_plan(batch, num_kv_heads, ctx, q.device)
+        target = None
+        if with_target and batch >= 32 and ctx >= 2048:
+            def target(r):
+                return ">=75%HBM >=1.0x SDPA", r["pct_hbm"] >= 75 and r["speedup"] >= 1.0
+        bench.add(section_name, name, ms, base, bytes_moved=kv_bytes, target=target, sdpa_backend=backend,
+                  num_splits=splits)
+
+    if kv_bytes > KV_BUDGET_BYTES:
+        print(f"{section_name:<9} {name:<44} skipped ({kv_bytes / 2**30:.0f} GiB of KV > budget)", flush=True)
+        return
+    bench.guard(section_name, name, row)
+
+
+def bench_decode(bench, grid, block_size):
+    for model in ATTENTION_LAYOUTS:
+        for batch in DECODE_BATCHES[grid]:
+            for ctx in DECODE_CONTEXTS[grid]:
+                decode_row(bench, model, batch, ctx, block_size)
+    model, batch, ctx, block_sizes = DECODE_SWEEP
+    for sweep_block_size in block_sizes:
+        decode_row(bench, model, batch, ctx, sweep_block_size, section_name="decode-bs", with_target=False)
+    bench.guard("decode-cfg", "launch parameter sweep", lambda: decode_tune_rows(bench, block_size))
+
+
+def decode_tune_rows(bench, block_size):
+    """One decode shape under several launch parameters (first row: the defaults)."""
+    model, batch, ctx = DECODE_TUNE
+    num_heads, num_kv_heads, head_dim = ATTENTION_LAYOUTS[model]
+    kv_bytes = 2 * batch * ctx * num_kv_heads * head_dim * 2
+    q = torch.randn(batch, num_heads, head_dim, dtype=DTYPE, device=DEVICE)
+    k = torch.randn(batch, num_kv_heads, ctx, head_dim, dtype=DTYPE, device=DEVICE)
+    v = torch.randn_like(k)
+    paged = build_paged(k, v, block_size)
+    sdpa, backend = sdpa_function(q[:, :, None], k, v, causal=False)
+    ref = sdpa()[:, :, 0]
+    base = bench.time_ms([sdpa])
+    for block_t, num_warps, num_stages, tokens_per_split in DECODE_TUNE_LAUNCHES:
+        launch = dict(max_context_len=ctx, tokens_per_split=tokens_per_split, block_t=block_t,
+                      num_warps=num_warps, num_stages=num_stages)
+        name = (f"{model} bs={block_size} b={batch} ctx={ctx} T{block_t}/w{num_warps}/s{num_stages}"
+                f"/split{tokens_per_split or 'auto'}")
+        check_close(name, paged_decode_launch(q, *paged, **launch), ref)
+        ms = bench.time_ms([lambda: paged_decode_launch(q, *paged, **launch)])
+        bench.add("decode-cfg", name, ms, base, bytes_moved=kv_bytes, sdpa_backend=backend, launch=launch)
+
+
+PREFILL_CONFIGS = [
+    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
+]
+
+
+def bench_prefill(bench, grid, block_size):
+    num_heads, num_kv_heads, head_dim = ATTENTION_LAYOUTS["llama3-8b"]
+    for label, lens in PREFILL_CASES[grid].items():
+        name = f"llama3-8b bs={block_size} {label}"
+
+        def row(lens=lens, name=name):
+            total = sum(lens)
+            query = torch.randn(total, num_heads, head_dim, dtype=DTYPE, device=DEVICE)
+            key = torch.randn(total, num_kv_heads, head_dim, dtype=DTYPE, device=DEVICE)
+            value = torch.randn_like(key)
+            blocks = [triton.cdiv(n, block_size) for n in lens]
+            key_cache = torch.empty(sum(blocks), num_kv_heads, block_size, head_dim, dtype=DTYPE, device=DEVICE)
+            value_cache = torch.empty_like(key_cache)
+            order = torch.randperm(sum(blocks)).tolist()
+            block_tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+            slots = []
+            for seq, (n, used) in enumerate(zip(lens, blocks)):
+                block_tables[seq, :used] = torch.tensor([order.pop() for _ in range(used)], dtype=torch.int32)
+                slots += [int(block_tables[seq, t // block_size]) * block_size + t % block_size for t in range(n)]
+            block_tables = block_tables.to(DEVICE)
+            cache_append_gpu(key, value, key_cache, value_cache, torch.tensor(slots, device=DEVICE))
+            starts = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(DEVICE)
+            context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+            args = (query, key_cache, value_cache, block_tables, starts, context_lens)
+            flops = sum(4 * num_heads * head_dim * n * (n + 1) / 2 for n in lens)
+
+            per_prompt, begin = [], 0
+            for n in lens:
+                sl = slice(begin, begin + n)
+                per_prompt.append(tuple(t[sl].transpose(0, 1)[None].contiguous() for t in (query, key, value)))
+                begin += n
+            calls = [sdpa_function(q, k, v, causal=True) for q, k, v in per_prompt]
+            backend = calls[0][1]
+
+            def sdpa_all():
+                return [call() for call, _ in calls]
+
+            ref = torch.cat([o[0].transpose(0, 1) for o in sdpa_all()])
+            base = bench.time_ms([sdpa_all])
+            for index, config in enumerate(PREFILL_CONFIGS):
+                out = paged_prefill_launch(*args, max_query_len=max(lens), config=config)
+                check_close(f"prefill {config}", out, ref)
+                ms = bench.time_ms([lambda c=config: paged_prefill_launch(*args, max_query_len=max(lens), config=c)])
+                suffix = " (default)" if index == 0 else ""
+                bench.add("prefill", f"{name} BM{config['BLOCK_M']}/BN{config['BLOCK_N']}/w{config['num_warps']}"
+                          f"{suffix}", ms, base, flops=flops, sdpa_backend=backend, config=config)
+
+        bench.guard("prefill", name, row)
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="write the results as JSON to this path")
+    parser.add_argument("--write-dispatch", action="store_true",
+                        help=f"store the measured swiglu dispatch table in {os.path.relpath(DISPATCH_TABLE_PATH)}")
+    parser.add_argument("--sections", default="rms_norm,silu_mul,mlp,decode,prefill",
+                        help="comma-separated subset of: rms_norm, silu_mul, mlp, decode, prefill")
+    parser.add_argument("--quick", action="store_true", help="smaller shape grids")
+    parser.add_argument("--block-size", type=int, default=16, help="KV block size of the attention rows")
+    parser.add_argument("--hbm-gbps", type=float, default=4200.0, help="HBM bandwidth the %%HBM column uses")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("triton_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = set(sections) - {"rms_norm", "silu_mul", "mlp", "decode", "prefill"}
+    if unknown:
+        sys.exit(f"unknown sections: {sorted(unknown)}")
+
+    torch.manual_seed(0)
+    bench = Bench(args.hbm_gbps)
+    grid = "quick" if args.quick else "full"
+    env = {"device": torch.cuda.get_device_name(DEVICE), "torch": torch.__version__, "triton": triton.__version__,
+           "sm_count": torch.cuda.get_device_properties(DEVICE).multi_processor_count, "l2_bytes": bench.l2_bytes,
+           "hbm_gbps_reference": args.hbm_gbps, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "dtype": str(DTYPE), "block_size": args.block_size, "quick": args.quick}
+    print(json.dumps(env))
+    print(f"{'section':<9} {'case':<44} {'time':>13} {'bandwidth':>13} {'':>10} {'compute':>12}  "
+          f"{'baseline':>14} {'ratio':>6}  target")
+
+    table = None
+    with torch.inference_mode():
+        if "rms_norm" in sections:
+            bench_rms_norm(bench, grid)
+        if "silu_mul" in sections:
+            bench_silu_mul(bench, grid)
+        if "mlp" in sections:
+            table = bench_mlp(bench, grid)
+        if "decode" in sections:
+            bench_decode(bench, grid, args.block_size)
+        if "prefill" in sections:
+            bench_prefill(bench, grid, args.block_size)
+
+    if table is not None:
+        print("\nswiglu dispatch table (per shape: rows apply to M <= max_m):")
+        for key, rows in table["shapes"].items():
+            summary = ", ".join(f"M<={r['max_m']}: merged={r['merged']} separate={r['separate']}" for r in rows)
+            print(f"  {key}: {summary}")
+        if args.write_dispatch:
+            with open(DISPATCH_TABLE_PATH, "w") as f:
+                json.dump(table, f, indent=1)
+                f.write("\n")
+            print(f"wrote {DISPATCH_TABLE_PATH}")
+
+    judged = [r for r in bench.rows if r.get("meets") is not None]
+    missed = [r for r in judged if not r["meets"]]
+    print(f"\ntargets met: {len(judged) - len(missed)}/{len(judged)}")
+    for r in missed:
+        print(f"  MISS {r['section']} {r['name']}: {r['target']} (x{r['speedup']:.2f}, "
+              f"{r['pct_hbm'] if r['pct_hbm'] is not None else float('nan'):.1f} %HBM)")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"env": env, "rows": bench.rows, "swiglu_dispatch": table, "errors": bench.errors}, f,
+                      indent=1)
+        print(f"wrote {args.out}")
+    if bench.errors:
+        print(f"\n{len(bench.errors)} ERROR(S):")
+        for e in bench.errors:
+            print(f"  {e['section']} [{e['name']}]: {e['error']}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+// Portable (baseline ISA) KV-cache append: writes new K/V rows into their slots, K into the transposed
+// 16-token panels, V as plain rows. The copy is bit-exact, so only the element size matters.
+#include <cstdint>
+#include <cstring>
+
+#include <omp.h>
+
+#include "cpu_attention.h"
+
+namespace apex_cpu {
+
+namespace {
+
+// Below this many rows the parallel region costs more than the copy.
+constexpr int64_t kParallelRows = 256;
+
+template <class T>
+void append_rows(const CacheAppendArgs& a) {
+  const T* key = static_cast<const T*>(a.key);
+  const T* value = static_cast<const T*>(a.value);
+  T* key_cache = static_cast<T*>(a.key_cache);
+  T* value_cache = static_cast<T*>(a.value_cache);
+  const int64_t rows = a.num_tokens * a.num_kv_heads;
+  const int64_t slab_elems = int64_t(a.block_size) * a.head_dim;
+#pragma omp parallel for schedule(static) num_threads(a.num_threads) if (a.num_threads > 1 && rows >= kParallelRows)
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t token = row / a.num_kv_heads;
+    const int head = int(row % a.num_kv_heads);
+    const int64_t slot = a.slot_mapping[token];
+    if (slot < 0) continue;  // padding token
+    const int64_t block = slot / a.block_size;
+    const int offset = int(slot % a.block_size);
+    const int64_t slab = (block * a.num_kv_heads + head) * slab_elems;
+    const T* k = key + token * a.key_token_stride + head * a.key_head_stride;
+    T* k_dst = key_cache + slab + int64_t(offset / kPanelTokens) * a.head_dim * kPanelTokens + offset % kPanelTokens;
+    for (int d = 0; d < a.head_dim; ++d) k_dst[int64_t(d) * kPanelTokens] = k[d];
+    const T* v = value + token * a.value_token_stride + head * a.value_head_stride;
+    std::memcpy(value_cache + slab + int64_t(offset) * a.head_dim, v, sizeof(T) * a.head_dim);
+  }
+}
+
+}  // namespace
+
+void cache_append(const CacheAppendArgs& args) {
+  if (args.element_size == 4) {
+    append_rows<uint32_t>(args);
+  } else {
+    append_rows<uint16_t>(args);
+  }
+}
+
+}  // namespace apex_cpu

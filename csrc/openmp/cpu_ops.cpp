@@ -1,0 +1,228 @@
+// Torch-facing side of the CPU ops: argument validation, ISA selection, tensor -> raw pointer, and the CPU
+// kernel registrations for the schemas defined in apex_compile/ops/cpu_attention.py (namespace `apex`).
+// The kernels themselves (cpu_attention.h and the attention_*.cpp / cache_append.cpp files) never see torch.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <optional>
+#include <string>
+
+#include "cpu_attention.h"
+
+namespace {
+
+using apex_cpu::Isa;
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::Avx512: return "avx512";
+    case Isa::Avx2: return "avx2";
+    case Isa::Scalar: return "scalar";
+  }
+  return "?";
+}
+
+// The kernel path for this call: APEX_CPU_ISA=avx512|avx2|scalar forces one (an error if this CPU or build
+// lacks it); unset, empty or "auto" picks the best this CPU supports. Read on every call so tests can switch.
+Isa select_isa() {
+  const char* forced = std::getenv("APEX_CPU_ISA");
+  const std::string name = forced != nullptr ? forced : "";
+  if (name.empty() || name == "auto") {
+    for (Isa isa : {Isa::Avx512, Isa::Avx2}) {
+      if (apex_cpu::cpu_supports(isa)) return isa;
+    }
+    return Isa::Scalar;
+  }
+  for (Isa isa : {Isa::Avx512, Isa::Avx2, Isa::Scalar}) {
+    if (name == isa_name(isa)) {
+      TORCH_CHECK(apex_cpu::cpu_supports(isa), "APEX_CPU_ISA=", name, " but this ",
+                  apex_cpu::isa_compiled(isa) ? "CPU does not support it" : "build does not include it");
+      return isa;
+    }
+  }
+  TORCH_CHECK(false, "APEX_CPU_ISA=", name, " is not one of avx512, avx2, scalar, auto");
+}
+
+apex_cpu::DType kernel_dtype(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return apex_cpu::DType::F32;
+    case at::kBFloat16: return apex_cpu::DType::BF16;
+    case at::kHalf: return apex_cpu::DType::F16;
+    default: TORCH_CHECK(false, "apex CPU ops support float32, bfloat16 and float16, got ", type);
+  }
+}
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
+}
+
+// Checks the KV cache pair and returns (num_blocks, num_kv_heads, block_size, head_dim).
+std::array<int64_t, 4> check_caches(const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  check_cpu(key_cache, "key_cache");
+  check_cpu(value_cache, "value_cache");
+  TORCH_CHECK(key_cache.dim() == 4, "key_cache must be [num_blocks, num_kv_heads, block_size, head_dim], got ",
+              key_cache.sizes());
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "value_cache shape ", value_cache.sizes(),
+              " differs from key_cache shape ", key_cache.sizes());
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "value_cache dtype ",
+              value_cache.scalar_type(), " differs from key_cache dtype ", key_cache.scalar_type());
+  kernel_dtype(key_cache.scalar_type());
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "key_cache and value_cache must be contiguous");
+  const int64_t block_size = key_cache.size(2);
+  const int64_t head_dim = key_cache.size(3);
+  TORCH_CHECK(block_size >= 16 && block_size <= 256 && (block_size & (block_size - 1)) == 0,
+              "block_size must be a power of two in 16..256, got ", block_size);
+  TORCH_CHECK(head_dim >= 16 && head_dim <= apex_cpu::kMaxHeadDim && head_dim % 16 == 0,
+              "head_dim must be a multiple of 16 in 16..256, got ", head_dim);
+  TORCH_CHECK(key_cache.size(1) >= 1, "num_kv_heads must be >= 1");
+  return {key_cache.size(0), key_cache.size(1), block_size, head_dim};
+}
+
+at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                               const at::Tensor& block_tables, const at::Tensor& context_lens,
+                               std::optional<double> scale) {
+  const auto [num_blocks, num_kv_heads, block_size, head_dim] = check_caches(key_cache, value_cache);
+  check_cpu(query, "query");
+  check_cpu(block_tables, "block_tables");
+  check_cpu(context_lens, "context_lens");
+  TORCH_CHECK(query.dim() == 3, "query must be [num_seqs, num_heads, head_dim], got ", query.sizes());
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query dtype ", query.scalar_type(),
+              " must equal the KV cache dtype ", key_cache.scalar_type());
+  const int64_t num_seqs = query.size(0);
+  const int64_t num_heads = query.size(1);
+  TORCH_CHECK(query.size(2) == head_dim, "query head_dim ", query.size(2), " differs from the cache's ", head_dim);
+  TORCH_CHECK(num_heads >= 1 && num_heads % num_kv_heads == 0, "num_heads (", num_heads,
+              ") must be a positive multiple of num_kv_heads (", num_kv_heads, ")");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
+              "block_tables must be int32 [num_seqs=", num_seqs, ", max_blocks], got ", block_tables.scalar_type(),
+              " ", block_tables.sizes());
+  TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.dim() == 1 && context_lens.size(0) == num_seqs,
+              "context_lens must be int32 [num_seqs=", num_seqs, "], got ", context_lens.scalar_type(), " ",
+              context_lens.sizes());
+  TORCH_CHECK(num_seqs <= INT32_MAX && num_blocks <= INT32_MAX, "too many sequences or blocks");
+
+  const at::Tensor q = query.stride(2) == 1 ? query : query.contiguous();
+  const at::Tensor tables = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
+  const at::Tensor lens = context_lens.contiguous();
+  const int32_t* lens_ptr = lens.data_ptr<int32_t>();
+  const int32_t* tables_ptr = tables.data_ptr<int32_t>();
+  const int64_t max_blocks = tables.size(1);
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t context = lens_ptr[s];
+    TORCH_CHECK(context >= 1, "context_lens[", s, "] = ", context,
+                ": every sequence must attend to at least its current token (zero-length contexts are an error)");
+    const int64_t needed = (context + block_size - 1) / block_size;
+    TORCH_CHECK(needed <= max_blocks, "context_lens[", s, "] = ", context, " needs ", needed, " blocks of ",
+                block_size, " tokens but block_tables has ", max_blocks, " columns");
+    const int32_t* row = tables_ptr + s * tables.stride(0);
+    for (int64_t b = 0; b < needed; ++b) {
+      TORCH_CHECK(row[b] >= 0 && row[b] < num_blocks, "block_tables[", s, ", ", b, "] = ", row[b],
+                  " is out of range for a cache of ", num_blocks, " blocks");
+    }
+  }
+
+  at::Tensor out = at::empty({num_seqs, num_heads, head_dim}, query.options());
+  if (num_seqs == 0) return out;
+
+  const Isa isa = select_isa();
+  const int threads = std::max(1, at::get_num_threads());
+  const int group = int(num_heads / num_kv_heads);
+  apex_cpu::PagedAttentionArgs args;
+  args.dtype = kernel_dtype(query.scalar_type());
+  args.query = q.data_ptr();
+  args.query_seq_stride = q.stride(0);
+  args.query_head_stride = q.stride(1);
+  args.key_cache = key_cache.data_ptr();
+  args.value_cache = value_cache.data_ptr();
+  args.block_tables = tables_ptr;
+  args.block_table_stride = tables.stride(0);
+  args.context_lens = lens_ptr;
+  args.out = out.data_ptr();
+  args.num_seqs = int(num_seqs);
+  args.num_heads = int(num_heads);
+  args.num_kv_heads = int(num_kv_heads);
+  args.head_dim = int(head_dim);
+  args.block_size = int(block_size);
+  args.scale = float(scale.has_value() ? *scale : 1.0 / std::sqrt(double(head_dim)));
+  args.num_threads = threads;
+
+  const apex_cpu::WorkPlan plan = apex_cpu::plan_work(lens_ptr, int(num_seqs), int(num_kv_heads),
+                                                      2 * head_dim * int64_t(key_cache.element_size()), threads);
+  apex_cpu::WorkPlanView view;
+  view.items = plan.items.data();
+  view.num_items = int64_t(plan.items.size());
+  view.merges = plan.merges.data();
+  view.num_merges = int64_t(plan.merges.size());
+  view.scratch = apex_cpu::scratch_layout(group, int(head_dim), int(block_size), plan.max_splits);
+  const int64_t partial_floats = int64_t(group) * (head_dim + 2);
+  at::Tensor scratch = at::empty({threads * view.scratch.total + plan.num_partials * partial_floats},
+                                 at::TensorOptions().dtype(at::kFloat));
+  view.thread_scratch = scratch.data_ptr<float>();
+  view.partials = view.thread_scratch + threads * view.scratch.total;
+
+  switch (isa) {
+    case Isa::Avx512: apex_cpu::paged_attention_avx512(args, view); break;
+    case Isa::Avx2: apex_cpu::paged_attention_avx2(args, view); break;
+    case Isa::Scalar: apex_cpu::paged_attention_scalar(args, view); break;
+  }
+  return out;
+}
+
+void cache_append_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                      const at::Tensor& slot_mapping) {
+  const auto [num_blocks, num_kv_heads, block_size, head_dim] = check_caches(key_cache, value_cache);
+  check_cpu(key, "key");
+  check_cpu(value, "value");
+  check_cpu(slot_mapping, "slot_mapping");
+  TORCH_CHECK(key.dim() == 3 && key.size(1) == num_kv_heads && key.size(2) == head_dim,
+              "key must be [num_tokens, num_kv_heads=", num_kv_heads, ", head_dim=", head_dim, "], got ", key.sizes());
+  TORCH_CHECK(value.sizes() == key.sizes(), "value shape ", value.sizes(), " differs from key shape ", key.sizes());
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type(),
+              "key/value dtypes (", key.scalar_type(), ", ", value.scalar_type(), ") must equal the cache dtype ",
+              key_cache.scalar_type());
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0),
+              "slot_mapping must be int64 [num_tokens=", key.size(0), "], got ", slot_mapping.scalar_type(), " ",
+              slot_mapping.sizes());
+  const at::Tensor k = key.stride(2) == 1 ? key : key.contiguous();
+  const at::Tensor v = value.stride(2) == 1 ? value : value.contiguous();
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t* slots_ptr = slots.data_ptr<int64_t>();
+  const int64_t num_slots = num_blocks * block_size;
+  for (int64_t i = 0; i < slots.size(0); ++i) {
+    TORCH_CHECK(slots_ptr[i] < num_slots, "slot_mapping[", i, "] = ", slots_ptr[i],
+                " is out of range for a cache of ", num_blocks, " blocks of ", block_size, " tokens");
+  }
+  if (slots.size(0) == 0) return;
+
+  apex_cpu::CacheAppendArgs args;
+  args.element_size = int(key_cache.element_size());
+  args.key = k.data_ptr();
+  args.key_token_stride = k.stride(0);
+  args.key_head_stride = k.stride(1);
+  args.value = v.data_ptr();
+  args.value_token_stride = v.stride(0);
+  args.value_head_stride = v.stride(1);
+  args.key_cache = key_cache.data_ptr();
+  args.value_cache = value_cache.data_ptr();
+  args.slot_mapping = slots_ptr;
+  args.num_tokens = slots.size(0);
+  args.num_kv_heads = int(num_kv_heads);
+  args.head_dim = int(head_dim);
+  args.block_size = int(block_size);
+  args.num_threads = std::max(1, at::get_num_threads());
+  apex_cpu::cache_append(args);
+}
+
+// Code of the kernel path the next call will use: 0 scalar, 1 avx2, 2 avx512 (errors like the ops would).
+int64_t cpu_isa_code() { return int64_t(select_isa()); }
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(apex, CPU, m) {
+  m.impl("paged_attention_cpu", &paged_attention_cpu);
+  m.impl("cache_append_cpu", &cache_append_cpu);
+}
+
+TORCH_LIBRARY_IMPL(apex, CompositeExplicitAutograd, m) { m.impl("cpu_isa_code", &cpu_isa_code); }

@@ -1,0 +1,90 @@
+// Portable (baseline ISA) parts of the attention op: the split of one call into work items, and CPU feature
+// detection for the runtime ISA dispatch.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_attention.h"
+
+namespace apex_cpu {
+
+namespace {
+
+// About this many items per thread let dynamic scheduling even out uneven sequences and thread speeds.
+constexpr int64_t kItemsPerThread = 8;
+// Smallest piece of one (seq, kv_head) worth its own item: the per-item cost (query conversion, writing and
+// merging one partial) is a few rows of head_dim, tiny next to 64 KiB of K and V.
+constexpr int64_t kMinItemBytes = 64 * 1024;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace
+
+WorkPlan plan_work(const int32_t* context_lens, int num_seqs, int num_kv_heads, int64_t kv_bytes_per_token,
+                   int num_threads) {
+  WorkPlan plan;
+  int64_t total_tokens = 0;
+  for (int s = 0; s < num_seqs; ++s) total_tokens += int64_t(context_lens[s]) * num_kv_heads;
+
+  // Chunk (tokens per item): total work over the wanted item count, at least kMinItemBytes, panel-aligned.
+  int64_t chunk = INT32_MAX;
+  if (num_threads > 1) {
+    chunk = ceil_div(total_tokens, int64_t(num_threads) * kItemsPerThread);
+    chunk = std::max(chunk, ceil_div(kMinItemBytes, kv_bytes_per_token));
+    chunk = round_up_16(chunk);
+  }
+
+  for (int s = 0; s < num_seqs; ++s) {
+    const int64_t context = context_lens[s];
+    const int64_t wanted_splits = ceil_div(context, chunk);
+    const int64_t piece = round_up_16(ceil_div(context, wanted_splits));  // equal pieces, panel-aligned
+    const int64_t splits = ceil_div(context, piece);
+    for (int h = 0; h < num_kv_heads; ++h) {
+      if (splits == 1) {
+        plan.items.push_back({s, h, 0, int32_t(context), -1});
+        continue;
+      }
+      plan.merges.push_back({s, h, int32_t(plan.num_partials), int32_t(splits)});
+      for (int64_t i = 0; i < splits; ++i) {
+        plan.items.push_back({s, h, int32_t(i * piece), int32_t(std::min(context, (i + 1) * piece)),
+                              int32_t(plan.num_partials++)});
+      }
+      plan.max_splits = std::max(plan.max_splits, int(splits));
+    }
+  }
+  std::stable_sort(plan.items.begin(), plan.items.end(), [](const WorkItem& a, const WorkItem& b) {
+    return a.token_end - a.token_begin > b.token_end - b.token_begin;
+  });
+  return plan;
+}
+
+bool isa_compiled(Isa isa) {
+#if defined(__x86_64__) || defined(_M_X64)
+  (void)isa;
+  return true;
+#else
+  return isa == Isa::Scalar;
+#endif
+}
+
+bool cpu_supports(Isa isa) {
+  if (!isa_compiled(isa)) return false;
+#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__))
+  __builtin_cpu_init();
+  switch (isa) {
+    case Isa::Avx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("fma");
+    case Isa::Avx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case Isa::Scalar:
+      return true;
+  }
+  return false;
+#else
+  return isa == Isa::Scalar;
+#endif
+}
+
+}  // namespace apex_cpu

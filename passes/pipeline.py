@@ -1,0 +1,40 @@
+"""The pass pipeline run by the apex backend on the torch-IR graph dynamo hands it."""
+import warnings
+
+import torch.fx as fx
+
+from passes.fuse_rmsnorm import fuse_rmsnorm
+from passes.fuse_swiglu import fuse_swiglu
+from passes.overlap import overlap_attention
+from passes.partition_attention import describe_dense, partition_attention
+from passes.report import PassReport
+
+ATTENTION_MODES = ("sdpa", "paged")
+
+
+def run_pipeline(gm: fx.GraphModule, attention: str = "sdpa", overlap: bool = False) -> PassReport:
+    """Rewrites `gm` in place and returns the report of what was rewritten.
+
+    attention="sdpa": attention stays dense SDPA; only the fusions apply, and a graph without any fusable
+    pattern passes through unchanged with a warning. attention="paged": every SDPA becomes `apex.attention`
+    (raises `PatternError` if any does not match); overlap=True then splits them into launch/device/wait.
+    """
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
+    if overlap and attention != "paged":
+        raise ValueError("overlap=True needs attention='paged' (dense SDPA has nothing to offload)")
+    report = PassReport(attention, overlap)
+    if attention == "paged":
+        partition_attention(gm, report)
+        if overlap:
+            overlap_attention(gm, report)
+    else:
+        describe_dense(gm, report)
+    fuse_rmsnorm(gm, report)
+    fuse_swiglu(gm, report)
+    gm.graph.lint()
+    if not report.rewrites:
+        warnings.warn(
+            "apex backend: no RMSNorm or SwiGLU pattern was found in this graph "
+            f"({len(report.misses)} candidates rejected); it is compiled unchanged", stacklevel=2)
+    return report

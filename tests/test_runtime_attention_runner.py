@@ -1,0 +1,128 @@
+"""PagedAttentionRunner against a float64 reference: decode rows, continued prompt chunks and fresh prompt chunks
+in both pools in one step; the synchronous and the launch/device/wait forms agree; the runner only reads cache
+slots that were written (caches start as NaN)."""
+import random
+
+import pytest
+import torch
+
+from apex_compile.runtime.attention_runner import PagedAttentionRunner, order_chunks
+from apex_compile.runtime.context import attention_runner, get_attention_runner
+from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, CacheShape, KVManager
+from apex_compile.runtime.request import Request, SamplingParams
+from apex_compile.runtime.scheduler import ScheduledChunk
+
+HQ, HKV, D, LAYERS = 4, 2, 32, 2
+
+
+def build_step(seed, specs, block_size=16):
+    """specs: (pool, prior tokens, chunk tokens) per request. Returns runner, ordered chunks, history, new q/k/v."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    shape = CacheShape(LAYERS, HKV, D, block_size, torch.float32)
+    kv = KVManager(shape, 40, 40, torch.device("cpu"))
+    for pool in kv.pools:
+        for cache in pool.key_caches + pool.value_caches:
+            cache.fill_(float("nan"))
+    runner = PagedAttentionRunner(kv, torch.device("cpu"))
+    chunks, history = [], {}
+    for request_id, (pool, prior, num_new) in enumerate(specs):
+        request = Request(request_id, [1] * (prior + num_new), SamplingParams())
+        request.num_computed = prior
+        assert kv.grow(request_id, pool, prior + num_new)
+        # scatter the block ids so tables are not contiguous
+        rng.shuffle(kv.tables[request_id].block_ids)
+        history[request_id] = [(torch.randn(prior, HKV, D, dtype=torch.float64),
+                                torch.randn(prior, HKV, D, dtype=torch.float64)) for _ in range(LAYERS)]
+        chunks.append(ScheduledChunk(request, prior, num_new, pool))
+    # write the prior context with the pool's own append op
+    for chunk in chunks:
+        if chunk.start == 0:
+            continue
+        one = order_chunks([ScheduledChunk(chunk.request, 0, chunk.start, chunk.pool)])
+        runner.prepare(one)
+        part = runner.parts[0]
+        for layer in range(LAYERS):
+            k, v = history[chunk.request.request_id][layer]
+            runner._append[chunk.pool](k.float(), v.float(), part.pool.key_caches[layer],
+                                       part.pool.value_caches[layer], part.slot_mapping)
+    ordered = order_chunks(chunks)
+    total = sum(c.num_tokens for c in ordered)
+    new = [(torch.randn(total, HQ, D, dtype=torch.float64), torch.randn(total, HKV, D, dtype=torch.float64),
+            torch.randn(total, HKV, D, dtype=torch.float64)) for _ in range(LAYERS)]
+    runner.prepare(ordered)
+    return runner, ordered, history, new
+
+
+def reference(ordered, history, q, k, v, layer, scale):
+    """float64 causal attention of every row over its request's history + chunk up to the row's token."""
+    out = torch.empty_like(q)
+    row = 0
+    for chunk in ordered:
+        hk, hv = history[chunk.request.request_id][layer]
+        keys = torch.cat([hk, k[row:row + chunk.num_tokens]])
+        values = torch.cat([hv, v[row:row + chunk.num_tokens]])
+        keys = keys.repeat_interleave(HQ // HKV, dim=1)
+        values = values.repeat_interleave(HQ // HKV, dim=1)
+        for i in range(chunk.num_tokens):
+            ctx = chunk.start + i + 1
+            scores = torch.einsum("hd,thd->ht", q[row + i], keys[:ctx]) * scale
+            out[row + i] = torch.einsum("ht,thd->hd", scores.softmax(-1), values[:ctx])
+        row += chunk.num_tokens
+    return out
+
+
+MIXES = {
+    "decode_device": [(DEVICE_POOL, 5, 1), (DEVICE_POOL, 33, 1), (DEVICE_POOL, 16, 1)],
+    "decode_host": [(HOST_POOL, 7, 1), (HOST_POOL, 48, 1)],
+    "fresh_only": [(DEVICE_POOL, 0, 12), (HOST_POOL, 0, 1), (HOST_POOL, 0, 20)],
+    "everything": [(HOST_POOL, 0, 9), (DEVICE_POOL, 21, 1), (HOST_POOL, 30, 1), (DEVICE_POOL, 0, 17),
+                   (DEVICE_POOL, 17, 9), (HOST_POOL, 3, 14), (DEVICE_POOL, 40, 1)],
+}
+
+
+@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_attention_matches_float64_reference(mix, block_size):
+    runner, ordered, history, new = build_step(len(mix) * block_size, MIXES[mix], block_size)
+    scale = D ** -0.5
+    for layer in range(LAYERS):
+        q, k, v = new[layer]
+        out = runner.attention(layer, q.float(), k.float(), v.float(), scale)
+        assert out.shape == (q.shape[0], HQ, D) and not out.isnan().any()
+        torch.testing.assert_close(out.double(), reference(ordered, history, q, k, v, layer, scale),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_launch_device_wait_equals_attention():
+    runner, ordered, history, new = build_step(7, MIXES["everything"])
+    scale = 0.1
+    for layer in range(LAYERS):
+        q, k, v = (t.float() for t in new[layer])
+        token = runner.offload_launch(layer, q, k, v, scale)
+        assert token.shape == (1,) and token.dtype == q.dtype
+        device_out = runner.device_attention(layer, q, k, v, scale, token)
+        split = runner.offload_wait(layer, token, device_out)
+        # appending the same K/V again at the same slots changes nothing
+        whole = runner.attention(layer, q, k, v, scale)
+        torch.testing.assert_close(split, whole, rtol=0, atol=0)
+        torch.testing.assert_close(split.double(), reference(ordered, history, new[layer][0], new[layer][1],
+                                                             new[layer][2], layer, scale), rtol=1e-5, atol=1e-5)
+
+
+def test_only_device_rows_returns_without_host_part():
+    runner, ordered, history, new = build_step(3, MIXES["decode_device"])
+    q, k, v = (t.float() for t in new[0])
+    token = runner.offload_launch(0, q, k, v, 0.2)
+    out = runner.offload_wait(0, token, runner.device_attention(0, q, k, v, 0.2, token))
+    torch.testing.assert_close(out.double(), reference(ordered, history, *new[0], 0, 0.2), rtol=1e-5, atol=1e-5)
+
+
+def test_context_installs_and_restores_the_runner():
+    runner, *_ = build_step(1, MIXES["decode_host"])
+    with pytest.raises(RuntimeError, match="outside an engine step"):
+        get_attention_runner()
+    with attention_runner(runner):
+        assert get_attention_runner() is runner
+    with pytest.raises(RuntimeError):
+        get_attention_runner()

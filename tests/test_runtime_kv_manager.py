@@ -1,0 +1,92 @@
+"""Block allocator and KV manager: allocation, growth, moves between pools (contents kept), every block back."""
+import pytest
+import torch
+
+from apex_compile.ops import gather_kv
+from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, BlockAllocator, CacheShape, KVManager
+
+
+def make_manager(device_blocks=6, host_blocks=5, block_size=16, layers=2):
+    shape = CacheShape(num_layers=layers, num_kv_heads=2, head_dim=16, block_size=block_size, dtype=torch.float32)
+    return KVManager(shape, device_blocks, host_blocks, torch.device("cpu"))
+
+
+def test_allocator_hands_out_each_block_once_and_takes_all_back():
+    alloc = BlockAllocator(7)
+    first = alloc.allocate(3)
+    second = alloc.allocate(4)
+    assert sorted(first + second) == list(range(7))
+    assert alloc.num_free == 0
+    with pytest.raises(RuntimeError):
+        alloc.allocate(1)
+    alloc.free(second)
+    alloc.free(first)
+    assert alloc.num_free == 7
+    with pytest.raises(RuntimeError, match="double free"):
+        alloc.free([0])
+
+
+def test_block_bytes_counts_k_and_v_of_every_layer():
+    shape = CacheShape(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    assert shape.block_bytes == 2 * 30 * 3 * 16 * 64 * 2
+
+
+def test_grow_allocates_only_missing_blocks_and_refuses_without_taking():
+    kv = make_manager(device_blocks=4)
+    assert kv.grow(1, DEVICE_POOL, 17)  # 2 blocks
+    assert len(kv.tables[1].block_ids) == 2
+    assert kv.grow(1, DEVICE_POOL, 32)  # still 2
+    assert len(kv.tables[1].block_ids) == 2
+    assert kv.grow(2, DEVICE_POOL, 20)  # 2 more: pool full
+    assert kv.num_free(DEVICE_POOL) == 0
+    assert not kv.grow(1, DEVICE_POOL, 33)
+    assert len(kv.tables[1].block_ids) == 2
+    with pytest.raises(RuntimeError, match="lives in the device pool"):
+        kv.grow(1, HOST_POOL, 40)
+    kv.free(1)
+    kv.free(2)
+    kv.free(3)  # holds nothing: no-op
+    assert kv.num_used(DEVICE_POOL) == 0 and not kv.tables
+
+
+@pytest.mark.parametrize("src,dst", [(DEVICE_POOL, HOST_POOL), (HOST_POOL, DEVICE_POOL)])
+def test_move_copies_every_layer_and_frees_the_source(src, dst):
+    kv = make_manager()
+    for pool in kv.pools:
+        for cache in pool.key_caches + pool.value_caches:
+            cache.fill_(float("nan"))
+    num_tokens = 37
+    assert kv.grow(5, src, num_tokens)
+    old_ids = list(kv.tables[5].block_ids)
+    expected = []
+    for layer in range(kv.shape.num_layers):
+        for cache in (kv.pools[src].key_caches[layer], kv.pools[src].value_caches[layer]):
+            cache[old_ids] = torch.randn_like(cache[old_ids])
+        expected.append(gather_kv(kv.pools[src].key_caches[layer], kv.pools[src].value_caches[layer],
+                                  old_ids, num_tokens))
+    kv.move(5, dst)
+    kv.wait_for_moves()
+    assert kv.pool_of(5) == dst and kv.num_used(src) == 0 and kv.num_used(dst) == len(old_ids)
+    new_ids = kv.tables[5].block_ids
+    for layer in range(kv.shape.num_layers):
+        k, v = gather_kv(kv.pools[dst].key_caches[layer], kv.pools[dst].value_caches[layer], new_ids, num_tokens)
+        torch.testing.assert_close(k, expected[layer][0], rtol=0, atol=0)
+        torch.testing.assert_close(v, expected[layer][1], rtol=0, atol=0)
+    kv.free(5)
+    assert kv.num_used(DEVICE_POOL) == kv.num_used(HOST_POOL) == 0
+
+
+def test_move_without_room_raises_and_keeps_the_request():
+    kv = make_manager(device_blocks=6, host_blocks=2)
+    assert kv.grow(1, DEVICE_POOL, 16 * 3)
+    assert not kv.can_move(1, HOST_POOL)
+    with pytest.raises(RuntimeError, match="no room"):
+        kv.move(1, HOST_POOL)
+    assert kv.pool_of(1) == DEVICE_POOL and len(kv.tables[1].block_ids) == 3
+
+
+def test_empty_pool_allocates_nothing():
+    kv = make_manager(device_blocks=0, host_blocks=3)
+    assert kv.pools[DEVICE_POOL].key_caches == []
+    assert not kv.grow(1, DEVICE_POOL, 1)
+    assert 1 not in kv.tables

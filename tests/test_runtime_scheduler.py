@@ -1,0 +1,164 @@
+"""Scheduler: continuous batching, chunked prefill, placement by offload mode, evictions under full pools.
+
+The model is simulated (every sampled token is 0), so these tests check bookkeeping: budgets, block tables,
+invariants after every step, and that every request finishes with all its blocks returned.
+"""
+import random
+
+import pytest
+import torch
+
+from apex_compile.config import ApexConfig
+from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, CacheShape, KVManager
+from apex_compile.runtime.request import Request, RequestStatus, SamplingParams
+from apex_compile.runtime.scheduler import Scheduler
+
+BLOCK = 16
+
+
+def make(device_blocks, host_blocks, **config):
+    shape = CacheShape(num_layers=1, num_kv_heads=1, head_dim=16, block_size=BLOCK, dtype=torch.float32)
+    kv = KVManager(shape, device_blocks, host_blocks, torch.device("cpu"))
+    return Scheduler(ApexConfig(**config), kv), kv
+
+
+def add(sched, request_id, prompt_len, max_new):
+    request = Request(request_id, list(range(1, prompt_len + 1)), SamplingParams(max_new_tokens=max_new))
+    sched.add(request)
+    return request
+
+
+def check_invariants(sched, kv, plan):
+    config = sched.config
+    assert sum(c.num_tokens for c in plan.chunks) <= config.max_num_batched_tokens
+    assert len(sched.running) <= config.max_num_seqs
+    assert len({c.request.request_id for c in plan.chunks}) == len(plan.chunks)
+    for chunk in plan.chunks:
+        request = chunk.request
+        assert request.status is RequestStatus.RUNNING
+        assert chunk.start == request.num_computed and chunk.num_tokens >= 1
+        assert chunk.pool == kv.pool_of(request.request_id) and chunk.pool in sched.run_pools
+        assert len(kv.tables[request.request_id].block_ids) * BLOCK >= chunk.start + chunk.num_tokens
+    for request in sched.waiting:
+        assert request.request_id not in kv.tables
+    for request in sched.parked:
+        assert kv.pool_of(request.request_id) == sched.park_pool
+    for pool in (DEVICE_POOL, HOST_POOL):
+        held = sum(len(t.block_ids) for t in kv.tables.values() if t.pool == pool)
+        assert held == kv.num_used(pool)
+
+
+def drive(sched, kv, max_steps=2000):
+    """Runs the simulated engine to the end; returns the plans and, per step, [(num_tokens, samples)]."""
+    plans, shapes = [], []
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            return plans, shapes
+        plan = sched.schedule()
+        assert plan.chunks, "no progress"
+        check_invariants(sched, kv, plan)
+        plans.append(plan)
+        shapes.append([(c.num_tokens, c.samples) for c in plan.chunks])
+        for chunk in plan.chunks:
+            chunk.request.num_computed += chunk.num_tokens
+        for chunk in plan.chunks:
+            if chunk.samples:
+                request = chunk.request
+                request.output_token_ids.append(0)
+                if len(request.output_token_ids) == request.sampling.max_new_tokens:
+                    sched.finish(request, "length")
+    raise AssertionError("requests did not finish")
+
+
+def test_chunked_prefill_splits_a_long_prompt_by_the_token_budget():
+    sched, kv = make(20, 0, offload="never", max_num_batched_tokens=32)
+    request = add(sched, 0, 100, 3)
+    _, shapes = drive(sched, kv)
+    assert shapes == [[(32, False)], [(32, False)], [(32, False)], [(4, True)], [(1, True)], [(1, True)]]
+    assert request.finish_reason == "length" and len(request.output_token_ids) == 3
+    assert kv.num_used(DEVICE_POOL) == 0
+
+
+def test_decode_tokens_go_first_and_new_prompts_share_the_budget():
+    sched, kv = make(40, 0, offload="never", max_num_batched_tokens=20)
+    first = add(sched, 0, 10, 5)
+    plan = sched.schedule()
+    assert [(c.request, c.num_tokens) for c in plan.chunks] == [(first, 10)]
+    first.num_computed = 10
+    first.output_token_ids.append(0)
+    second = add(sched, 1, 30, 5)
+    plan = sched.schedule()
+    assert [(c.request, c.num_tokens) for c in plan.chunks] == [(first, 1), (second, 19)]
+
+
+@pytest.mark.parametrize("offload,expected", [("never", (4, 0)), ("auto", (4, 0)), ("all", (0, 4)),
+                                              (0.5, (2, 2)), (0.25, (3, 1))])
+def test_placement_follows_the_offload_mode(offload, expected):
+    sched, kv = make(50, 50, offload=offload)
+    for i in range(4):
+        add(sched, i, 20, 4)
+    plan = sched.schedule()
+    pools = [c.pool for c in plan.chunks]
+    assert (pools.count(DEVICE_POOL), pools.count(HOST_POOL)) == expected
+    drive(sched, kv)
+    assert kv.num_used(DEVICE_POOL) == kv.num_used(HOST_POOL) == 0
+
+
+@pytest.mark.parametrize("offload,preemption", [("never", "swap"), ("never", "recompute"), ("all", "swap"),
+                                                (0.5, "swap")])
+def test_full_pools_evict_and_every_request_finishes_with_all_blocks_back(offload, preemption):
+    rng = random.Random(hash((str(offload), preemption)) % 1000)
+    sched, kv = make(9, 6, offload=offload, preemption=preemption, max_num_batched_tokens=48, max_num_seqs=6)
+    requests = [add(sched, i, rng.randint(1, 40), rng.randint(1, 60)) for i in range(12)]
+    plans, _ = drive(sched, kv)
+    assert all(r.is_finished and len(r.output_token_ids) == r.sampling.max_new_tokens for r in requests)
+    assert kv.num_used(DEVICE_POOL) == kv.num_used(HOST_POOL) == 0 and not kv.tables
+    evictions = sum(len(p.parked) + len(p.recomputed) + len(p.moved) for p in plans)
+    assert evictions > 0
+    if preemption == "recompute":
+        assert sum(len(p.parked) for p in plans) == 0
+    if offload == "never" and preemption == "swap":
+        assert sum(len(p.parked) for p in plans) > 0 and sum(len(p.resumed) for p in plans) > 0
+
+
+def test_fraction_mode_moves_a_request_to_the_other_pool_when_its_pool_is_full():
+    sched, kv = make(8, 6, offload=0.5)
+    a = add(sched, 0, 20, 40)  # host (the first placement goes to the host pool)
+    b = add(sched, 1, 20, 40)  # device
+    c = add(sched, 2, 20, 40)  # host, until a and c outgrow its 6 blocks
+    plans, _ = drive(sched, kv)
+    assert [(r, pool) for p in plans for r, pool in p.moved] == [(c, DEVICE_POOL)]
+    assert all(r.is_finished for r in (a, b, c)) and kv.num_used(DEVICE_POOL) == kv.num_used(HOST_POOL) == 0
+
+
+def test_max_num_seqs_limits_the_running_set():
+    sched, kv = make(100, 0, offload="never", max_num_seqs=3)
+    for i in range(7):
+        add(sched, i, 5, 2)
+    plan = sched.schedule()
+    assert len(plan.chunks) == 3 and len(sched.waiting) == 4
+    drive(sched, kv)
+
+
+def test_request_larger_than_every_running_pool_is_refused_at_add():
+    sched, kv = make(4, 100, offload="never")
+    with pytest.raises(ValueError, match="holds 64 tokens"):
+        add(sched, 0, 40, 30)
+    assert not sched.has_unfinished()
+
+
+def test_offload_mode_needs_blocks_in_the_pools_it_runs():
+    with pytest.raises(ValueError, match="cpu_cache_size"):
+        make(10, 0, offload="all")
+    with pytest.raises(ValueError, match="gpu_cache_size"):
+        make(0, 10, offload=0.5)
+
+
+def test_abort_all_returns_every_block():
+    sched, kv = make(6, 6, offload=0.5)
+    for i in range(4):
+        add(sched, i, 30, 10)
+    sched.schedule()
+    assert kv.num_used(DEVICE_POOL) + kv.num_used(HOST_POOL) > 0
+    sched.abort_all()
+    assert kv.num_used(DEVICE_POOL) == kv.num_used(HOST_POOL) == 0 and not sched.has_unfinished()

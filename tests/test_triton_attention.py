@@ -1,0 +1,356 @@
+"""GPU paged KV cache ops: allocate_kv_cache_gpu, apex::cache_append_gpu, apex::paged_attention_gpu (decode)
+and apex::paged_prefill_attention_gpu, against float64 references that decode the layout of notes/HELPERS.md
+independently of the kernels.
+
+The "cpu" device runs the torch/C++ CPU path in a normal session and the Triton interpreter when
+TRITON_INTERPRET=1 (tests/test_triton_interpreter.py runs this file that way in a subprocess).
+Caches are filled with NaN before any append, so a kernel that reads an unwritten slot fails.
+"""
+import os
+
+import pytest
+import torch
+
+from apex_compile.kernels.paged_attention import (
+    allocate_kv_cache_gpu,
+    cache_append_gpu,
+    decode_split_plan,
+    paged_attention_gpu,
+    paged_decode_launch,
+)
+from apex_compile.kernels.prefill_attention import paged_prefill_attention_gpu, paged_prefill_launch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        not HAS_CUDA or INTERPRET, reason="needs CUDA (and no interpreter)")]),
+]
+TRITON_DEVICES = [
+    pytest.param("cpu", id="interpret", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
+    DEVICES[1],
+]
+CUDA_ONLY = [DEVICES[1]]
+not_interpreted = pytest.mark.skipif(INTERPRET, reason="CPU op path only (not under the interpreter)")
+
+
+def tolerance(dtype, device):
+    if dtype == torch.float32:
+        return 1e-5
+    # The interpreter rounds fp32 -> bf16 toward zero (the GPU rounds to nearest even): allow twice the error.
+    return 2e-2 if device == "cpu" and INTERPRET else 1e-2
+
+
+def assert_rel_close(out, ref, rel, what):
+    """max |out - ref| <= rel * max |ref|, in float64."""
+    assert not torch.isnan(out).any(), f"{what}: NaN in output"
+    err = (out.double() - ref.double()).abs().max().item()
+    scale = ref.double().abs().max().item()
+    assert err <= rel * max(scale, 1e-30), f"{what}: max error {err:.3g} > {rel:g} * {scale:.3g}"
+
+
+def logical_key_cache(key_cache):
+    """[num_blocks, num_kv_heads, block_size, head_dim] token-major view of the panel-transposed K cache."""
+    num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
+    panels = key_cache.reshape(num_blocks, num_kv_heads, block_size // 16, head_dim, 16)
+    return panels.transpose(3, 4).reshape(num_blocks, num_kv_heads, block_size, head_dim)
+
+
+def write_sequence(key_cache, value_cache, block_table_row, key, value):
+    """Stores one sequence's key/value [n, Hkv, D] at tokens 0..n-1 in the documented layout (pure torch)."""
+    num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
+    tokens = torch.arange(key.shape[0], device=key.device)
+    blocks = block_table_row[tokens // block_size].long()
+    in_block = tokens % block_size
+    panels = key_cache.view(num_blocks, num_kv_heads, block_size // 16, head_dim, 16)
+    panels[blocks, :, in_block // 16, :, in_block % 16] = key
+    value_cache[blocks, :, in_block, :] = value
+
+
+class PagedBatch:
+    """Random sequences written into NaN-poisoned paged caches (by `write_sequence`, independent of the
+    kernels), with the logical float64 K/V of every sequence kept for references."""
+
+    def __init__(self, context_lens, num_kv_heads, head_dim, block_size, dtype, device, spare_blocks=3,
+                 extra_table_columns=1):
+        self.context_lens = list(context_lens)
+        blocks_per_seq = [-(-n // block_size) for n in self.context_lens]
+        num_blocks = sum(blocks_per_seq) + spare_blocks
+        self.key_cache, self.value_cache = allocate_kv_cache_gpu(
+            num_blocks, num_kv_heads, block_size, head_dim, dtype, device=device)
+        self.key_cache.fill_(float("nan"))
+        self.value_cache.fill_(float("nan"))
+        width = max(blocks_per_seq) + extra_table_columns
+        # Shuffled physical blocks; unused table entries point at arbitrary (never written) blocks.
+        physical = torch.randperm(num_blocks).tolist()
+        table = torch.randint(0, num_blocks, (len(self.context_lens), width), dtype=torch.int32)
+        for seq, used in enumerate(blocks_per_seq):
+            table[seq, :used] = torch.tensor([physical.pop() for _ in range(used)], dtype=torch.int32)
+        self.block_tables = table.to(device)
+        self.keys, self.values = [], []
+        for seq, n in enumerate(self.context_lens):
+            k = torch.randn(n, num_kv_heads, head_dim, dtype=dtype, device=device)
+            v = torch.randn(n, num_kv_heads, head_dim, dtype=dtype, device=device)
+            write_sequence(self.key_cache, self.value_cache, self.block_tables[seq], k, v)
+            self.keys.append(k.double().cpu())
+            self.values.append(v.double().cpu())
+        self.context_lens_tensor = torch.tensor(self.context_lens, dtype=torch.int32, device=device)
+
+
+def attention_reference(query, keys, values, positions, scale):
+    """float64 attention of query [L, Hq, D] over keys/values [ctx, Hkv, D]; row i sees keys 0..positions[i]."""
+    group = query.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(group, dim=1)
+    v = values.repeat_interleave(group, dim=1)
+    scores = torch.einsum("lhd,thd->hlt", query.double().cpu(), k) * scale
+    allowed = torch.arange(keys.shape[0])[None, :] <= torch.as_tensor(positions)[:, None]
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hlt,thd->lhd", probs, v)
+
+
+def decode_reference(query, batch, scale):
+    return torch.stack([
+        attention_reference(query[s:s + 1], batch.keys[s], batch.values[s], [n - 1], scale)[0]
+        for s, n in enumerate(batch.context_lens)])
+
+
+def make_query(num_seqs, num_heads, head_dim, dtype, device):
+    """A strided query: every other head of a wider tensor, as a slice of a fused QKV output would be."""
+    return torch.randn(num_seqs, 2 * num_heads, head_dim, dtype=dtype, device=device)[:, ::2]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# allocation and append
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_allocate_kv_cache_gpu_shapes_and_validation(device):
+    key_cache, value_cache = allocate_kv_cache_gpu(5, 2, 32, 64, torch.bfloat16, device=device)
+    assert key_cache.shape == value_cache.shape == (5, 2, 32, 64)
+    assert key_cache.dtype == torch.bfloat16 and key_cache.is_contiguous()
+    assert key_cache.device.type == device
+    with pytest.raises(ValueError, match="block_size"):
+        allocate_kv_cache_gpu(5, 2, 24, 64, torch.float32, device=device)
+    with pytest.raises(ValueError, match="head_dim"):
+        allocate_kv_cache_gpu(5, 2, 16, 72, torch.float32, device=device)
+    with pytest.raises(ValueError, match="dtype"):
+        allocate_kv_cache_gpu(5, 2, 16, 64, torch.int8, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size,head_dim,num_kv_heads", [(16, 64, 3), (32, 80, 1)])
+def test_cache_append_writes_the_documented_layout(device, dtype, block_size, head_dim, num_kv_heads):
+    num_blocks, tokens = 4, 11
+    key_cache, value_cache = allocate_kv_cache_gpu(num_blocks, num_kv_heads, block_size, head_dim, dtype, device)
+    key_cache.fill_(float("nan"))
+    value_cache.fill_(float("nan"))
+    # Strided key/value: slices of a fused [tokens, 3 * heads, head_dim] projection output.
+    qkv = torch.randn(tokens, 3 * num_kv_heads, head_dim, dtype=dtype, device=device)
+    key, value = qkv[:, num_kv_heads:2 * num_kv_heads], qkv[:, 2 * num_kv_heads:]
+    slots = torch.randperm(num_blocks * block_size)[:tokens]
+    slots[3] = -1  # padding row: skipped
+    cache_append_gpu(key, value, key_cache, value_cache, slots.to(device))
+
+    written = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    logical_k = logical_key_cache(key_cache.cpu()).permute(0, 2, 1, 3).reshape(-1, num_kv_heads, head_dim)
+    logical_v = value_cache.cpu().permute(0, 2, 1, 3).reshape(-1, num_kv_heads, head_dim)
+    for token, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        written[slot] = True
+        assert torch.equal(logical_k[slot], key[token].cpu()), f"K of token {token} at slot {slot}"
+        assert torch.equal(logical_v[slot], value[token].cpu()), f"V of token {token} at slot {slot}"
+    assert torch.isnan(logical_k[~written]).all() and torch.isnan(logical_v[~written]).all()
+    # Element (t, d) of K lives at ((t // 16) * head_dim + d) * 16 + t % 16 inside its slab.
+    slot = int(slots[0])
+    block, t = divmod(slot, block_size)
+    slab = key_cache[block, num_kv_heads - 1].reshape(-1).cpu()
+    d = head_dim - 1
+    assert torch.equal(slab[((t // 16) * head_dim + d) * 16 + t % 16], key[0, num_kv_heads - 1, d].cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cache_append_rejects_bad_inputs(device):
+    key_cache, value_cache = allocate_kv_cache_gpu(2, 1, 16, 16, torch.float32, device)
+    key = torch.randn(3, 1, 16, device=device)
+    with pytest.raises((ValueError, RuntimeError)):
+        cache_append_gpu(key, key, key_cache, value_cache, torch.zeros(3, dtype=torch.int32, device=device))
+    with pytest.raises((ValueError, RuntimeError)):
+        cache_append_gpu(key[:, :, :8], key[:, :, :8], key_cache, value_cache,
+                         torch.zeros(3, dtype=torch.int64, device=device))
+    if device == "cpu":  # on CUDA the range check would need a device sync; the kernel skips such slots
+        with pytest.raises((IndexError, RuntimeError)):
+            cache_append_gpu(key, key, key_cache, value_cache, torch.tensor([0, 1, 32], device=device))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# decode
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3, 4, 7, 8])
+def test_decode_gqa_ratios(device, dtype, group):
+    num_kv_heads, head_dim, block_size = 2, 32, 16
+    lens = [1, 16, 45] if device == "cpu" else [1, 16, 45, 700, 2100]
+    batch = PagedBatch(lens, num_kv_heads, head_dim, block_size, dtype, device)
+    query = make_query(len(lens), num_kv_heads * group, head_dim, dtype, device)
+    out = paged_attention_gpu(query, batch.key_cache, batch.value_cache, batch.block_tables,
+                              batch.context_lens_tensor)
+    assert out.shape == query.shape and out.dtype == dtype and out.device.type == device
+    assert_rel_close(out, decode_reference(query, batch, head_dim ** -0.5), tolerance(dtype, device), "decode")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_size,head_dim", [(32, 80), (64, 64)])
+def test_decode_block_sizes_head_dims_and_scale(device, block_size, head_dim):
+    lens = [block_size, block_size + 1, 3 * block_size - 5]
+    batch = PagedBatch(lens, 1, head_dim, block_size, torch.float32, device)
+    query = make_query(len(lens), 4, head_dim, torch.float32, device)
+    out = paged_attention_gpu(query, batch.key_cache, batch.value_cache, batch.block_tables,
+                              batch.context_lens_tensor, scale=0.3)
+    assert_rel_close(out, decode_reference(query, batch, 0.3), 1e-5, "decode")
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens_per_split", [64, 128])
+def test_decode_split_k_with_empty_and_ragged_splits(device, dtype, tokens_per_split):
+    lens = [1, 70, 300]  # the short rows leave most splits empty; 300 ends inside a split
+    batch = PagedBatch(lens, 2, 64, 16, dtype, device)
+    query = make_query(len(lens), 6, 64, dtype, device)
+    out = paged_decode_launch(query, batch.key_cache, batch.value_cache, batch.block_tables,
+                              batch.context_lens_tensor, tokens_per_split=tokens_per_split)
+    assert_rel_close(out, decode_reference(query, batch, 64 ** -0.5), tolerance(dtype, device), "split decode")
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_decode_results_do_not_depend_on_max_context_len_hint(device):
+    lens = [300, 40, 513] if device == "cpu" else [3000, 40, 5130]
+    batch = PagedBatch(lens, 2, 32, 32, torch.float32, device)
+    query = make_query(len(lens), 4, 32, torch.float32, device)
+    ref = decode_reference(query, batch, 32 ** -0.5)
+    for hint in (None, 1, 64, max(lens)):
+        out = paged_attention_gpu(query, batch.key_cache, batch.value_cache, batch.block_tables,
+                                  batch.context_lens_tensor, max_context_len=hint)
+        assert_rel_close(out, ref, 1e-5, f"decode with max_context_len={hint}")
+
+
+def test_decode_split_plan():
+    cpu = torch.device("cpu")
+    assert decode_split_plan(64, 8, 4096, cpu) == (1, 4096)  # enough programs: one split
+    splits, per_split = decode_split_plan(1, 2, 8192, cpu)
+    assert splits > 1 and per_split % 64 == 0 and splits * per_split >= 8192
+    assert decode_split_plan(1, 1, 100, cpu) == (1, 128)  # short contexts are not split
+
+
+@pytest.mark.parametrize("device", CUDA_ONLY)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 64, 256])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(32, 32, 128), (32, 8, 128), (28, 4, 128), (8, 1, 256)])
+def test_decode_cuda_model_layouts(device, dtype, block_size, num_heads, num_kv_heads, head_dim):
+    lens = [1, 17, 1000, 4099, 9000]
+    batch = PagedBatch(lens, num_kv_heads, head_dim, block_size, dtype, device)
+    query = make_query(len(lens), num_heads, head_dim, dtype, device)
+    out = paged_attention_gpu(query, batch.key_cache, batch.value_cache, batch.block_tables,
+                              batch.context_lens_tensor, max_context_len=max(lens))
+    assert_rel_close(out, decode_reference(query, batch, head_dim ** -0.5), 1e-2, "decode")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_rejects_bad_inputs(device):
+    batch = PagedBatch([5, 9], 2, 16, 16, torch.float32, device)
+    query = torch.randn(2, 4, 16, device=device)
+    args = (batch.key_cache, batch.value_cache, batch.block_tables)
+    with pytest.raises((TypeError, RuntimeError)):
+        paged_attention_gpu(query.double(), *args, batch.context_lens_tensor)
+    with pytest.raises((ValueError, RuntimeError)):
+        paged_attention_gpu(query, *args, batch.context_lens_tensor.long())
+    if device == "cpu":  # data-dependent checks are made on CPU tensors only (no device sync on CUDA)
+        with pytest.raises((ValueError, RuntimeError)):
+            paged_attention_gpu(query, *args, torch.tensor([5, 0], dtype=torch.int32))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# prefill
+
+
+def prefill_case(query_lens, context_lens, num_kv_heads, group, head_dim, block_size, dtype, device):
+    batch = PagedBatch(context_lens, num_kv_heads, head_dim, block_size, dtype, device)
+    query = make_query(sum(query_lens), num_kv_heads * group, head_dim, dtype, device)
+    starts = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+    refs, begin = [], 0
+    for q_len, n, keys, values in zip(query_lens, context_lens, batch.keys, batch.values):
+        positions = list(range(n - q_len, n))
+        refs.append(attention_reference(query[begin:begin + q_len], keys, values, positions, head_dim ** -0.5))
+        begin += q_len
+    return batch, query, starts, torch.cat(refs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3, 4, 7, 8])
+def test_prefill_whole_prompts_and_chunks(device, dtype, group):
+    # A whole prompt, a chunk after a cached prefix, a decode-like row, and a prompt ending mid-block.
+    query_lens, context_lens = [19, 5, 1, 16], [19, 40, 7, 16]
+    if device == "cuda":
+        query_lens, context_lens = [300, 77, 1, 1024], [300, 500, 7, 1500]
+    batch, query, starts, ref = prefill_case(query_lens, context_lens, 1, group, 32, 16, dtype, device)
+    out = paged_prefill_attention_gpu(query, batch.key_cache, batch.value_cache, batch.block_tables, starts,
+                                      batch.context_lens_tensor)
+    assert out.shape == query.shape and out.dtype == dtype
+    assert_rel_close(out, ref, tolerance(dtype, device), "prefill")
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_prefill_writes_every_row_with_several_query_blocks(device):
+    config = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    batch, query, starts, ref = prefill_case([40, 3], [40, 50], 2, 2, 80, 32, torch.float32, device)
+    out = paged_prefill_launch(query, batch.key_cache, batch.value_cache, batch.block_tables, starts,
+                               batch.context_lens_tensor, max_query_len=40, config=config)
+    assert_rel_close(out, ref, 1e-5, "prefill")
+
+
+@pytest.mark.parametrize("device", CUDA_ONLY)
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(32, 8, 128), (8, 1, 256)])
+def test_prefill_cuda_model_layouts(device, block_size, num_heads, num_kv_heads, head_dim):
+    query_lens, context_lens = [2000, 129, 1], [2000, 700, 3000]
+    batch, query, starts, ref = prefill_case(query_lens, context_lens, num_kv_heads, num_heads // num_kv_heads,
+                                             head_dim, block_size, torch.bfloat16, device)
+    out = paged_prefill_attention_gpu(query, batch.key_cache, batch.value_cache, batch.block_tables, starts,
+                                      batch.context_lens_tensor, max_query_len=max(query_lens))
+    assert_rel_close(out, ref, 1e-2, "prefill")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_rejects_bad_inputs(device):
+    batch, query, starts, _ = prefill_case([4, 2], [4, 6], 1, 2, 16, 16, torch.float32, device)
+    args = (batch.key_cache, batch.value_cache, batch.block_tables)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        paged_prefill_attention_gpu(query, *args, starts[:-1], batch.context_lens_tensor)
+    if device == "cpu":
+        with pytest.raises(ValueError, match="more query tokens"):
+            paged_prefill_attention_gpu(query, *args, starts, torch.tensor([3, 6], dtype=torch.int32))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# op registration
+
+
+@not_interpreted
+def test_attention_op_registration():
+    batch = PagedBatch([5, 20], 2, 16, 16, torch.float32, "cpu")
+    query = torch.randn(2, 4, 16)
+    torch.library.opcheck(torch.ops.apex.paged_attention_gpu.default,
+                          (query, batch.key_cache, batch.value_cache, batch.block_tables, batch.context_lens_tensor))
+    starts = torch.tensor([0, 3, 7], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.apex.paged_prefill_attention_gpu.default,
+                          (torch.randn(7, 4, 16), batch.key_cache, batch.value_cache, batch.block_tables, starts,
+                           batch.context_lens_tensor))
+    key_cache, value_cache = torch.zeros(2, 2, 16, 16), torch.zeros(2, 2, 16, 16)
+    torch.library.opcheck(torch.ops.apex.cache_append_gpu.default,
+                          (torch.randn(3, 2, 16), torch.randn(3, 2, 16), key_cache, value_cache,
+                           torch.tensor([0, 5, 17])))

@@ -1,0 +1,144 @@
+"""apex::rms_norm: Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1) and the torch CPU path.
+
+The "cpu" device runs the torch implementation in a normal session and the Triton interpreter when
+TRITON_INTERPRET=1 (tests/test_triton_interpreter.py runs this file that way in a subprocess).
+"""
+import os
+
+import pytest
+import torch
+
+from apex_compile.kernels.rms_norm import MAX_SINGLE_PASS_HIDDEN, rms_norm, rms_norm_launch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cuda", id="cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        not HAS_CUDA or INTERPRET, reason="needs CUDA (and no interpreter)")]),
+]
+TRITON_DEVICES = [
+    pytest.param("cpu", id="interpret", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
+    DEVICES[1],
+]
+not_interpreted = pytest.mark.skipif(INTERPRET, reason="torch CPU path only (not under the interpreter)")
+
+
+def bf16_tolerance(device):
+    # The interpreter rounds fp32 -> bf16 toward zero (the GPU rounds to nearest even): allow twice the error.
+    return 2e-2 if device == "cpu" and INTERPRET else 1e-2
+
+
+TOLERANCE = {torch.float32: lambda device: 1e-5, torch.bfloat16: bf16_tolerance}
+
+
+def assert_rel_close(out, ref, rel, what):
+    """max |out - ref| <= rel * max |ref|, in float64."""
+    assert not torch.isnan(out).any(), f"{what}: NaN in output"
+    err = (out.double() - ref.double()).abs().max().item()
+    scale = ref.double().abs().max().item()
+    assert err <= rel * max(scale, 1e-30), f"{what}: max error {err:.3g} > {rel:g} * {scale:.3g}"
+
+
+def reference(x, weight, eps, residual):
+    """HF LlamaRMSNorm in float64, with the rounding of x + residual to x's dtype that HF performs."""
+    hidden = (x.double() + residual.double()).to(x.dtype) if residual is not None else x
+    h = hidden.double()
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.double() * normed, hidden
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 64), (5, 200), (2, 3, 1000)])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_matches_reference(device, dtype, shape, with_residual):
+    x = torch.randn(shape, dtype=dtype, device=device) * 3
+    residual = torch.randn(shape, dtype=dtype, device=device) if with_residual else None
+    weight = torch.randn(shape[-1], dtype=dtype, device=device)
+    y, residual_out = rms_norm(x, weight, 1e-6, residual)
+    ref_y, ref_hidden = reference(x, weight, 1e-6, residual)
+    assert y.shape == x.shape and y.dtype == dtype and residual_out.dtype == dtype
+    rel = TOLERANCE[dtype](device)
+    assert_rel_close(y, ref_y, rel, "y")
+    assert_rel_close(residual_out, ref_hidden, rel, "residual_out")
+    if residual is None:
+        assert residual_out.data_ptr() != x.data_ptr()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rms_norm_wide_rows_take_the_two_pass_kernel(device):
+    hidden = MAX_SINGLE_PASS_HIDDEN + 1000
+    x = torch.randn(2, hidden, device=device)
+    residual = torch.randn(2, hidden, device=device)
+    weight = torch.randn(hidden, device=device)
+    y, residual_out = rms_norm(x, weight, 1e-5, residual)
+    ref_y, ref_hidden = reference(x, weight, 1e-5, residual)
+    assert_rel_close(y, ref_y, 1e-5, "y")
+    assert_rel_close(residual_out, ref_hidden, 1e-6, "residual_out")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rms_norm_fp32_weight_with_bf16_input_promotes_like_hf(device):
+    x = torch.randn(4, 96, dtype=torch.bfloat16, device=device)
+    weight = torch.randn(96, dtype=torch.float32, device=device)
+    y, residual_out = rms_norm(x, weight, 1e-6)
+    assert y.dtype == torch.float32 and residual_out.dtype == torch.bfloat16
+    ref_y, _ = reference(x, weight, 1e-6, None)
+    assert_rel_close(y, ref_y, TOLERANCE[torch.bfloat16](device), "y")
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("hidden", [48, MAX_SINGLE_PASS_HIDDEN + 16])
+def test_rms_norm_kernel_writes_every_output_element(device, hidden):
+    x = torch.randn(3, hidden, dtype=torch.bfloat16, device=device)
+    residual = torch.randn(3, hidden, dtype=torch.bfloat16, device=device)
+    weight = torch.randn(hidden, dtype=torch.bfloat16, device=device)
+    y = torch.full_like(x, float("nan"))
+    residual_out = torch.full_like(x, float("nan"))
+    rms_norm_launch(x, weight, 1e-6, residual, y, residual_out)
+    ref_y, ref_hidden = reference(x, weight, 1e-6, residual)
+    assert_rel_close(y, ref_y, bf16_tolerance(device), "y")
+    assert_rel_close(residual_out, ref_hidden, bf16_tolerance(device), "residual_out")
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=not_interpreted), DEVICES[1]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_hf_llama_rms_norm(device, dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    hidden = 256
+    module = LlamaRMSNorm(hidden, eps=1e-5).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        module.weight.copy_(torch.randn(hidden))
+    x = torch.randn(7, hidden, dtype=dtype, device=device)
+    residual = torch.randn(7, hidden, dtype=dtype, device=device)
+    y, residual_out = rms_norm(x, module.weight.detach(), 1e-5, residual)
+    with torch.no_grad():
+        ref = module(residual + x)
+    assert torch.equal(residual_out, residual + x)
+    if device == "cpu":
+        assert torch.equal(y, ref)  # the torch path is LlamaRMSNorm op for op
+    else:
+        # The kernel's fp32 sum order differs from torch's: results may differ by one final rounding.
+        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -22
+        assert ((y.double() - ref.double()).abs() <= ulp * ref.double().abs() + 1e-30).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rms_norm_rejects_bad_inputs(device):
+    x = torch.randn(2, 32, device=device)
+    with pytest.raises(ValueError, match="weight shape"):
+        rms_norm(x, torch.ones(16, device=device), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        rms_norm(x, torch.ones(32, device=device), 1e-6, torch.randn(2, 32, dtype=torch.float64, device=device))
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        rms_norm(x.to(torch.int32), torch.ones(32, device=device), 1e-6)
+
+
+@not_interpreted
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_op_registration(with_residual):
+    x = torch.randn(3, 5, 32)
+    residual = torch.randn(3, 5, 32) if with_residual else None
+    torch.library.opcheck(torch.ops.apex.rms_norm.default, (x, torch.randn(32), 1e-6, residual))
