@@ -11,8 +11,10 @@ in a fresh interpreter. Options (`torch.compile(..., options={...})`):
   "eager" otherwise: on CPU the heavy ops are the apex kernels and ATen GEMMs, and inductor's C++
   compile of a whole decoder costs minutes on small CI machines for little gain.
 - "on_report": callable receiving the `passes.PassReport` of each compiled graph.
-`mode` (e.g. "reduce-overhead", "max-autotune") is applied to inductor; with "paged", inductor's graph
-partition keeps the cudagraph-unsafe apex attention ops out of CUDA graphs.
+- "mode": inductor's mode ("reduce-overhead", "max-autotune", ...), for torch versions whose torch.compile
+  refuses `mode` and `options` together (2.11 does); torch.compile's own `mode` argument works the same.
+The mode is applied to inductor only; with "paged", inductor's graph partition keeps the cudagraph-unsafe
+apex attention ops out of CUDA graphs.
 """
 import dataclasses
 from typing import Callable, List, Optional
@@ -36,6 +38,7 @@ class BackendOptions:
     overlap: bool = False
     inner: Optional[str] = None
     on_report: Optional[Callable[[PassReport], None]] = None
+    mode: Optional[str] = None
 
     @classmethod
     def parse(cls, options: Optional[dict]) -> "BackendOptions":
@@ -77,6 +80,9 @@ def apex_backend(gm: fx.GraphModule, example_inputs: List, mode: Optional[str] =
                  options: Optional[dict] = None) -> Callable:
     """torch.compile backend: rewrites `gm` with the apex passes and compiles it with the inner compiler."""
     opts = BackendOptions.parse(options)
+    if mode is not None and opts.mode is not None and mode != opts.mode:
+        raise ValueError(f"apex backend: mode={mode!r} and options['mode']={opts.mode!r} disagree")
+    mode = mode or opts.mode
     report = run_pipeline(gm, attention=opts.attention, overlap=opts.overlap)
     if opts.on_report is not None:
         opts.on_report(report)

@@ -28,8 +28,10 @@ class ApexConfig:
         prompt + generated tokens prefilled again later).
     compile: run the model through torch.compile(backend="apex"); False runs the HF modules eagerly with their
         attention routed to the paged runner (debugging, models the compiler cannot capture).
-    inner: what the apex backend hands the rewritten graph to: "inductor", "eager", or None (inductor on CUDA,
-        inductor on CPU as well).
+    inner: what the apex backend hands the rewritten graph to: "inductor", "eager", or None (the backend's
+        default: inductor on CUDA, eager on CPU). "inductor" on CPU also freezes the weights into the graph
+        (oneDNN-packed linear layers; minutes of compiling on a small machine, faster steps; weights changed
+        after the first step are not seen).
     """
 
     gpu_cache_size: Optional[int] = None

@@ -182,7 +182,7 @@ def module_path(node: fx.Node) -> str:
     if not stack:
         return ""
     path = list(stack.values())[-1][0]
-    return re.sub(r"^[A-Z]\['[^']*'\]\.?", "", path)
+    return re.sub(r"^[^.]*\]\.", "", path)  # drop dynamo's source prefix, e.g. L['self'] or L['args'][0]
 
 
 def layer_of(node: fx.Node) -> Optional[int]:

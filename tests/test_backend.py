@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves
 from apex_compile.backend import BackendOptions, apex_backend
 from apex_compile.runtime.context import attention_runner
 from passes import run_pipeline
-from passes_helpers import DenseCausalRunner, engine_step, rel_err, runner_for, tiny_model
+from passes_helpers import engine_step, rel_err, runner_for, tiny_model
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -164,6 +164,49 @@ def test_paged_graph_without_attention_names_what_is_missing():
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="no scaled_dot_product_attention") as error:
         compiled(torch.ones(3))
     assert isinstance(error.value.inner_exception, PatternError)
+
+
+# --------------------------------------------------------------------------------------- attention ops
+
+class StatelessRunner:
+    """Pure functions of the op inputs (opcheck calls each op several times): attention over the step's rows
+    only, the offload split as host half / device half; returns strided results to test the contiguity fix."""
+
+    def attention(self, layer_idx, query, key, value, scale):
+        q, k, v = (t.transpose(0, 1)[None] for t in (query, key, value))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                               enable_gqa=True)
+        return out[0].transpose(0, 1)  # [T, Hq, D] as a non-contiguous view
+
+    def offload_launch(self, layer_idx, query, key, value, scale):
+        return query.new_zeros(1)
+
+    def device_attention(self, layer_idx, query, key, value, scale, token):
+        return self.attention(layer_idx, query, key, value, scale) + token
+
+    def offload_wait(self, layer_idx, token, device_out):
+        return device_out  # aliasing its input: the op must hand back a fresh tensor
+
+
+def test_attention_ops_pass_opcheck():
+    q, k, v = torch.randn(5, 4, 16), torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+    with attention_runner(StatelessRunner()):
+        torch.library.opcheck(torch.ops.apex.attention.default, (q, k, v, 3, 0.25))
+        token = torch.ops.apex.offload_launch(q, k, v, 3, 0.25)
+        torch.library.opcheck(torch.ops.apex.offload_launch.default, (q, k, v, 3, 0.25))
+        torch.library.opcheck(torch.ops.apex.device_attention.default, (q, k, v, 3, 0.25, token))
+        device_out = torch.ops.apex.device_attention(q, k, v, 3, 0.25, token)
+        torch.library.opcheck(torch.ops.apex.offload_wait.default, (token, device_out, 3))
+        waited = torch.ops.apex.offload_wait(token, device_out, 3)
+    assert waited.is_contiguous() and waited.data_ptr() != device_out.data_ptr()
+    assert torch.equal(waited, device_out)
+    tags = torch.ops.apex.attention.default.tags
+    assert not hasattr(torch.Tag, "cudagraph_unsafe") or torch.Tag.cudagraph_unsafe in tags
+
+
+def test_attention_op_outside_a_step_says_so():
+    with pytest.raises(RuntimeError, match="outside an engine step"):
+        torch.ops.apex.attention(torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16), 0, 0.25)
 
 
 # ----------------------------------------------------------------------------------------- registration
@@ -340,20 +383,21 @@ def test_cuda_plain_bf16_with_inductor():
 @pytest.mark.cuda
 @cuda
 def test_cuda_paged_overlap_with_cudagraphs():
+    """Same-shape steps warm up, record and replay the CUDA graphs; the apex ops must run at every step."""
     model = tiny_model("llama", layers=2).to("cuda")
     reports = []
     torch._dynamo.reset()
     compiled = torch.compile(engine_step(model), backend=apex_backend, dynamic=True, fullgraph=True,
-                             mode="reduce-overhead",
-                             options={"attention": "paged", "overlap": True, "on_report": reports.append})
+                             options={"attention": "paged", "overlap": True, "mode": "reduce-overhead",
+                                      "on_report": reports.append})
     runner = runner_for(model, device="cuda")
     pointers = (runner.key_cache.data_ptr(), runner.value_cache.data_ptr())
-    ids = torch.randint(0, 96, (1, 12), device="cuda")
-    positions = torch.arange(12, device="cuda")[None]
+    ids = torch.randint(0, 96, (1, 16), device="cuda")
+    positions = torch.arange(16, device="cuda")[None]
     with torch.no_grad(), attention_runner(runner):
         reference = model(ids).logits[0]
-        first = compiled(ids[:, :8], positions[:, :8], torch.arange(8, device="cuda"))
-        second = compiled(ids[:, 8:], positions[:, 8:], torch.arange(4, device="cuda"))
-    assert rel_err(first, reference[:8]) <= 1e-4 and rel_err(second, reference[8:]) <= 1e-4
-    assert (runner.key_cache.data_ptr(), runner.value_cache.data_ptr()) == pointers and runner.lengths == [12, 12]
+        for start in range(0, 16, 4):
+            chunk = compiled(ids[:, start:start + 4], positions[:, start:start + 4], torch.arange(4, device="cuda"))
+            assert rel_err(chunk, reference[start:start + 4]) <= 1e-4
+    assert (runner.key_cache.data_ptr(), runner.value_cache.data_ptr()) == pointers and runner.lengths == [16, 16]
     assert reports[0].counts["overlap"] == 2

@@ -317,7 +317,7 @@ def test_prefill_writes_every_row_with_several_query_blocks(device):
 @pytest.mark.parametrize("block_size", [16, 128])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(32, 8, 128), (8, 1, 256)])
 def test_prefill_cuda_model_layouts(device, block_size, num_heads, num_kv_heads, head_dim):
-    query_lens, context_lens = [2000, 129, 1], [2000, 700, 3000]
+    query_lens, context_lens = [1000, 129, 1], [1000, 700, 3000]
     batch, query, starts, ref = prefill_case(query_lens, context_lens, num_kv_heads, num_heads // num_kv_heads,
                                              head_dim, block_size, torch.bfloat16, device)
     out = paged_prefill_attention_gpu(query, batch.key_cache, batch.value_cache, batch.block_tables, starts,

@@ -56,6 +56,17 @@ def check_float_dtype(name: str, tensor: torch.Tensor) -> None:
 
 def check_same_device(**tensors: torch.Tensor) -> None:
     """Raises a readable error unless all named tensors live on one device."""
-    devices = {name: t.device for name, t in tensors.items()}
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"tensors on different devices: {devices}")
+    tensor_list = list(tensors.values())
+    first = tensor_list[0].device
+    if any(t.device != first for t in tensor_list[1:]):
+        raise ValueError(f"tensors on different devices: { {name: t.device for name, t in tensors.items()} }")
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of host integers (triton.cdiv costs microseconds per call in recent Triton)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1)."""
+    return 1 << (n - 1).bit_length()

@@ -12,7 +12,8 @@ Decode kernel (`_paged_decode_kernel`), grid (num_seqs, num_kv_heads, num_splits
   share it), so the chunk size does not depend on block_size;
 - loads are unmasked along tokens (tail tokens of the last block are read and discarded: their scores become
   -inf and their V rows are zeroed), which keeps them vectorised; block-table lookups are clamped to the
-  context, so only blocks of the sequence are touched;
+  context, so only blocks of the sequence are touched; whole chunks skip the masking, only a range's last
+  partial chunk is masked (`attend_chunk`, shared with the prefill kernel);
 - online softmax in base 2 with fp32 statistics and accumulator;
 - split-K over long contexts: when num_seqs * num_kv_heads programs cannot fill the GPU, each sequence's
   tokens are split into ranges; each split writes its normalised partial output and log-sum-exp, and
@@ -31,9 +32,11 @@ import triton.language as tl
 from apex_compile.kernels._common import (
     INTERPRET,
     UPCAST_DOT_OPERANDS,
+    cdiv,
     check_float_dtype,
     check_same_device,
     dot_precision,
+    next_pow2,
     sm_count,
 )
 
@@ -44,7 +47,8 @@ DECODE_NUM_STAGES = 2
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 128
 PROGRAMS_PER_SM = 4
-"""Split-K is used until num_seqs * num_kv_heads * num_splits reaches this many programs per SM."""
+"""Decode programs resident per SM (bf16, head_dim 128, 4 warps: 128 registers per thread and ~55 KB of shared
+memory each). Split-K adds splits while all programs still fit in one such wave."""
 
 
 @triton.jit
@@ -72,6 +76,59 @@ def _cache_append_kernel(
     tl.store(key_cache_ptr + key_offsets, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
     value_offsets = (slabs + offset * HEAD_DIM)[:, None] + offs_d[None, :]
     tl.store(value_cache_ptr + value_offsets, value.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def attend_chunk(
+    q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_row, chunk_start, context_len, kv_head, scale_log2e,
+    row_limit, token_limit, k_tile, v_tile,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+):
+    """Online-softmax update of (acc, m_i, l_i) by the BLOCK_T cached tokens from chunk_start (a multiple of 16).
+
+    q: [rows, BLOCK_D] in the cache dtype. With MASKED, row r sees tokens <= row_limit[r] and tokens >=
+    token_limit contribute nothing (their cache slots may hold garbage); without it every token of the chunk is
+    visible to every row (the caller guarantees it). k_tile / v_tile: the chunk-independent parts of the K^T
+    [BLOCK_D, BLOCK_T] and V [BLOCK_T, BLOCK_D] tile offsets (see `_paged_decode_kernel`).
+    """
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_d = tl.arange(0, BLOCK_D)
+    tokens = chunk_start + offs_t
+    # Clamping to the last context token keeps each aligned 16-token panel on one block (block_size >= 16)
+    # and never reads block-table entries past the context.
+    block_ids = tl.load(block_table_row + tl.minimum(tokens, context_len - 1) // BLOCK_SIZE)
+    block_ids = tl.max_constancy(block_ids, [16])
+    slab = (block_ids.to(tl.int64) * NUM_KV_HEADS + kv_head) * (BLOCK_SIZE * HEAD_DIM)
+    in_block = tokens % BLOCK_SIZE
+    k_offsets = (slab + (in_block // 16) * (16 * HEAD_DIM))[None, :] + k_tile
+    k_offsets = tl.max_contiguous(tl.multiple_of(k_offsets, [1, 16]), [1, 16])
+    if BLOCK_D == HEAD_DIM:
+        k = tl.load(k_cache_ptr + k_offsets)
+    else:
+        k = tl.load(k_cache_ptr + k_offsets, mask=(offs_d < HEAD_DIM)[:, None], other=0.0)
+    if UPCAST_DOT:
+        k = k.to(tl.float32)
+    scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2e
+    if MASKED:
+        scores = tl.where(tokens[None, :] <= row_limit[:, None], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v_offsets = (slab + in_block * HEAD_DIM)[:, None] + v_tile
+    if BLOCK_D == HEAD_DIM:
+        v = tl.load(v_cache_ptr + v_offsets)
+    else:
+        v = tl.load(v_cache_ptr + v_offsets, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    if MASKED:
+        v = tl.where((tokens < token_limit)[:, None], v, 0.0)  # p = 0 there, but 0 * NaN would be NaN
+    p = p.to(v_cache_ptr.dtype.element_ty)
+    if UPCAST_DOT:
+        v = v.to(tl.float32)
+        p = p.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
 
 
 @triton.jit(do_not_specialize=["stride_block_tables", "max_blocks_per_seq", "num_splits", "tokens_per_split"])
@@ -111,43 +168,21 @@ def _paged_decode_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     block_table_row = block_tables_ptr + seq64 * stride_block_tables
-    # Per-token parts of the K^T / V tile offsets that do not depend on the chunk.
     k_tile = offs_d[:, None] * 16 + (offs_t % 16)[None, :]
     v_tile = offs_d[None, :]
-    for chunk_start in range(start, end, BLOCK_T):
-        tokens = chunk_start + offs_t
-        valid = tokens < end
-        # Clamping to the last context token keeps each aligned 16-token panel on one block (bs >= 16).
-        block_ids = tl.load(block_table_row + tl.minimum(tokens, context_len - 1) // BLOCK_SIZE)
-        block_ids = tl.max_constancy(block_ids, [16])
-        slab = (block_ids.to(tl.int64) * NUM_KV_HEADS + kv_head) * (BLOCK_SIZE * HEAD_DIM)
-        in_block = tokens % BLOCK_SIZE
-        k_offsets = (slab + (in_block // 16) * (16 * HEAD_DIM))[None, :] + k_tile
-        k_offsets = tl.max_contiguous(tl.multiple_of(k_offsets, [1, 16]), [1, 16])
-        if BLOCK_D == HEAD_DIM:
-            k = tl.load(k_cache_ptr + k_offsets)
-        else:
-            k = tl.load(k_cache_ptr + k_offsets, mask=d_mask[:, None], other=0.0)
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2e
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_offsets = (slab + in_block * HEAD_DIM)[:, None] + v_tile
-        if BLOCK_D == HEAD_DIM:
-            v = tl.load(v_cache_ptr + v_offsets)
-        else:
-            v = tl.load(v_cache_ptr + v_offsets, mask=d_mask[None, :], other=0.0)
-        v = tl.where(valid[:, None], v, 0.0)
-        p = p.to(v_cache_ptr.dtype.element_ty)
-        if UPCAST_DOT:
-            v = v.to(tl.float32)
-            p = p.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    row_limit = tl.zeros([BLOCK_G], dtype=tl.int32) + (end - 1)
+    # Whole chunks need no masking; only the last, partial chunk of the range does.
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_T * BLOCK_T
+    for chunk_start in range(start, full_end, BLOCK_T):
+        acc, m_i, l_i = attend_chunk(
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_row, chunk_start, context_len, kv_head,
+            scale_log2e, row_limit, end, k_tile, v_tile, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_T,
+            False, DOT_PRECISION, UPCAST_DOT)
+    for chunk_start in range(full_end, end, BLOCK_T):
+        acc, m_i, l_i = attend_chunk(
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_row, chunk_start, context_len, kv_head,
+            scale_log2e, row_limit, end, k_tile, v_tile, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_T,
+            True, DOT_PRECISION, UPCAST_DOT)
 
     num_heads = NUM_KV_HEADS * GROUP
     rows = seq64 * num_heads + heads
@@ -250,8 +285,8 @@ def cache_append_launch(key, value, key_cache, value_cache, slot_mapping) -> Non
     _cache_append_kernel[(key.shape[0],)](
         key, value, key_cache, value_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), num_blocks * block_size,
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=max(2, triton.next_power_of_2(num_kv_heads)),
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size, num_warps=2,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=max(2, next_pow2(num_kv_heads)),
+        BLOCK_D=next_pow2(head_dim), BLOCK_SIZE=block_size, num_warps=2,
     )
 
 
@@ -310,12 +345,18 @@ def check_attention_inputs(query, key_cache, value_cache, block_tables, context_
 
 def decode_split_plan(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device,
                       block_t: int = DECODE_BLOCK_T) -> tuple[int, int]:
-    """(num_splits, tokens_per_split) for a decode launch, from shapes only (no device synchronisation)."""
+    """(num_splits, tokens_per_split) for a decode launch, from shapes only (no device synchronisation).
+
+    Splits are added while num_seqs * num_kv_heads * num_splits programs fit in one wave of resident programs
+    (a partly filled second wave would leave most SMs idle at the end), and none is shorter than
+    MIN_TOKENS_PER_SPLIT tokens.
+    """
     programs = max(1, num_seqs * num_kv_heads)
-    wanted = triton.cdiv(PROGRAMS_PER_SM * sm_count(device), programs)
-    splits = max(1, min(wanted, triton.cdiv(max_context_len, MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
-    tokens_per_split = triton.cdiv(triton.cdiv(max(max_context_len, 1), splits), block_t) * block_t
-    return triton.cdiv(max(max_context_len, 1), tokens_per_split), tokens_per_split
+    context = max(max_context_len, 1)
+    splits = max(1, min(PROGRAMS_PER_SM * sm_count(device) // programs, cdiv(context, MIN_TOKENS_PER_SPLIT),
+                        MAX_SPLITS))
+    tokens_per_split = cdiv(cdiv(context, splits), block_t) * block_t
+    return cdiv(context, tokens_per_split), tokens_per_split
 
 
 def paged_decode_launch(query, key_cache, value_cache, block_tables, context_lens, scale=None,
@@ -337,7 +378,7 @@ def paged_decode_launch(query, key_cache, value_cache, block_tables, context_len
     else:
         if tokens_per_split % block_t:
             raise ValueError(f"tokens_per_split must be a multiple of {block_t}")
-        num_splits = triton.cdiv(capacity, tokens_per_split)
+        num_splits = cdiv(capacity, tokens_per_split)
     scale = head_dim ** -0.5 if scale is None else scale
     single = num_splits == 1
     if single:
@@ -345,21 +386,21 @@ def paged_decode_launch(query, key_cache, value_cache, block_tables, context_len
     else:
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_pow2(head_dim)
     num_warps = num_warps or (4 if head_dim <= 128 else 8)
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, context_lens, out, part_out, part_lse,
         scale * LOG2E, query.stride(0), query.stride(1), block_tables.stride(0), block_tables.shape[1],
         num_splits, tokens_per_split,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, BLOCK_T=block_t,
+        BLOCK_G=max(16, next_pow2(group)), BLOCK_SIZE=block_size, BLOCK_T=block_t,
         SINGLE_SPLIT=single, DOT_PRECISION=dot_precision(key_cache.dtype), UPCAST_DOT=UPCAST_DOT_OPERANDS,
         num_warps=num_warps, num_stages=num_stages,
     )
     if not single:
         _paged_decode_merge_kernel[(num_seqs * num_heads,)](
             part_out, part_lse, out, num_splits,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits),
             num_warps=4,
         )
     return out

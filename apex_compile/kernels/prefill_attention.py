@@ -8,9 +8,10 @@ first). Query i of the chunk sits at position `context_len - q_len + i` and atte
 (q_len < context_len), and decode rows (q_len == 1).
 
 Kernel: flash-attention forward, grid (num_heads, query blocks, num_seqs); each program holds BLOCK_M query
-rows of one head and walks the sequence's K/V in chunks of BLOCK_N tokens through the block table (same
-panel-aware K^T loads as the decode kernel), stopping at the causal diagonal; online softmax in base 2.
-Heads of one kv head are adjacent programs, so their shared K/V tiles come from L2.
+rows of one head and walks the sequence's K/V in chunks of BLOCK_N tokens through the block table with the
+decode kernel's chunk step (`attend_chunk`: panel-aware K^T loads, online softmax in base 2): unmasked for
+chunks before the block's first position, causally masked up to the diagonal. Heads of one kv head are
+adjacent programs, so their shared K/V tiles come from L2.
 """
 from typing import Optional
 
@@ -18,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from apex_compile.kernels._common import INTERPRET, UPCAST_DOT_OPERANDS, dot_precision
-from apex_compile.kernels.paged_attention import LOG2E, check_attention_inputs
+from apex_compile.kernels._common import INTERPRET, UPCAST_DOT_OPERANDS, cdiv, dot_precision, next_pow2
+from apex_compile.kernels.paged_attention import LOG2E, attend_chunk, check_attention_inputs
 
 
 @triton.jit(do_not_specialize=["stride_block_tables", "max_blocks_per_seq", "num_q_blocks"])
@@ -59,40 +60,21 @@ def _paged_prefill_kernel(
     # Keys up to the last valid row of this block; nothing for blocks past the end of the chunk.
     kv_end = tl.minimum(context_len, prefix + (q_block + 1) * BLOCK_M)
     kv_end = tl.where(q_block * BLOCK_M < q_len, kv_end, 0)
+    # Chunks entirely at or before the block's first position are visible to every row: no masking.
+    full_end = tl.minimum((prefix + q_block * BLOCK_M + 1) // BLOCK_N * BLOCK_N, kv_end)
     block_table_row = block_tables_ptr + seq.to(tl.int64) * stride_block_tables
     k_tile = offs_d[:, None] * 16 + (offs_n % 16)[None, :]
-    for chunk_start in range(0, kv_end, BLOCK_N):
-        tokens = chunk_start + offs_n
-        block_ids = tl.load(block_table_row + tl.minimum(tokens, context_len - 1) // BLOCK_SIZE)
-        block_ids = tl.max_constancy(block_ids, [16])
-        slab = (block_ids.to(tl.int64) * NUM_KV_HEADS + kv_head) * (BLOCK_SIZE * HEAD_DIM)
-        in_block = tokens % BLOCK_SIZE
-        k_offsets = (slab + (in_block // 16) * (16 * HEAD_DIM))[None, :] + k_tile
-        k_offsets = tl.max_contiguous(tl.multiple_of(k_offsets, [1, 16]), [1, 16])
-        if BLOCK_D == HEAD_DIM:
-            k = tl.load(k_cache_ptr + k_offsets)
-        else:
-            k = tl.load(k_cache_ptr + k_offsets, mask=d_mask[:, None], other=0.0)
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2e
-        scores = tl.where(tokens[None, :] <= positions[:, None], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v_offsets = (slab + in_block * HEAD_DIM)[:, None] + offs_d[None, :]
-        if BLOCK_D == HEAD_DIM:
-            v = tl.load(v_cache_ptr + v_offsets)
-        else:
-            v = tl.load(v_cache_ptr + v_offsets, mask=d_mask[None, :], other=0.0)
-        v = tl.where((tokens < context_len)[:, None], v, 0.0)  # tail slots of the last block hold garbage
-        p = p.to(v_cache_ptr.dtype.element_ty)
-        if UPCAST_DOT:
-            v = v.to(tl.float32)
-            p = p.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    v_tile = offs_d[None, :]
+    for chunk_start in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = attend_chunk(
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_row, chunk_start, context_len, kv_head,
+            scale_log2e, positions, context_len, k_tile, v_tile, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
+            BLOCK_N, False, DOT_PRECISION, UPCAST_DOT)
+    for chunk_start in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = attend_chunk(
+            q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_row, chunk_start, context_len, kv_head,
+            scale_log2e, positions, context_len, k_tile, v_tile, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
+            BLOCK_N, True, DOT_PRECISION, UPCAST_DOT)
 
     out = acc / l_i[:, None]
     out_rows = q_rows * (NUM_KV_HEADS * GROUP) + head
@@ -104,8 +86,8 @@ def default_prefill_config(head_dim: int, device: torch.device) -> dict:
     """Tile sizes of the prefill kernel: 128-row query tiles on the GPU, small tiles under the interpreter."""
     if device.type != "cuda":
         return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
-    if head_dim <= 128:
-        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+    if head_dim <= 128:  # the best of the configs benchmarks/triton_kernels.py tried on the H200
+        return {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
 
 
@@ -141,7 +123,7 @@ def paged_prefill_launch(query, key_cache, value_cache, block_tables, query_star
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     config = config or default_prefill_config(head_dim, query.device)
-    num_q_blocks = triton.cdiv(max_query_len, config["BLOCK_M"])
+    num_q_blocks = cdiv(max_query_len, config["BLOCK_M"])
     if num_q_blocks == 0:
         return out
     scale = head_dim ** -0.5 if scale is None else scale
@@ -149,7 +131,7 @@ def paged_prefill_launch(query, key_cache, value_cache, block_tables, query_star
         query, key_cache, value_cache, block_tables, query_start_loc, context_lens, out,
         scale * LOG2E, query.stride(0), query.stride(1), block_tables.stride(0), block_tables.shape[1],
         num_q_blocks,
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
         BLOCK_SIZE=block_size, BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"],
         DOT_PRECISION=dot_precision(key_cache.dtype), UPCAST_DOT=UPCAST_DOT_OPERANDS,
         num_warps=config["num_warps"], num_stages=config["num_stages"],

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from apex_compile.kernels._common import INTERPRET, check_float_dtype, check_same_device
+from apex_compile.kernels._common import INTERPRET, check_float_dtype, check_same_device, next_pow2
 
 MAX_SINGLE_PASS_HIDDEN = 16384
 LOOP_BLOCK = 4096
@@ -109,7 +109,7 @@ def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
     if rows == 0:
         return
     single_pass = hidden <= MAX_SINGLE_PASS_HIDDEN
-    block_h = triton.next_power_of_2(hidden) if single_pass else LOOP_BLOCK
+    block_h = next_pow2(hidden) if single_pass else LOOP_BLOCK
     num_warps = max(1, min(16, block_h // 512))
     _rms_norm_kernel[(rows,)](
         x2, r2 if r2 is not None else x2, weight, y2, residual_out2,

@@ -26,9 +26,11 @@ import triton.language as tl
 from apex_compile.kernels._common import (
     INTERPRET,
     UPCAST_DOT_OPERANDS,
+    cdiv,
     check_float_dtype,
     check_same_device,
     dot_precision,
+    next_pow2,
 )
 
 DISPATCH_TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "swiglu_dispatch.json")
@@ -106,8 +108,8 @@ def silu_mul_pair_launch(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor
         if t.shape != (rows, cols) or t.stride(1) != 1:
             raise ValueError(f"silu_mul: {name} must be [{rows}, {cols}] with unit column stride, got "
                              f"{tuple(t.shape)} strides {t.stride()}")
-    block = min(2048, triton.next_power_of_2(cols))
-    _silu_mul_kernel[(rows, triton.cdiv(cols, block))](
+    block = min(2048, next_pow2(cols))
+    _silu_mul_kernel[(rows, cdiv(cols, block))](
         gate, up, out, cols, gate.stride(0), up.stride(0), out.stride(0),
         BLOCK=block, num_warps=4 if block >= 1024 else 1,
     )
@@ -198,7 +200,7 @@ def fused_config_fits(config: dict, element_size: int) -> bool:
 
 def default_fused_config(m: int, dtype: torch.dtype) -> dict:
     """A conservative fused-GEMM config for `m` rows (used when the dispatch table gives none)."""
-    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    block_m = min(64, max(16, next_pow2(m)))
     config = {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 128 if dtype != torch.float32 else 64,
               "num_warps": 4, "num_stages": 4}
     element_size = torch.empty((), dtype=dtype).element_size()
@@ -228,7 +230,7 @@ def swiglu_fused_launch(x2: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tens
     if k == 0:
         return out.zero_()
     config = config or default_fused_config(m, x2.dtype)
-    grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
+    grid = (cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"]),)
     _swiglu_fused_kernel[grid](
         x2, w_gate, w_up, out, m, n, k,
         x2.stride(0), w_gate.stride(0), w_up.stride(0), out.stride(0),

@@ -137,9 +137,24 @@ def _compiled_step(model: torch.nn.Module, overlap: bool, inner: Optional[str]):
         options = {"attention": "paged", "overlap": overlap, "on_report": reports.append}
         if inner is not None:
             options["inner"] = inner
-        per_model[key] = (torch.compile(_model_step(model), backend=apex_backend, dynamic=True, options=options),
-                          reports)
+        compiled = torch.compile(_model_step(model), backend=apex_backend, dynamic=True, options=options)
+        if inner == "inductor" and next(model.parameters()).device.type == "cpu":
+            compiled = _with_frozen_weights(compiled)
+        per_model[key] = (compiled, reports)
     return per_model[key]
+
+
+def _with_frozen_weights(compiled: Callable) -> Callable:
+    """Runs `compiled` with inductor's weight freezing on: on CPU, linear layers become oneDNN calls on
+    pre-packed weights (about twice as fast as ATen's GEMM at decode batch sizes). The weights are read when
+    a graph compiles: later changes to them are not seen."""
+    from torch._inductor import config as inductor_config
+
+    def run(*args):
+        with inductor_config.patch(freezing=True):
+            return compiled(*args)
+
+    return run
 
 
 class Engine:
