@@ -122,7 +122,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                               eos_token_ids=apex.engine.default_sampling().eos_token_ids)
 
     start = time.perf_counter()
-    apex.engine.generate(rows[:1], SamplingParams(max_new_tokens=2))  # compiles the step graphs
+    apex.engine.warmup()
     warmup = time.perf_counter() - start
     print(f"compiled the apex step in {warmup:.1f}s (once per process)")
     stats_before = apex.engine.stats.requests_per_pool.copy()

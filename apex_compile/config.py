@@ -14,7 +14,7 @@ class ApexConfig:
     """Settings of the paged-KV runtime.
 
     gpu_cache_size: bytes of KV blocks in the device pool (the model's device; the CPU on a CPU-only run).
-        None: 90% of the free CUDA memory, or 1 GiB when the model is on the CPU.
+        None: 80% of the free CUDA memory, or 1 GiB when the model is on the CPU.
     cpu_cache_size: bytes of KV blocks in the host pool (host memory, attended by the CPU kernel). None: 1 GiB.
     block_size: tokens per KV block (a power of two in 16..256).
     offload: where running requests keep their KV and attend: "never" (device pool), "all" (host pool),

@@ -165,9 +165,15 @@ class ApexModel:
             lines.append("  compile: off (eager HF modules, attention routed to the paged runner)")
         elif not engine.reports:
             lines.append("  compile: apex backend (no graph compiled yet: run generate() first)")
+        shown = []
         for i, report in enumerate(engine.reports):
+            text = str(report)
+            if text in shown:
+                lines.append(f"  compiled graph {i} (another shape): the same rewrites as graph {shown.index(text)}")
+                continue
+            shown.append(text)
             lines.append(f"  compiled graph {i}:")
-            lines.extend("    " + line for line in str(report).splitlines())
+            lines.extend("    " + line for line in text.splitlines())
         stats = engine.stats
         if stats.steps:
             per_pool = ", ".join(f"{n} {c}" for n, c in zip(POOL_NAMES, stats.requests_per_pool))

@@ -80,7 +80,7 @@ def main():
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens, eos_token_ids=tuple(eos))
 
     start = time.perf_counter()
-    apex.engine.generate(rows, SamplingParams(max_new_tokens=4, eos_token_ids=tuple(eos)))
+    apex.engine.warmup()
     compile_seconds = time.perf_counter() - start
     run_hf(model, tokenizer, rows, 4, eos)  # HF warm-up
 

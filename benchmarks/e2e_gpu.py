@@ -102,7 +102,7 @@ def throughput(device, args):
         apex = optimize(model, ApexConfig(offload=offload, gpu_cache_size=gpu_pool, cpu_cache_size=cpu_pool,
                                           max_num_seqs=args.requests, max_num_batched_tokens=args.prefill_tokens))
         start = time.perf_counter()
-        apex.engine.generate(prompts[:2], SamplingParams(max_new_tokens=4))  # compile
+        apex.engine.warmup()
         compile_seconds = time.perf_counter() - start
         steps_before = apex.engine.stats.steps
         torch.cuda.synchronize()

@@ -6,3 +6,11 @@ from apex_compile.ops.cpu_attention import (  # noqa: F401
     paged_attention_cpu,
 )
 from apex_compile.ops.kv_layout import copy_blocks, gather_kv  # noqa: F401
+from apex_compile.kernels.paged_attention import (  # noqa: F401
+    allocate_kv_cache_gpu,
+    cache_append_gpu,
+    paged_attention_gpu,
+)
+from apex_compile.kernels.prefill_attention import paged_prefill_attention_gpu  # noqa: F401
+from apex_compile.kernels.rms_norm import rms_norm  # noqa: F401
+from apex_compile.kernels.swiglu import silu_mul, swiglu  # noqa: F401

@@ -58,12 +58,17 @@ class PagedAttentionRunner:
     """Implements `apex_compile.runtime.context.AttentionRunner` over a `KVManager`'s two pools."""
 
     def __init__(self, kv: KVManager, device: torch.device):
+        from apex_compile.kernels._common import INTERPRET
         from apex_compile.kernels.paged_attention import cache_append_gpu, paged_attention_gpu
         from apex_compile.ops import cache_append_cpu, paged_attention_cpu
 
         self.kv = kv
         self.device = device
-        self._append = {DEVICE_POOL: cache_append_gpu, HOST_POOL: cache_append_cpu}
+        # On a CPU-only run the device pool is host memory too; the GPU ops' CPU kernels are these same C++ ops
+        # behind a custom-op wrapper (~0.2 ms per layer), so call them directly unless Triton is interpreted.
+        self._device_is_cpu = device.type == "cpu" and not INTERPRET
+        self._append = {DEVICE_POOL: cache_append_cpu if self._device_is_cpu else cache_append_gpu,
+                        HOST_POOL: cache_append_cpu}
         self._paged_gpu = paged_attention_gpu
         self._paged_cpu = paged_attention_cpu
         self.parts: List[PoolPart] = []
@@ -117,7 +122,7 @@ class PagedAttentionRunner:
     def _attend(self, part: PoolPart, layer_idx: int, query: torch.Tensor, scale: float) -> torch.Tensor:
         """Paged attention of the part's paged rows (query holds exactly those rows)."""
         pool = part.pool
-        if pool.index == DEVICE_POOL:
+        if pool.index == DEVICE_POOL and not self._device_is_cpu:
             return self._paged_gpu(query, pool.key_caches[layer_idx], pool.value_caches[layer_idx],
                                    part.block_tables, part.context_lens, scale, part.max_context_len)
         return self._paged_cpu(query, pool.key_caches[layer_idx], pool.value_caches[layer_idx], part.block_tables,
@@ -279,7 +284,8 @@ class _HostOffload:
             copied.synchronize()
             if reuse is not None:
                 reuse.synchronize()
-            out_buf.copy_(runner._host_work(part, layer_idx, staged["q"], staged["k"], staged["v"], scale))
+            with torch.inference_mode():  # thread-local: the staging buffers are inference tensors
+                out_buf.copy_(runner._host_work(part, layer_idx, staged["q"], staged["k"], staged["v"], scale))
 
         self.pending[layer_idx] = (self.worker.submit(host_job), out_buf, fresh_out, parity)
 

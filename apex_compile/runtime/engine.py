@@ -192,7 +192,7 @@ class Engine:
         if device_bytes is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
-                device_bytes = int(0.9 * free)
+                device_bytes = int(0.8 * free)
             else:
                 device_bytes = GiB
         host_bytes = GiB if self.config.cpu_cache_size is None else self.config.cpu_cache_size
@@ -446,6 +446,13 @@ class Engine:
         return Completion(index, request.prompt_token_ids, list(request.output_token_ids), text,
                           request.finish_reason, dict(zip(POOL_NAMES, request.steps_per_pool)),
                           request.num_preemptions)
+
+    def warmup(self) -> None:
+        """Compiles the step graphs a run meets (one prompt alone, then a batch, then a lone decode), so that
+        compiling does not land inside a timed run; the compiled graphs are shared by every engine of the model."""
+        prompt = [int(self.model.config.bos_token_id or 1)] * 3
+        self.generate([prompt], SamplingParams(max_new_tokens=2))
+        self.generate([prompt, prompt + prompt], [SamplingParams(max_new_tokens=1), SamplingParams(max_new_tokens=3)])
 
     def blocks_in_use(self) -> dict:
         """Blocks held by requests in each pool (all zero when idle)."""

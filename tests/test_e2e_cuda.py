@@ -1,0 +1,88 @@
+"""End to end on CUDA (skipped without a GPU): a small random Llama config, model on the GPU, requests in the
+device pool and/or the host pool (CPU attention overlapped with the GPU through launch/device/wait).
+
+fp32 (TF32 off): the same tokens as HF generate. bf16: forward logits within BF16_LOGITS_ATOL of HF's (the two
+differ only in op order and fused kernels; bf16 keeps ~3 significant digits of logits of magnitude ~1-10).
+"""
+import pytest
+import torch
+
+from apex_compile.config import ApexConfig
+from apex_compile.model import optimize
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+BF16_LOGITS_ATOL = 0.25
+SMALL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=8,
+             num_key_value_heads=2, vocab_size=1000, max_position_embeddings=1024)
+MB = 1 << 20
+
+
+def random_llama(dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("cuda"):
+            return LlamaForCausalLM(LlamaConfig(**SMALL)).eval()
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def left_padded_batch(lengths):
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long, device="cuda")
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, width - n:] = torch.randint(3, SMALL["vocab_size"], (n,), device="cuda")
+        mask[i, width - n:] = 1
+    return ids, mask
+
+
+@pytest.fixture(scope="module")
+def fp32_model():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return random_llama(torch.float32)
+
+
+@pytest.mark.parametrize("offload", ["never", "all", 0.5])
+def test_greedy_equals_hf_generate_fp32(fp32_model, offload):
+    ids, mask = left_padded_batch([5, 17, 33, 64, 9, 40])
+    with torch.no_grad():
+        ref = fp32_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)
+    apex = optimize(fp32_model, ApexConfig(offload=offload, gpu_cache_size=32 * MB, cpu_cache_size=32 * MB))
+    out = apex.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)
+    assert torch.equal(out, ref)
+    assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+
+
+def test_full_pools_on_cuda_keep_tokens_identical(fp32_model):
+    ids, mask = left_padded_batch([30, 12, 50, 41, 7, 26, 60, 33])
+    with torch.no_grad():
+        ref = fp32_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)
+    block_bytes = 2 * SMALL["num_hidden_layers"] * SMALL["num_key_value_heads"] * 16 * 32 * 4
+    apex = optimize(fp32_model, ApexConfig(offload=0.5, gpu_cache_size=12 * block_bytes,
+                                           cpu_cache_size=12 * block_bytes, max_num_batched_tokens=48))
+    out = apex.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)
+    assert torch.equal(out, ref)
+    stats = apex.engine.stats
+    assert stats.moved + stats.recomputed > 0
+    assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+
+
+def test_bf16_logits_within_tolerance():
+    model = random_llama(torch.bfloat16)
+    apex = optimize(model, ApexConfig(offload=0.5, gpu_cache_size=32 * MB, cpu_cache_size=32 * MB))
+    ids, _ = left_padded_batch([32, 32, 32, 32])
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+    ours = apex(ids).logits.float()
+    assert ours.shape == ref.shape
+    assert float((ours - ref).abs().max()) < BF16_LOGITS_ATOL
