@@ -5,7 +5,8 @@ to the token budget when prefilling), oldest first. When a request's pool has no
 the newest running request of that pool is evicted: moved to the other pool when that pool also runs
 requests (offload fraction) and has room, else parked in the other pool (swap preemption), else its blocks
 are freed and it is prefilled again later (recompute preemption). Parked requests resume before waiting
-requests are admitted; waiting requests are admitted in arrival order while their first chunk fits.
+requests are admitted; waiting requests are admitted in arrival order while their first chunk fits in the
+pool the offload policy picks for them.
 """
 import collections
 import dataclasses
@@ -193,14 +194,18 @@ class Scheduler:
         return False
 
     def _admit_pool(self, request: Request, num_tokens: int) -> Optional[int]:
-        """Allocates the first chunk of a waiting request in the pool the offload policy prefers; None if full."""
+        """Allocates the first chunk of a waiting request in the pool the offload policy picks; None if full.
+
+        With a fraction, the pick keeps the host share of running requests at the fraction; when that pool is
+        full the request waits rather than tipping the share (a pool too small for the whole request is never
+        picked).
+        """
         total = len(request.prompt_token_ids) + request.sampling.max_new_tokens
         fitting = [p for p in self.run_pools if self.kv.pools[p].num_blocks * self.kv.block_size >= total]
+        pool = fitting[0]
         if len(fitting) == 2:
             on_host = sum(1 for r in self.running if self.kv.pool_of(r.request_id) == HOST_POOL)
-            preferred = HOST_POOL if on_host < self.host_fraction * (len(self.running) + 1) else DEVICE_POOL
-            fitting = [preferred, 1 - preferred]
-        for pool in fitting:
-            if self.kv.grow(request.request_id, pool, request.num_computed + num_tokens):
-                return pool
+            pool = HOST_POOL if on_host < self.host_fraction * (len(self.running) + 1) else DEVICE_POOL
+        if self.kv.grow(request.request_id, pool, request.num_computed + num_tokens):
+            return pool
         return None
