@@ -120,6 +120,7 @@ def _model_step(model: torch.nn.Module) -> Callable:
 
 
 _COMPILED_ATTR = "_apex_compiled_steps"
+RECOMPILE_LIMIT = 64  # graphs per step code object: 0/1-size specialisations x models x backend options
 
 
 def _compiled_step(model: torch.nn.Module, overlap: bool, inner: Optional[str]):
@@ -218,9 +219,15 @@ class Engine:
 
             return eager_step
         compiled, self.reports = _compiled_step(model, self.overlap, self.config.inner)
+        # Past dynamo's recompile limit it would run the unrewritten HF forward, which attends over the step's
+        # tokens only: a silently wrong result. Engines of several models and option sets share the step's code
+        # object (and so its limit), hence a generous limit, and an error instead of the fallback.
+        dynamo_limits = {key: value for key, value in (("recompile_limit", RECOMPILE_LIMIT),
+                                                       ("fail_on_recompile_limit_hit", True))
+                         if hasattr(torch._dynamo.config, key)}
 
         def compiled_step(input_ids, position_ids, logits_indices):
-            with _attn_implementation(model.config, "sdpa"):
+            with _attn_implementation(model.config, "sdpa"), torch._dynamo.config.patch(**dynamo_limits):
                 return compiled(input_ids, position_ids, logits_indices)
 
         return compiled_step

@@ -1,0 +1,32 @@
+"""Past dynamo's recompile limit the engine must fail loudly, never run the unrewritten HF forward."""
+import pytest
+import torch
+
+import apex_compile
+from apex_compile.runtime import engine as engine_module
+from passes_helpers import tiny_model
+
+
+def _generate(model, prompt_len):
+    apex = apex_compile.optimize(model, apex_compile.ApexConfig(gpu_cache_size=1 << 22, cpu_cache_size=1 << 22))
+    ids = torch.randint(0, 96, (1, prompt_len))
+    return ids, apex.generate(ids, max_new_tokens=4, do_sample=False)
+
+
+def test_recompile_limit_hit_raises_instead_of_eager_fallback(monkeypatch):
+    torch._dynamo.reset()
+    monkeypatch.setattr(engine_module, "RECOMPILE_LIMIT", 1)
+    # A prefill step (T > 1) then a decode step (T == 1): the second shape needs a second graph.
+    with pytest.raises(Exception, match="(?i)recompil"):
+        _generate(tiny_model("llama", layers=1), prompt_len=5)
+    torch._dynamo.reset()
+
+
+def test_default_limit_serves_prefill_and_decode_shapes():
+    torch._dynamo.reset()
+    model = tiny_model("llama", layers=1)
+    ids, out = _generate(model, prompt_len=5)
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, expected)
+    torch._dynamo.reset()
