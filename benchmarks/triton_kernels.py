@@ -7,24 +7,27 @@ Sections (all in one run; `--sections` picks some):
   silu_mul   silu(gate) * up, bf16, I = 11008/14336, vs F.silu(gate) * up
   mlp        gate/up projections + SiLU-mul (Llama-2-7B 4096->11008, Llama-3-8B 4096->14336, SmolLM2 576->1536),
              bf16, M = 1..512: torch eager (two cuBLAS GEMMs + F.silu * up) vs cuBLAS + silu_mul (one GEMM over a
-             merged [2I, H] buffer, or two GEMMs) vs the fused Triton GEMM (best of a few configs). Produces the
-             swiglu dispatch table (per shape and M: the faster of cuBLAS and fused by GPU time, fused only when
-             >= 3% faster); --write-dispatch stores it in apex_compile/kernels/swiglu_dispatch.json (read by
-             apex::swiglu).
+             merged [2I, H] buffer, or two GEMMs) vs the fused Triton GEMM (best of several configs). Produces
+             the swiglu dispatch table (per shape, M and weight form: the fastest path by GPU time, fused only
+             when >= 3% faster than the best cuBLAS path); --write-dispatch stores it in
+             apex_compile/kernels/swiglu_dispatch.json (read by apex::swiglu). The chosen paths are timed again
+             for the reported apex.swiglu rows.
   decode     paged_attention_gpu, bf16, Llama-2-7B (32/32 heads) and Llama-3-8B (32/8) layouts, batch 1..128,
              context 512..32k, vs torch SDPA on contiguous K/V of the same bytes; a block-size sweep; a sweep of
              the decode launch parameters (chunk, warps, stages, split size)
   prefill    paged_prefill_attention_gpu over packed causal prompts (a few tile configs; the first is the
              default) vs torch SDPA called once per prompt
 
-Timing, two ways, both with triton.testing.do_bench (CUDA events, warm-up, median; it clears L2 before every
-timed run) and with every measured function rotating over several input sets that together exceed twice the
-L2 cache when one set is smaller:
-  - "time" (GPU time): the calls over all input sets are captured once in a CUDA graph and the replay time is
-    divided by the number of calls. Targets and the dispatch table use this: it is what the kernels cost in a
-    CUDA-graphed step, free of host launch overhead.
-  - "eager": one Python call per timed run, so host overhead that the GPU cannot hide shows (op dispatch,
-    Triton launch); reported next to it for both kernel and baseline.
+Timing, two ways, with every measured function rotating over several input sets that together exceed twice
+the L2 cache when one set is smaller (so no call finds its inputs in L2):
+  - "time" (GPU time): the calls over all input sets are captured once in a CUDA graph; the graph is replayed
+    back to back between CUDA events (median of rounds) and the time divided by the number of calls.
+    Targets and the dispatch table use this: it is what the kernels cost in a CUDA-graphed step, free of host
+    launch overhead. (Runs before 2026-11-30 timed each replay with do_bench, which writes a 256 MB buffer
+    before every replay: the next kernel then also pays for writing ~60 MB of someone else's dirty L2 lines
+    back to HBM, ~15 us that no kernel in a decode step pays. `Bench.flushed_graph_ms` keeps that method.)
+  - "eager": one Python call per timed run with triton.testing.do_bench (L2 cleared before each run), so
+    host overhead that the GPU cannot hide shows (op dispatch, Triton launch); reported for kernel and baseline.
 Every kernel output is checked against its baseline before timing; any error is printed with its row and the
 script exits with status 1 after finishing the other rows. Table to stdout, JSON to --out.
 """
@@ -48,15 +51,15 @@ import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
 from apex_compile.kernels.paged_attention import (  # noqa: E402
-    DECODE_BLOCK_T,
     DECODE_NUM_STAGES,
     cache_append_gpu,
+    decode_chunk,
     decode_split_plan,
     paged_attention_gpu,
     paged_decode_launch,
 )
 from apex_compile.kernels.prefill_attention import default_prefill_config, paged_prefill_launch  # noqa: E402
-from apex_compile.kernels.rms_norm import rms_norm  # noqa: E402
+from apex_compile.kernels.rms_norm import rms_norm, rms_norm_launch  # noqa: E402
 from apex_compile.kernels.swiglu import (  # noqa: E402
     DISPATCH_TABLE_PATH,
     dispatch_key,
@@ -74,6 +77,8 @@ REP_MS = 50
 MAX_ROTATION_SETS = 16
 FUSED_MARGIN = 0.97
 """The fused MLP kernel enters the dispatch table only where it takes <= 97% of the cuBLAS path's time."""
+DECISION_ROUNDS = 3
+"""Interleaved timings of each MLP path whose median decides the dispatch table."""
 KV_BUDGET_BYTES = 8 << 30
 """Decode rows whose KV cache would exceed this are skipped (the contiguous baseline copy doubles it)."""
 
@@ -91,11 +96,9 @@ DECODE_SWEEP = ("llama3-8b", 32, 4096, [16, 32, 64, 128, 256])
 """Block-size sweep: layout, batch, context, block sizes."""
 DECODE_TUNE = ("llama3-8b", 32, 2048)
 """Decode launch-parameter sweep (layout, batch, context): informs the defaults in paged_attention.py."""
-DECODE_TUNE_LAUNCHES = [  # (block_t, num_warps, num_stages, tokens_per_split); None: the automatic split plan
-    (DECODE_BLOCK_T, 4, DECODE_NUM_STAGES, None), (64, 4, 3, None), (128, 4, 2, None), (128, 8, 3, None),
-    (32, 4, 3, None), (64, 8, 2, None), (DECODE_BLOCK_T, 4, DECODE_NUM_STAGES, 256),
-    (DECODE_BLOCK_T, 4, DECODE_NUM_STAGES, 512), (DECODE_BLOCK_T, 4, DECODE_NUM_STAGES, 1024),
-    (DECODE_BLOCK_T, 4, DECODE_NUM_STAGES, 2048),
+DECODE_TUNE_LAUNCHES = [  # (block_t, num_warps, num_stages, tokens_per_split); None: the automatic choice
+    (None, 4, DECODE_NUM_STAGES, None), (64, 4, 2, None), (64, 4, 3, None), (128, 4, 2, None), (128, 4, 3, None),
+    (128, 8, 3, None), (32, 4, 3, None), (64, 4, 2, 512), (64, 4, 2, 1024), (128, 4, 2, 1024), (128, 4, 2, 2048),
 ]
 PREFILL_CASES = {
     "full": {"1x4096": [4096], "4x1024": [1024] * 4, "16x256": [256] * 16,
@@ -111,6 +114,34 @@ PREFILL_EXTRA_CONFIGS = [
 
 # ----------------------------------------------------------------------------------------------------------
 # measurement helpers
+
+
+def steady_replay_ms(replay: Callable, rounds: int = 21, round_ms: float = 2.0) -> float:
+    """Median milliseconds of one `replay()` issued back to back: rounds of k replays between two CUDA events,
+    k chosen so that a round lasts about `round_ms` (after a warm-up of the same length)."""
+    replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(3):
+        replay()
+    end.record()
+    end.synchronize()
+    per_replay = max(start.elapsed_time(end) / 3, 1e-3)
+    k = max(1, min(1000, round(round_ms / per_replay)))
+    for _ in range(k):
+        replay()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(k):
+            replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / k)
+    return sorted(times)[len(times) // 2]
+
 
 
 @dataclasses.dataclass
@@ -136,18 +167,35 @@ class Bench:
         return max(1, min(MAX_ROTATION_SETS, math.ceil(2 * self.l2_bytes / max(1, bytes_per_set))))
 
     @staticmethod
-    def graph_ms(calls: List[Callable]) -> float:
-        """GPU milliseconds of one call: all `calls` (one per input set) captured in one CUDA graph, replayed."""
+    def capture(calls: List[Callable]) -> torch.cuda.CUDAGraph:
+        """One CUDA graph running all `calls` (warmed up first, outside the capture: compilation, allocator,
+        cuBLAS workspaces)."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for call in calls:  # warm-up outside the capture (compilation, allocator, cuBLAS workspaces)
+            for call in calls:
                 call()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for call in calls:
                 call()
+        return graph
+
+    @classmethod
+    def graph_ms(cls, calls: List[Callable]) -> float:
+        """GPU milliseconds of one call in steady state: all `calls` (one per input set) in one CUDA graph,
+        replayed back to back; median over rounds of the replay time / number of calls."""
+        graph = cls.capture(calls)
+        ms = steady_replay_ms(graph.replay) / len(calls)
+        del graph
+        return ms
+
+    @classmethod
+    def flushed_graph_ms(cls, calls: List[Callable]) -> float:
+        """Like graph_ms but timed by triton's do_bench, which writes a 256 MB buffer (clearing L2) before every
+        replay: what the runs before 2026-11-30 reported; kept for comparison in the tuning sweep."""
+        graph = cls.capture(calls)
         ms = do_bench(graph.replay, warmup=WARMUP_MS, rep=REP_MS, return_mode="median") / len(calls)
         del graph
         return ms
@@ -238,24 +286,37 @@ def torch_rms_norm(x, weight, residual):
     return weight * (hidden_f32 * torch.rsqrt(variance + EPS)).to(hidden.dtype), hidden
 
 
+def rms_norm_sets(bench, hidden, tokens):
+    """Rotating (x, residual, weight, y, residual_out) sets for rms_norm and the bytes one call moves. Each set
+    has its own outputs: outputs allocated inside a CUDA graph would reuse one address, and up to ~35 MB of
+    writes could then stay in L2 instead of reaching HBM."""
+    bytes_moved = 4 * tokens * hidden * 2 + hidden * 2
+    sets = [(torch.randn(tokens, hidden, dtype=DTYPE, device=DEVICE),
+             torch.randn(tokens, hidden, dtype=DTYPE, device=DEVICE),
+             torch.randn(hidden, dtype=DTYPE, device=DEVICE),
+             torch.empty(tokens, hidden, dtype=DTYPE, device=DEVICE),
+             torch.empty(tokens, hidden, dtype=DTYPE, device=DEVICE))
+            for _ in range(bench.rotation(bytes_moved))]
+    return sets, bytes_moved
+
+
 def bench_rms_norm(bench, grid):
     for hidden in RMS_HIDDEN:
         for tokens in RMS_TOKENS[grid]:
             name = f"H={hidden} tokens={tokens} +residual"
 
             def row(hidden=hidden, tokens=tokens, name=name):
-                bytes_moved = 4 * tokens * hidden * 2 + hidden * 2
-                sets = [(torch.randn(tokens, hidden, dtype=DTYPE, device=DEVICE),
-                         torch.randn(tokens, hidden, dtype=DTYPE, device=DEVICE),
-                         torch.randn(hidden, dtype=DTYPE, device=DEVICE))
-                        for _ in range(bench.rotation(bytes_moved))]
-                x, residual, weight = sets[0]
+                sets, bytes_moved = rms_norm_sets(bench, hidden, tokens)
+                x, residual, weight = sets[0][:3]
                 y, residual_out = rms_norm(x, weight, EPS, residual)
                 ref_y, ref_hidden = torch_rms_norm(x, weight, residual)
                 check_close("rms_norm y", y, ref_y)
                 check_close("rms_norm residual_out", residual_out, ref_hidden)
                 residual_exact = torch.equal(residual_out, ref_hidden)
-                kernel = bench.measure([lambda s=s: rms_norm(s[0], s[2], EPS, s[1]) for s in sets])
+                # GPU time: the kernel writing each set's own outputs; eager time: the apex::rms_norm op call.
+                kernel = Timing(
+                    bench.graph_ms([lambda s=s: rms_norm_launch(s[0], s[2], EPS, s[1], s[3], s[4]) for s in sets]),
+                    bench.eager_ms([lambda s=s: rms_norm(s[0], s[2], EPS, s[1]) for s in sets]))
                 base = bench.measure([lambda s=s: torch_rms_norm(s[0], s[2], s[1]) for s in sets])
                 target = None
                 if tokens >= 4096:
@@ -298,18 +359,35 @@ def bench_silu_mul(bench, grid):
 
 
 def fused_candidates(m: int):
-    """A few fused-GEMM configs for `m` rows, filtered by the shared-memory budget."""
+    """Fused-GEMM configs tried for `m` rows (BLOCK_N, BLOCK_K, warps, stages), filtered by the smem budget.
+
+    Decode sizes stream the weights: narrow N tiles give every SM several programs (11008 / 32 = 344 tiles on
+    132 SMs), deep K tiles and stages keep many weight bytes in flight. From M = 32 a second M tile of 16 rows
+    (re-reading the weight tile from L2) is also tried."""
     block_m = min(128, max(16, triton.next_power_of_2(m)))
-    shapes = [(16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3)]
-    if block_m >= 64:
+    if block_m <= 16:
+        shapes = [(16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3)]
+    elif block_m <= 64:
+        shapes = [(16, 256, 4, 4), (16, 512, 4, 3), (32, 128, 4, 4), (32, 256, 4, 3), (32, 256, 4, 4),
+                  (32, 128, 8, 5), (64, 128, 4, 4), (64, 128, 8, 4), (64, 64, 4, 3), (64, 256, 8, 3)]
+    else:
         shapes = [(64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3), (128, 32, 4, 4)]
     configs = [{"BLOCK_M": block_m, "BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": s}
                for n, k, w, s in shapes]
+    if 32 <= block_m <= 64:
+        configs += [{"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k, "num_warps": 4, "num_stages": s}
+                    for n, k, s in ((32, 256, 3), (64, 128, 4))]
     return [c for c in configs if fused_config_fits(c, 2)]
 
 
 def mlp_row(bench, model, hidden, inter, m, buffer, merged, separate):
-    """Measures one (shape, M) and returns its dispatch-table row."""
+    """Measures one (shape, M) and returns its dispatch-table row.
+
+    The best fused config is found first. Then each candidate path (one cuBLAS GEMM over the merged buffer, two
+    GEMMs over it, two GEMMs over separate weights, the fused kernel) is timed DECISION_ROUNDS times,
+    interleaved, and the medians decide: per weight form the fastest path, fused only when it takes <=
+    FUSED_MARGIN of the best cuBLAS path. The chosen path is then timed once more for the reported apex.swiglu
+    row, so that row is not one of the measurements that picked it."""
     name = f"{model} M={m}"
     flops = 2 * m * hidden * 2 * inter
     weight_bytes = 2 * inter * hidden * 2
@@ -318,17 +396,17 @@ def mlp_row(bench, model, hidden, inter, m, buffer, merged, separate):
                             for _ in range(bench.rotation(weight_bytes) - 1)]
     weights_s = [separate] + [(w[0].clone(), w[1].clone()) for w in weights_m[1:]]
     xs = [torch.randn(m, hidden, dtype=DTYPE, device=DEVICE) for _ in weights_m]
+    forms = {"merged": weights_m, "separate": weights_s}
 
     def eager(x, w):
         return F.silu(F.linear(x, w[0])) * F.linear(x, w[1])
 
+    def calls(path, weights, config=None):
+        return [lambda x=x, w=w: swiglu_triton(x, *w, path=path, config=config) for x, w in zip(xs, weights)]
+
     ref = eager(xs[0], separate)
-    timings = {"eager": bench.measure([lambda x=x, w=w: eager(x, w) for x, w in zip(xs, weights_s)])}
-    for label, weights in (("cublas_merged", weights_m), ("cublas_separate", weights_s)):
-        check_close(label, swiglu_triton(xs[0], *weights[0], path="cublas"), ref)
-        timings[label] = bench.measure(
-            [lambda x=x, w=w: swiglu_triton(x, *w, path="cublas") for x, w in zip(xs, weights)])
-    best_config, best = None, None
+    eager_timing = bench.measure([lambda x=x, w=w: eager(x, w) for x, w in zip(xs, weights_s)])
+    best_config, best_ms = None, None
     for config in fused_candidates(m):
         try:
             out = swiglu_fused_launch(xs[0], *merged, config=config)
@@ -336,22 +414,37 @@ def mlp_row(bench, model, hidden, inter, m, buffer, merged, separate):
             print(f"   (fused config {config} skipped: {type(exc).__name__}: {exc})", flush=True)
             continue
         check_close(f"fused {config}", out, ref)
-        timing = bench.measure([lambda x=x, w=w, c=config: swiglu_fused_launch(x, *w, config=c)
-                                for x, w in zip(xs, weights_m)], eager=False)
-        if best is None or timing.graph_ms < best.graph_ms:
-            best_config, best = config, timing
+        ms = bench.graph_ms(calls("fused", weights_m, config))
+        if best_ms is None or ms < best_ms:
+            best_config, best_ms = config, ms
+
+    candidates = {"cublas_merged": ("cublas", "merged"), "cublas_merged_split": ("cublas_split", "merged"),
+                  "cublas_separate": ("cublas", "separate")}
+    if best_config is not None:
+        candidates["fused"] = ("fused", "merged")
+    graphs = {}
+    for label, (path, form) in candidates.items():
+        config = best_config if path == "fused" else None
+        check_close(label, swiglu_triton(xs[0], *forms[form][0], path=path, config=config), ref)
+        graphs[label] = bench.capture(calls(path, forms[form], config))
+    rounds = {label: [] for label in graphs}
+    for _ in range(DECISION_ROUNDS):
+        for label, graph in graphs.items():
+            rounds[label].append(steady_replay_ms(graph.replay) / len(xs))
+    decided = {label: sorted(times)[len(times) // 2] for label, times in rounds.items()}
+    del graphs
+
     choice = {"max_m": m, "config": best_config}
-    if best is not None:
-        best.eager_ms = bench.eager_ms([lambda x=x, w=w: swiglu_fused_launch(x, *w, config=best_config)
-                                        for x, w in zip(xs, weights_m)])
-        timings["fused"] = best
-    for form in ("merged", "separate"):
-        cublas_ms = timings[f"cublas_{form}"].graph_ms
-        choice[form] = "fused" if best is not None and best.graph_ms <= FUSED_MARGIN * cublas_ms else "cublas"
-    for label in ("cublas_merged", "cublas_separate", "fused"):
-        if label in timings:
-            bench.add("mlp", f"{name} {label}", timings[label], timings["eager"], bytes_moved=bytes_moved,
-                      flops=flops, config=best_config if label == "fused" else None)
+    cublas_paths = {"merged": {"cublas": "cublas_merged", "cublas_split": "cublas_merged_split"},
+                    "separate": {"cublas": "cublas_separate"}}
+    for form, paths in cublas_paths.items():
+        path = min(paths, key=lambda p: decided[paths[p]])
+        if "fused" in decided and decided["fused"] <= FUSED_MARGIN * decided[paths[path]]:
+            path = "fused"
+        choice[form] = path
+    for label, ms in decided.items():
+        bench.add("mlp", f"{name} {label} (median of {DECISION_ROUNDS})", Timing(ms), eager_timing,
+                  bytes_moved=bytes_moved, flops=flops, config=best_config if label == "fused" else None)
 
     def target(r):
         if m <= 64:
@@ -359,8 +452,9 @@ def mlp_row(bench, model, hidden, inter, m, buffer, merged, separate):
         return ">=1.0x eager", r["speedup"] >= 1.0
 
     for form in ("merged", "separate"):
-        chosen = timings["fused"] if choice[form] == "fused" else timings[f"cublas_{form}"]
-        bench.add("mlp", f"{name} apex.swiglu[{form}]->{choice[form]}", chosen, timings["eager"],
+        config = best_config if choice[form] == "fused" else None
+        bench.add("mlp", f"{name} apex.swiglu[{form}]->{choice[form]}",
+                  bench.measure(calls(choice[form], forms[form], config)), eager_timing,
                   bytes_moved=bytes_moved, flops=flops, target=target)
     return choice
 
@@ -443,13 +537,14 @@ def decode_row(bench, model, batch, ctx, block_size, section_name="decode", with
         check_close("paged decode", paged_attention_gpu(q, *paged, max_context_len=ctx), sdpa()[:, :, 0])
         kernel = bench.measure([lambda s=s: paged_attention_gpu(s[0], *s[3], max_context_len=ctx) for s in sets])
         base = bench.measure([sdpa_function(s[0][:, :, None], s[1], s[2], causal=False)[0] for s in sets])
-        splits, _ = decode_split_plan(batch, num_kv_heads, ctx, q.device)
+        block_t, programs_per_sm = decode_chunk(batch, num_kv_heads, head_dim, 2, q.device)
+        splits, _ = decode_split_plan(batch, num_kv_heads, ctx, q.device, block_t, programs_per_sm)
         target = None
         if with_target and batch >= 32 and ctx >= 2048:
             def target(r):
                 return ">=75%HBM >=1.0x SDPA", r["pct_hbm"] >= 75 and r["speedup"] >= 1.0
         bench.add(section_name, name, kernel, base, bytes_moved=kv_bytes, target=target, sdpa_backend=backend,
-                  num_splits=splits)
+                  num_splits=splits, block_t=block_t)
 
     if kv_bytes > KV_BUDGET_BYTES:
         print(f"{section_name:<10} {name:<46} skipped ({kv_bytes / 2**30:.0f} GiB of KV > budget)", flush=True)
@@ -472,7 +567,7 @@ def decode_tune_rows(bench, block_size):
     for block_t, num_warps, num_stages, tokens_per_split in DECODE_TUNE_LAUNCHES:
         launch = dict(max_context_len=ctx, tokens_per_split=tokens_per_split, block_t=block_t,
                       num_warps=num_warps, num_stages=num_stages)
-        name = (f"{model} bs={block_size} b={batch} ctx={ctx} T{block_t}/w{num_warps}/s{num_stages}"
+        name = (f"{model} bs={block_size} b={batch} ctx={ctx} T{block_t or 'auto'}/w{num_warps}/s{num_stages}"
                 f"/split{tokens_per_split or 'auto'}")
         check_close(name, paged_decode_launch(q, *paged, **launch), ref)
         kernel = bench.measure([lambda: paged_decode_launch(q, *paged, **launch)], eager=False)

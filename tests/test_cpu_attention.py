@@ -10,6 +10,7 @@ from apex_compile.ops import (
     allocate_kv_cache_cpu,
     cache_append_cpu,
     copy_blocks,
+    cpu_attention_work_split,
     cpu_isa,
     gather_kv,
     paged_attention_cpu,
@@ -182,6 +183,37 @@ def test_split_k_with_many_small_pieces(threads):
     gen = torch.Generator().manual_seed(5)
     case = PagedCase(gen, [5000, 2900, 17, 1200], 12, 3, 128, 256, torch.float32)
     assert_matches(case.run(), case)
+
+
+@pytest.fixture
+def finest_split():
+    """Splits every call as finely as the planner allows (one panel per item, every thread), then restores."""
+    saved = cpu_attention_work_split()
+    cpu_attention_work_split(items_per_thread=1 << 20, min_item_bytes=1, min_thread_bytes=1)
+    yield
+    cpu_attention_work_split(**saved)
+
+
+@pytest.mark.parametrize("num_threads", [2, 5])
+def test_finest_split_small_calls(num_threads, isa, threads, finest_split):
+    """Small calls cut into 16-token items over several threads: each merge is done by whichever thread
+    finishes its last piece, and results match the reference."""
+    torch.set_num_threads(num_threads)
+    gen = torch.Generator().manual_seed(11 + num_threads)
+    for contexts, group, kv_heads, head_dim, block_size, dtype in [
+        ([1, 17, 33, 160, 47], 3, 2, 64, 16, torch.bfloat16),
+        ([300, 1, 64], 7, 1, 80, 32, torch.float32),
+        ([129, 513], 1, 4, 128, 128, torch.float16),
+    ]:
+        case = PagedCase(gen, contexts, group * kv_heads, kv_heads, head_dim, block_size, dtype)
+        assert_matches(case.run(), case)
+
+
+def test_work_split_parameters_round_trip(finest_split):
+    params = cpu_attention_work_split()
+    assert params == {"items_per_thread": 1 << 20, "min_item_bytes": 1, "min_thread_bytes": 1}
+    assert cpu_attention_work_split(min_item_bytes=4096)["min_item_bytes"] == 4096
+    assert cpu_attention_work_split(items_per_thread=-3)["items_per_thread"] == 1 << 20  # <= 0 keeps
 
 
 def test_longest_context(threads):

@@ -14,6 +14,10 @@ import torch
 from apex_compile.kernels.paged_attention import (
     allocate_kv_cache_gpu,
     cache_append_gpu,
+    DECODE_BLOCK_T,
+    DECODE_BLOCK_T_SMALL_GRID,
+    PROGRAMS_PER_SM,
+    decode_chunk,
     decode_split_plan,
     paged_attention_gpu,
     paged_decode_launch,
@@ -245,6 +249,16 @@ def test_decode_split_plan():
     splits, per_split = decode_split_plan(1, 2, 8192, cpu)
     assert splits > 1 and per_split % 64 == 0 and splits * per_split >= 8192
     assert decode_split_plan(1, 1, 100, cpu) == (1, 128)  # short contexts are not split
+    # Fewer resident programs per SM: fewer, longer splits.
+    assert decode_split_plan(1, 2, 8192, cpu, 128, 2)[0] < splits
+
+
+def test_decode_chunk_by_grid_and_tile_size():
+    cpu = torch.device("cpu")  # the interpreter assumes INTERPRETER_SM_COUNT SMs
+    assert decode_chunk(1, 8, 128, 2, cpu) == (DECODE_BLOCK_T_SMALL_GRID, 2)
+    assert decode_chunk(64, 8, 128, 2, cpu) == (DECODE_BLOCK_T, PROGRAMS_PER_SM)  # a full grid
+    assert decode_chunk(1, 8, 128, 4, cpu) == (DECODE_BLOCK_T, PROGRAMS_PER_SM)  # fp32 tiles too large
+    assert decode_chunk(1, 8, 256, 2, cpu) == (DECODE_BLOCK_T, PROGRAMS_PER_SM)
 
 
 @pytest.mark.parametrize("device", CUDA_ONLY)

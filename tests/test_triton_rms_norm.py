@@ -89,14 +89,14 @@ def test_rms_norm_fp32_weight_with_bf16_input_promotes_like_hf(device):
 
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
-@pytest.mark.parametrize("hidden", [48, MAX_SINGLE_PASS_HIDDEN + 16])
-def test_rms_norm_kernel_writes_every_output_element(device, hidden):
-    x = torch.randn(3, hidden, dtype=torch.bfloat16, device=device)
-    residual = torch.randn(3, hidden, dtype=torch.bfloat16, device=device)
+@pytest.mark.parametrize("hidden,num_warps", [(48, None), (80, 2), (MAX_SINGLE_PASS_HIDDEN + 16, None)])
+def test_rms_norm_kernel_writes_every_output_element(device, hidden, num_warps):
+    x = torch.randn(7, hidden, dtype=torch.bfloat16, device=device)
+    residual = torch.randn(7, hidden, dtype=torch.bfloat16, device=device)
     weight = torch.randn(hidden, dtype=torch.bfloat16, device=device)
     y = torch.full_like(x, float("nan"))
     residual_out = torch.full_like(x, float("nan"))
-    rms_norm_launch(x, weight, 1e-6, residual, y, residual_out)
+    rms_norm_launch(x, weight, 1e-6, residual, y, residual_out, num_warps=num_warps)
     ref_y, ref_hidden = reference(x, weight, 1e-6, residual)
     assert_rel_close(y, ref_y, bf16_tolerance(device), "y")
     assert_rel_close(residual_out, ref_hidden, bf16_tolerance(device), "residual_out")

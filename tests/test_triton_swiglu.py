@@ -110,7 +110,7 @@ def test_swiglu_op_matches_reference(device, dtype, merged):
 
 @pytest.mark.parametrize("device", TRITON_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("path", ["fused", "cublas"])
+@pytest.mark.parametrize("path", ["fused", "cublas", "cublas_split"])
 @pytest.mark.parametrize("merged", [True, False])
 @pytest.mark.parametrize("m,hidden,inter", [(1, 64, 48), (19, 200, 130)])
 def test_swiglu_paths_match_reference(device, dtype, path, merged, m, hidden, inter):
@@ -168,11 +168,14 @@ def test_dispatch_table_lookup():
     table = {"device_name": "NVIDIA H200", "shapes": {key: [
         {"max_m": 16, "merged": "fused", "separate": "fused", "config": config},
         {"max_m": 64, "merged": "cublas", "separate": "fused", "config": config},
+        {"max_m": 256, "merged": "cublas_split", "separate": "cublas", "config": config},
     ]}}
     assert lookup_swiglu_path(table, "NVIDIA H200", key, 1, merged=True) == ("fused", config)
     assert lookup_swiglu_path(table, "NVIDIA H200", key, 17, merged=True) == ("cublas", None)
     assert lookup_swiglu_path(table, "NVIDIA H200", key, 64, merged=False) == ("fused", config)
     assert lookup_swiglu_path(table, "NVIDIA H200", key, 65, merged=False) == ("cublas", None)
+    assert lookup_swiglu_path(table, "NVIDIA H200", key, 65, merged=True) == ("cublas_split", None)
+    assert lookup_swiglu_path(table, "NVIDIA H200", key, 257, merged=True) == ("cublas", None)
     assert lookup_swiglu_path(table, "NVIDIA A100", key, 1, merged=True) == ("cublas", None)
     assert lookup_swiglu_path(table, "NVIDIA H200", "bfloat16/4096x14336", 1, merged=True) == ("cublas", None)
     assert lookup_swiglu_path({}, "NVIDIA H200", key, 1, merged=True) == ("cublas", None)

@@ -42,13 +42,19 @@ from apex_compile.kernels._common import (
 
 LOG2E = 1.4426950408889634
 DECODE_BLOCK_T = 64
-"""Tokens per inner-loop chunk of the decode kernel."""
+"""Tokens per inner-loop chunk of the decode kernel when the grid has many programs (and the fallback)."""
+DECODE_BLOCK_T_SMALL_GRID = 128
+"""Chunk for grids of fewer than LARGE_GRID_PROGRAMS_PER_SM programs per SM, when its K/V tiles are at most
+SMALL_GRID_TILE_BYTES: fewer, larger loads per program; measured 5-15% faster there (benchmarks/triton_sweep.py,
+2026-11-30), 7% slower on a full grid of short contexts."""
+SMALL_GRID_TILE_BYTES = 32 * 1024
 DECODE_NUM_STAGES = 2
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 128
 PROGRAMS_PER_SM = 4
-"""Decode programs resident per SM (bf16, head_dim 128, 4 warps: 128 registers per thread and ~55 KB of shared
-memory each). Split-K adds splits while all programs still fit in one such wave."""
+"""Decode programs per SM that split-K fills with chunks of DECODE_BLOCK_T (bf16, head_dim 128, 4 warps: 128
+registers per thread and ~55 KB of shared memory each are resident together); with the larger chunk, 2."""
+LARGE_GRID_PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -344,25 +350,37 @@ def check_attention_inputs(query, key_cache, value_cache, block_tables, context_
 
 
 def decode_split_plan(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device,
-                      block_t: int = DECODE_BLOCK_T) -> tuple[int, int]:
+                      block_t: int = DECODE_BLOCK_T, programs_per_sm: int = PROGRAMS_PER_SM) -> tuple[int, int]:
     """(num_splits, tokens_per_split) for a decode launch, from shapes only (no device synchronisation).
 
-    Splits are added while num_seqs * num_kv_heads * num_splits programs fit in one wave of resident programs
-    (a partly filled second wave would leave most SMs idle at the end), and none is shorter than
-    MIN_TOKENS_PER_SPLIT tokens.
+    Splits are added while num_seqs * num_kv_heads * num_splits programs fit in one wave of `programs_per_sm`
+    resident programs per SM (a partly filled second wave would leave most SMs idle at the end), and none is
+    shorter than MIN_TOKENS_PER_SPLIT tokens.
     """
     programs = max(1, num_seqs * num_kv_heads)
     context = max(max_context_len, 1)
-    splits = max(1, min(PROGRAMS_PER_SM * sm_count(device) // programs, cdiv(context, MIN_TOKENS_PER_SPLIT),
+    splits = max(1, min(programs_per_sm * sm_count(device) // programs, cdiv(context, MIN_TOKENS_PER_SPLIT),
                         MAX_SPLITS))
     tokens_per_split = cdiv(cdiv(context, splits), block_t) * block_t
     return cdiv(context, tokens_per_split), tokens_per_split
 
 
+def decode_chunk(num_seqs: int, num_kv_heads: int, head_dim: int, element_size: int,
+                 device: torch.device) -> tuple[int, int]:
+    """(block_t, programs_per_sm) of a decode launch: DECODE_BLOCK_T_SMALL_GRID tokens per chunk and 2 programs
+    per SM for split-K when num_seqs * num_kv_heads programs leave the GPU mostly empty and the chunk's K/V
+    tiles fit SMALL_GRID_TILE_BYTES; else DECODE_BLOCK_T and PROGRAMS_PER_SM."""
+    small_grid = num_seqs * num_kv_heads < LARGE_GRID_PROGRAMS_PER_SM * sm_count(device)
+    if small_grid and DECODE_BLOCK_T_SMALL_GRID * head_dim * element_size <= SMALL_GRID_TILE_BYTES:
+        return DECODE_BLOCK_T_SMALL_GRID, 2
+    return DECODE_BLOCK_T, PROGRAMS_PER_SM
+
+
 def paged_decode_launch(query, key_cache, value_cache, block_tables, context_lens, scale=None,
-                        max_context_len=None, tokens_per_split=None, block_t=DECODE_BLOCK_T,
+                        max_context_len=None, tokens_per_split=None, block_t=None,
                         num_warps=None, num_stages=DECODE_NUM_STAGES) -> torch.Tensor:
-    """Runs the Triton decode kernel(s); `tokens_per_split` forces a split size (tests, benchmarks)."""
+    """Runs the Triton decode kernel(s); `tokens_per_split` / `block_t` force a split size / chunk (tests,
+    benchmarks; default: `decode_chunk` and `decode_split_plan`)."""
     num_kv_heads, group, block_size, head_dim = check_attention_inputs(
         query, key_cache, value_cache, block_tables, context_lens)
     num_seqs, num_heads = query.shape[0], query.shape[1]
@@ -372,9 +390,16 @@ def paged_decode_launch(query, key_cache, value_cache, block_tables, context_len
     if query.stride(2) != 1:
         query = query.contiguous()
     capacity = block_tables.shape[1] * block_size
+    programs_per_sm = PROGRAMS_PER_SM
+    if block_t is None:
+        block_t, programs_per_sm = decode_chunk(num_seqs, num_kv_heads, head_dim, key_cache.element_size(),
+                                                query.device)
+        if tokens_per_split is not None and tokens_per_split % block_t:
+            block_t = DECODE_BLOCK_T
     if tokens_per_split is None:
         num_splits, tokens_per_split = decode_split_plan(
-            num_seqs, num_kv_heads, min(max_context_len or capacity, capacity), query.device, block_t)
+            num_seqs, num_kv_heads, min(max_context_len or capacity, capacity), query.device, block_t,
+            programs_per_sm)
     else:
         if tokens_per_split % block_t:
             raise ValueError(f"tokens_per_split must be a multiple of {block_t}")

@@ -4,7 +4,8 @@
 - `swiglu(x, w_gate, w_up)`: `silu(x @ w_gate.T) * (x @ w_up.T)` (what the compiler's fuse_swiglu pass
   emits; the down projection stays a plain linear). Two implementations, chosen per shape:
     * "cublas": torch GEMM(s) then the Triton silu_mul kernel. When w_up directly follows w_gate in one
-      `[2I, H]` buffer, a single GEMM over the buffer produces gate and up together.
+      `[2I, H]` buffer, a single GEMM over the buffer produces gate and up together ("cublas_split" keeps
+      two GEMMs there, for the sizes where cuBLAS picks a slower algorithm for the merged one).
     * "fused": one Triton GEMM computing the gate and up tiles of the same output columns side by side with
       the SiLU-mul epilogue (both weights read once, gate/up never written to memory); for decode sizes.
   The choice comes from `swiglu_dispatch.json`, written by `benchmarks/triton_kernels.py --write-dispatch`
@@ -179,9 +180,9 @@ def merged_gate_up_weight(w_gate: torch.Tensor, w_up: torch.Tensor) -> Optional[
     return w_gate.as_strided((2 * inter, hidden), (hidden, 1))
 
 
-def _swiglu_cublas(x2: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
+def _swiglu_cublas(x2: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, one_gemm: bool) -> torch.Tensor:
     inter = w_gate.shape[0]
-    merged = merged_gate_up_weight(w_gate, w_up)
+    merged = merged_gate_up_weight(w_gate, w_up) if one_gemm else None
     if merged is not None:
         gate_up = F.linear(x2, merged)
         gate, up = gate_up[:, :inter], gate_up[:, inter:]
@@ -261,7 +262,8 @@ def _cuda_device_name(index: int) -> str:
 
 
 def lookup_swiglu_path(table: dict, device_name: str, key: str, m: int, merged: bool) -> tuple[str, Optional[dict]]:
-    """("fused", config) or ("cublas", None) for `m` rows of shape `key` on `device_name` per `table`.
+    """(path, config) for `m` rows of shape `key` on `device_name` per `table`: ("fused", config),
+    ("cublas", None) or, for merged weights, ("cublas_split", None) when two GEMMs beat one over the buffer.
 
     Table format: {"device_name": str, "shapes": {key: [{"max_m": int, "merged": path, "separate": path,
     "config": {...}}, ...]}} with rows sorted by max_m; a call takes the first row with m <= max_m.
@@ -272,7 +274,9 @@ def lookup_swiglu_path(table: dict, device_name: str, key: str, m: int, merged: 
     for row in table.get("shapes", {}).get(key, []):
         if m <= row["max_m"]:
             path = row["merged" if merged else "separate"]
-            return (path, row["config"]) if path == "fused" else ("cublas", None)
+            if path == "fused":
+                return path, row["config"]
+            return (path if path == "cublas_split" and merged else "cublas"), None
     return "cublas", None
 
 
@@ -297,15 +301,16 @@ def _check_swiglu_inputs(x, w_gate, w_up):
 
 def swiglu_triton(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, path: Optional[str] = None,
                   config: Optional[dict] = None) -> torch.Tensor:
-    """The GPU implementation; `path` ("fused" or "cublas") overrides the dispatch table (tests, benchmarks)."""
+    """The GPU implementation; `path` overrides the dispatch table (tests, benchmarks): "fused", "cublas" (one
+    GEMM over merged weights, else two) or "cublas_split" (always two GEMMs)."""
     _check_swiglu_inputs(x, w_gate, w_up)
     x2 = x.reshape(-1, x.shape[-1])
     if path is None:
         path, config = choose_swiglu_path(x2, w_gate, merged_gate_up_weight(w_gate, w_up) is not None)
     if path == "fused":
         out = swiglu_fused_launch(x2, w_gate, w_up, config)
-    elif path == "cublas":
-        out = _swiglu_cublas(x2, w_gate, w_up)
+    elif path in ("cublas", "cublas_split"):
+        out = _swiglu_cublas(x2, w_gate, w_up, one_gemm=path == "cublas")
     else:
         raise ValueError(f"swiglu: unknown path {path!r}")
     return out.view(*x.shape[:-1], w_gate.shape[0])

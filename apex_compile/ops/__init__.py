@@ -2,6 +2,7 @@
 from apex_compile.ops.cpu_attention import (  # noqa: F401
     allocate_kv_cache_cpu,
     cache_append_cpu,
+    cpu_attention_work_split,
     cpu_isa,
     paged_attention_cpu,
 )

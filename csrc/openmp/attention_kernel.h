@@ -246,6 +246,12 @@ inline void value_segment(const Piece<E>* pieces, int num_pieces, const Piece<E>
   }
 }
 
+// Software prefetch of every 64-byte line of [data, data + bytes).
+inline void prefetch_bytes(const void* data, int64_t bytes) {
+  const char* p = static_cast<const char*>(data);
+  for (int64_t offset = 0; offset < bytes; offset += 64) v_prefetch(p + offset);
+}
+
 // Writes `scale * src[0:head_dim]` to dst in the output dtype.
 template <class E>
 inline void store_row(E* dst, const float* src, float scale, int head_dim) {
@@ -307,6 +313,15 @@ void process_item(const PagedAttentionArgs& args, const WorkPlanView& plan, cons
   Piece<E>* next = buffers[1];
   int token = item.token_begin;
   int num_current = build_segment(token, current);
+  // The first segment has had no predecessor to prefetch it: request all its lines at once, so its misses
+  // overlap instead of arriving one panel at a time.
+  for (int i = 0; i < num_current; ++i) {
+    const Piece<E>& piece = current[i];
+    const int panels = (piece.count + kPanelTokens - 1) / kPanelTokens;
+    prefetch_bytes(piece.key_slab + int64_t(piece.panel_begin) * kPanelTokens * head_dim,
+                   int64_t(panels) * kPanelTokens * head_dim * int64_t(sizeof(E)));
+    prefetch_bytes(piece.values, int64_t(piece.count) * head_dim * int64_t(sizeof(E)));
+  }
   while (num_current > 0) {
     int count = 0;
     for (int i = 0; i < num_current; ++i) count += current[i].count;
@@ -372,17 +387,19 @@ void merge_task(const PagedAttentionArgs& args, const WorkPlanView& plan, const 
 
 template <class E>
 void run(const PagedAttentionArgs& args, const WorkPlanView& plan) {
-  // No more threads than items: a small call does not wake (or wait for) threads that would have no work.
-  const int threads = int(plan.num_items < args.num_threads ? plan.num_items : args.num_threads);
+  const int threads = plan.num_threads;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
     float* scratch = plan.thread_scratch + int64_t(omp_get_thread_num()) * plan.scratch.total;
 #pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t i = 0; i < plan.num_items; ++i) process_item<E>(args, plan, plan.items[i], scratch);
-    if (plan.num_merges > 0) {  // the same on every thread; without merges the join is the only barrier
-#pragma omp barrier
-#pragma omp for schedule(dynamic, 1) nowait
-      for (int64_t i = 0; i < plan.num_merges; ++i) merge_task<E>(args, plan, plan.merges[i], scratch);
+    for (int64_t i = 0; i < plan.num_items; ++i) {
+      const WorkItem& item = plan.items[i];
+      process_item<E>(args, plan, item, scratch);
+      // acq_rel: the thread that writes a task's last partial sees the other partials' writes.
+      if (item.merge_index >= 0 &&
+          plan.merge_pending[item.merge_index].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        merge_task<E>(args, plan, plan.merges[item.merge_index], scratch);
+      }
     }
   }
 }

@@ -11,6 +11,7 @@
 // t % 16, so one 16-lane vector load gives dim d of 16 consecutive tokens.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -135,6 +136,7 @@ struct WorkItem {
   int32_t token_begin;
   int32_t token_end;
   int32_t partial_index;
+  int32_t merge_index;  // the MergeTask its partial belongs to (-1 with partial_index)
 };
 
 // Merges partial slots [first_partial, first_partial + num_partials) into the output of (seq, kv_head).
@@ -150,14 +152,28 @@ struct WorkPlan {
   std::vector<WorkItem> items;  // largest first, for dynamic scheduling
   std::vector<MergeTask> merges;
   int64_t num_partials = 0;
-  int max_splits = 1;  // most partial slots merged into one (seq, kv_head)
+  int max_splits = 1;   // most partial slots merged into one (seq, kv_head)
+  int num_threads = 1;  // threads worth waking for this call (<= the threads allowed, <= items)
 };
 
-// Splits the work of one call by KV bytes: every (seq, kv_head) is cut into pieces of about equal size so
-// that about kItemsPerThread items exist per thread, but no piece is smaller than kMinItemBytes of K+V (or
-// than one panel). kv_bytes_per_token counts K and V of one kv head.
+// Parameters of the work split (process-wide; set_work_plan_params exists for tuning sweeps):
+//   items_per_thread  wanted items per thread, so that dynamic scheduling evens out the end of the call,
+//   min_item_bytes    smallest piece of one (seq, kv_head) worth its own item (K+V bytes),
+//   min_thread_bytes  K+V bytes below which one more thread costs more (waking it, joining it) than it reads.
+struct WorkPlanParams {
+  int64_t items_per_thread;
+  int64_t min_item_bytes;
+  int64_t min_thread_bytes;
+};
+WorkPlanParams work_plan_params();
+void set_work_plan_params(const WorkPlanParams& params);
+
+// Splits the work of one call by KV bytes: picks the thread count (at most max_threads, at least
+// min_thread_bytes of K+V per thread), then cuts every (seq, kv_head) into pieces of about equal size so that
+// about items_per_thread items exist per thread, none smaller than min_item_bytes (or than one panel).
+// kv_bytes_per_token counts K and V of one kv head.
 WorkPlan plan_work(const int32_t* context_lens, int num_seqs, int num_kv_heads, int64_t kv_bytes_per_token,
-                   int num_threads);
+                   int max_threads);
 
 // Offsets (in floats, 16-float aligned) of one thread's scratch areas.
 struct ScratchLayout {
@@ -193,8 +209,12 @@ struct WorkPlanView {
   const MergeTask* merges;
   int64_t num_merges;
   ScratchLayout scratch;  // of one thread
+  int num_threads;
   float* thread_scratch;  // num_threads * scratch.total floats, 64-byte aligned
   float* partials;        // num_partials * group * (head_dim + 2): acc rows, then max, then sum
+  // Per merge task, its partials not yet written (starts at num_partials): the item that writes the last one
+  // merges them, so no thread waits at a barrier for the merges.
+  std::atomic<int32_t>* merge_pending;
 };
 
 // Kernels, one per ISA; the AVX ones exist only on x86-64 builds (isa_compiled tells).

@@ -5,15 +5,43 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <array>
+#include <atomic>
 #include <cstdlib>
+#include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "cpu_attention.h"
 
 namespace {
 
 using apex_cpu::Isa;
+
+// Error messages are assembled here (std::to_string, string concatenation) and handed to TORCH_CHECK as one
+// string: with torch 2.11 on the GPU machine, TORCH_CHECK messages formatting integers through c10::str
+// crashed the process (segfault) instead of raising, while single-string messages raised correctly.
+inline std::string message_part(const char* text) { return text; }
+inline std::string message_part(const std::string& text) { return text; }
+inline std::string message_part(int64_t value) { return std::to_string(value); }
+inline std::string message_part(int32_t value) { return std::to_string(value); }
+inline std::string message_part(at::ScalarType type) { return c10::toString(type); }
+inline std::string message_part(const c10::Device& device) { return device.str(); }
+
+template <class... Parts>
+std::string message(const Parts&... parts) {
+  std::string text;
+  (text.append(message_part(parts)), ...);
+  return text;
+}
+
+#define APEX_CHECK(cond, ...)                        \
+  do {                                               \
+    if (!(cond)) {                                   \
+      TORCH_CHECK(false, message(__VA_ARGS__));      \
+    }                                                \
+  } while (false)
 
 const char* isa_name(Isa isa) {
   switch (isa) {
@@ -37,12 +65,12 @@ Isa select_isa() {
   }
   for (Isa isa : {Isa::Avx512, Isa::Avx2, Isa::Scalar}) {
     if (name == isa_name(isa)) {
-      TORCH_CHECK(apex_cpu::cpu_supports(isa), "APEX_CPU_ISA=", name, " but this ",
+      APEX_CHECK(apex_cpu::cpu_supports(isa), "APEX_CPU_ISA=", name, " but this ",
                   apex_cpu::isa_compiled(isa) ? "CPU does not support it" : "build does not include it");
       return isa;
     }
   }
-  TORCH_CHECK(false, "APEX_CPU_ISA=", name, " is not one of avx512, avx2, scalar, auto");
+  TORCH_CHECK(false, message("APEX_CPU_ISA=", name, " is not one of avx512, avx2, scalar, auto"));
 }
 
 apex_cpu::DType kernel_dtype(at::ScalarType type) {
@@ -50,58 +78,66 @@ apex_cpu::DType kernel_dtype(at::ScalarType type) {
     case at::kFloat: return apex_cpu::DType::F32;
     case at::kBFloat16: return apex_cpu::DType::BF16;
     case at::kHalf: return apex_cpu::DType::F16;
-    default: TORCH_CHECK(false, "apex CPU ops support float32, bfloat16 and float16, got ", type);
+    default: TORCH_CHECK(false, message("apex CPU ops support float32, bfloat16 and float16, got ", type));
   }
 }
 
+// "[d0, d1, ...]" of a tensor's shape, for error messages.
+std::string shape_of(const at::Tensor& t) {
+  std::string text = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) text += (i ? ", " : "") + std::to_string(t.size(i));
+  return text + "]";
+}
+
 void check_cpu(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
+  APEX_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
 }
 
 // Checks the KV cache pair and returns (num_blocks, num_kv_heads, block_size, head_dim).
 std::array<int64_t, 4> check_caches(const at::Tensor& key_cache, const at::Tensor& value_cache) {
   check_cpu(key_cache, "key_cache");
   check_cpu(value_cache, "value_cache");
-  TORCH_CHECK(key_cache.dim() == 4, "key_cache must be [num_blocks, num_kv_heads, block_size, head_dim], got ",
-              key_cache.sizes());
-  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "value_cache shape ", value_cache.sizes(),
-              " differs from key_cache shape ", key_cache.sizes());
-  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "value_cache dtype ",
+  APEX_CHECK(key_cache.dim() == 4, "key_cache must be [num_blocks, num_kv_heads, block_size, head_dim], got ",
+              shape_of(key_cache));
+  APEX_CHECK(value_cache.sizes() == key_cache.sizes(), "value_cache shape ", shape_of(value_cache),
+              " differs from key_cache shape ", shape_of(key_cache));
+  APEX_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "value_cache dtype ",
               value_cache.scalar_type(), " differs from key_cache dtype ", key_cache.scalar_type());
   kernel_dtype(key_cache.scalar_type());
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "key_cache and value_cache must be contiguous");
+  APEX_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "key_cache and value_cache must be contiguous");
   const int64_t block_size = key_cache.size(2);
   const int64_t head_dim = key_cache.size(3);
-  TORCH_CHECK(block_size >= 16 && block_size <= 256 && (block_size & (block_size - 1)) == 0,
+  APEX_CHECK(block_size >= 16 && block_size <= 256 && (block_size & (block_size - 1)) == 0,
               "block_size must be a power of two in 16..256, got ", block_size);
-  TORCH_CHECK(head_dim >= 16 && head_dim <= apex_cpu::kMaxHeadDim && head_dim % 16 == 0,
+  APEX_CHECK(head_dim >= 16 && head_dim <= apex_cpu::kMaxHeadDim && head_dim % 16 == 0,
               "head_dim must be a multiple of 16 in 16..256, got ", head_dim);
-  TORCH_CHECK(key_cache.size(1) >= 1, "num_kv_heads must be >= 1");
+  APEX_CHECK(key_cache.size(1) >= 1, "num_kv_heads must be >= 1");
   return {key_cache.size(0), key_cache.size(1), block_size, head_dim};
 }
 
 at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                const at::Tensor& block_tables, const at::Tensor& context_lens,
                                std::optional<double> scale) {
-  const auto [num_blocks, num_kv_heads, block_size, head_dim] = check_caches(key_cache, value_cache);
+  const std::array<int64_t, 4> geometry = check_caches(key_cache, value_cache);
+  const int64_t num_blocks = geometry[0], num_kv_heads = geometry[1], block_size = geometry[2], head_dim = geometry[3];
   check_cpu(query, "query");
   check_cpu(block_tables, "block_tables");
   check_cpu(context_lens, "context_lens");
-  TORCH_CHECK(query.dim() == 3, "query must be [num_seqs, num_heads, head_dim], got ", query.sizes());
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type(), "query dtype ", query.scalar_type(),
+  APEX_CHECK(query.dim() == 3, "query must be [num_seqs, num_heads, head_dim], got ", shape_of(query));
+  APEX_CHECK(query.scalar_type() == key_cache.scalar_type(), "query dtype ", query.scalar_type(),
               " must equal the KV cache dtype ", key_cache.scalar_type());
   const int64_t num_seqs = query.size(0);
   const int64_t num_heads = query.size(1);
-  TORCH_CHECK(query.size(2) == head_dim, "query head_dim ", query.size(2), " differs from the cache's ", head_dim);
-  TORCH_CHECK(num_heads >= 1 && num_heads % num_kv_heads == 0, "num_heads (", num_heads,
+  APEX_CHECK(query.size(2) == head_dim, "query head_dim ", query.size(2), " differs from the cache's ", head_dim);
+  APEX_CHECK(num_heads >= 1 && num_heads % num_kv_heads == 0, "num_heads (", num_heads,
               ") must be a positive multiple of num_kv_heads (", num_kv_heads, ")");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
+  APEX_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
               "block_tables must be int32 [num_seqs=", num_seqs, ", max_blocks], got ", block_tables.scalar_type(),
-              " ", block_tables.sizes());
-  TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.dim() == 1 && context_lens.size(0) == num_seqs,
+              " ", shape_of(block_tables));
+  APEX_CHECK(context_lens.scalar_type() == at::kInt && context_lens.dim() == 1 && context_lens.size(0) == num_seqs,
               "context_lens must be int32 [num_seqs=", num_seqs, "], got ", context_lens.scalar_type(), " ",
-              context_lens.sizes());
-  TORCH_CHECK(num_seqs <= INT32_MAX && num_blocks <= INT32_MAX, "too many sequences or blocks");
+              shape_of(context_lens));
+  APEX_CHECK(num_seqs <= INT32_MAX && num_blocks <= INT32_MAX, "too many sequences or blocks");
 
   const at::Tensor q = query.stride(2) == 1 ? query : query.contiguous();
   const at::Tensor tables = block_tables.stride(1) == 1 ? block_tables : block_tables.contiguous();
@@ -111,14 +147,14 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
   const int64_t max_blocks = tables.size(1);
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t context = lens_ptr[s];
-    TORCH_CHECK(context >= 1, "context_lens[", s, "] = ", context,
+    APEX_CHECK(context >= 1, "context_lens[", s, "] = ", context,
                 ": every sequence must attend to at least its current token (zero-length contexts are an error)");
     const int64_t needed = (context + block_size - 1) / block_size;
-    TORCH_CHECK(needed <= max_blocks, "context_lens[", s, "] = ", context, " needs ", needed, " blocks of ",
+    APEX_CHECK(needed <= max_blocks, "context_lens[", s, "] = ", context, " needs ", needed, " blocks of ",
                 block_size, " tokens but block_tables has ", max_blocks, " columns");
     const int32_t* row = tables_ptr + s * tables.stride(0);
     for (int64_t b = 0; b < needed; ++b) {
-      TORCH_CHECK(row[b] >= 0 && row[b] < num_blocks, "block_tables[", s, ", ", b, "] = ", row[b],
+      APEX_CHECK(row[b] >= 0 && row[b] < num_blocks, "block_tables[", s, ", ", b, "] = ", row[b],
                   " is out of range for a cache of ", num_blocks, " blocks");
     }
   }
@@ -156,11 +192,15 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
   view.merges = plan.merges.data();
   view.num_merges = int64_t(plan.merges.size());
   view.scratch = apex_cpu::scratch_layout(group, int(head_dim), int(block_size), plan.max_splits);
+  view.num_threads = plan.num_threads;
   const int64_t partial_floats = int64_t(group) * (head_dim + 2);
-  at::Tensor scratch = at::empty({threads * view.scratch.total + plan.num_partials * partial_floats},
+  at::Tensor scratch = at::empty({plan.num_threads * view.scratch.total + plan.num_partials * partial_floats},
                                  at::TensorOptions().dtype(at::kFloat));
   view.thread_scratch = scratch.data_ptr<float>();
-  view.partials = view.thread_scratch + threads * view.scratch.total;
+  view.partials = view.thread_scratch + plan.num_threads * view.scratch.total;
+  std::unique_ptr<std::atomic<int32_t>[]> merge_pending(new std::atomic<int32_t>[plan.merges.size()]);
+  for (size_t i = 0; i < plan.merges.size(); ++i) merge_pending[i].store(plan.merges[i].num_partials);
+  view.merge_pending = merge_pending.get();
 
   switch (isa) {
     case Isa::Avx512: apex_cpu::paged_attention_avx512(args, view); break;
@@ -172,26 +212,27 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
 
 void cache_append_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                       const at::Tensor& slot_mapping) {
-  const auto [num_blocks, num_kv_heads, block_size, head_dim] = check_caches(key_cache, value_cache);
+  const std::array<int64_t, 4> geometry = check_caches(key_cache, value_cache);
+  const int64_t num_blocks = geometry[0], num_kv_heads = geometry[1], block_size = geometry[2], head_dim = geometry[3];
   check_cpu(key, "key");
   check_cpu(value, "value");
   check_cpu(slot_mapping, "slot_mapping");
-  TORCH_CHECK(key.dim() == 3 && key.size(1) == num_kv_heads && key.size(2) == head_dim,
-              "key must be [num_tokens, num_kv_heads=", num_kv_heads, ", head_dim=", head_dim, "], got ", key.sizes());
-  TORCH_CHECK(value.sizes() == key.sizes(), "value shape ", value.sizes(), " differs from key shape ", key.sizes());
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type(),
+  APEX_CHECK(key.dim() == 3 && key.size(1) == num_kv_heads && key.size(2) == head_dim,
+              "key must be [num_tokens, num_kv_heads=", num_kv_heads, ", head_dim=", head_dim, "], got ", shape_of(key));
+  APEX_CHECK(value.sizes() == key.sizes(), "value shape ", shape_of(value), " differs from key shape ", shape_of(key));
+  APEX_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type(),
               "key/value dtypes (", key.scalar_type(), ", ", value.scalar_type(), ") must equal the cache dtype ",
               key_cache.scalar_type());
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0),
+  APEX_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0),
               "slot_mapping must be int64 [num_tokens=", key.size(0), "], got ", slot_mapping.scalar_type(), " ",
-              slot_mapping.sizes());
+              shape_of(slot_mapping));
   const at::Tensor k = key.stride(2) == 1 ? key : key.contiguous();
   const at::Tensor v = value.stride(2) == 1 ? value : value.contiguous();
   const at::Tensor slots = slot_mapping.contiguous();
   const int64_t* slots_ptr = slots.data_ptr<int64_t>();
   const int64_t num_slots = num_blocks * block_size;
   for (int64_t i = 0; i < slots.size(0); ++i) {
-    TORCH_CHECK(slots_ptr[i] < num_slots, "slot_mapping[", i, "] = ", slots_ptr[i],
+    APEX_CHECK(slots_ptr[i] < num_slots, "slot_mapping[", i, "] = ", slots_ptr[i],
                 " is out of range for a cache of ", num_blocks, " blocks of ", block_size, " tokens");
   }
   if (slots.size(0) == 0) return;
@@ -218,6 +259,18 @@ void cache_append_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor
 // Code of the kernel path the next call will use: 0 scalar, 1 avx2, 2 avx512 (errors like the ops would).
 int64_t cpu_isa_code() { return int64_t(select_isa()); }
 
+// Sets the work-split parameters (values <= 0 keep the current one); returns those now in effect.
+std::vector<int64_t> cpu_attention_work_split(int64_t items_per_thread, int64_t min_item_bytes,
+                                              int64_t min_thread_bytes) {
+  apex_cpu::WorkPlanParams params = apex_cpu::work_plan_params();
+  if (items_per_thread > 0) params.items_per_thread = items_per_thread;
+  if (min_item_bytes > 0) params.min_item_bytes = min_item_bytes;
+  if (min_thread_bytes > 0) params.min_thread_bytes = min_thread_bytes;
+  apex_cpu::set_work_plan_params(params);
+  params = apex_cpu::work_plan_params();
+  return {params.items_per_thread, params.min_item_bytes, params.min_thread_bytes};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(apex, CPU, m) {
@@ -225,4 +278,7 @@ TORCH_LIBRARY_IMPL(apex, CPU, m) {
   m.impl("cache_append_cpu", &cache_append_cpu);
 }
 
-TORCH_LIBRARY_IMPL(apex, CompositeExplicitAutograd, m) { m.impl("cpu_isa_code", &cpu_isa_code); }
+TORCH_LIBRARY_IMPL(apex, CompositeExplicitAutograd, m) {
+  m.impl("cpu_isa_code", &cpu_isa_code);
+  m.impl("cpu_attention_work_split", &cpu_attention_work_split);
+}

@@ -1,6 +1,7 @@
 // Portable (baseline ISA) parts of the attention op: the split of one call into work items, and CPU feature
 // detection for the runtime ISA dispatch.
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -10,27 +11,39 @@ namespace apex_cpu {
 
 namespace {
 
-// About this many items per thread let dynamic scheduling even out uneven sequences and thread speeds.
-constexpr int64_t kItemsPerThread = 8;
-// Smallest piece of one (seq, kv_head) worth its own item: the per-item cost (query conversion, writing and
-// merging one partial) is a few rows of head_dim, tiny next to 64 KiB of K and V.
-constexpr int64_t kMinItemBytes = 64 * 1024;
+// Defaults measured on the GPU machine's 16-core host (benchmarks/cpu_attention_sweep.py).
+std::atomic<int64_t> g_items_per_thread{4};
+std::atomic<int64_t> g_min_item_bytes{128 * 1024};
+std::atomic<int64_t> g_min_thread_bytes{64 * 1024};
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
+WorkPlanParams work_plan_params() {
+  return {g_items_per_thread.load(), g_min_item_bytes.load(), g_min_thread_bytes.load()};
+}
+
+void set_work_plan_params(const WorkPlanParams& params) {
+  g_items_per_thread.store(std::max<int64_t>(1, params.items_per_thread));
+  g_min_item_bytes.store(std::max<int64_t>(1, params.min_item_bytes));
+  g_min_thread_bytes.store(std::max<int64_t>(1, params.min_thread_bytes));
+}
+
 WorkPlan plan_work(const int32_t* context_lens, int num_seqs, int num_kv_heads, int64_t kv_bytes_per_token,
-                   int num_threads) {
+                   int max_threads) {
+  const WorkPlanParams params = work_plan_params();
   WorkPlan plan;
   int64_t total_tokens = 0;
   for (int s = 0; s < num_seqs; ++s) total_tokens += int64_t(context_lens[s]) * num_kv_heads;
+  const int64_t threads =
+      std::max<int64_t>(1, std::min<int64_t>(max_threads, total_tokens * kv_bytes_per_token / params.min_thread_bytes));
 
-  // Chunk (tokens per item): total work over the wanted item count, at least kMinItemBytes, panel-aligned.
+  // Chunk (tokens per item): total work over the wanted item count, at least min_item_bytes, panel-aligned.
   int64_t chunk = INT32_MAX;
-  if (num_threads > 1) {
-    chunk = ceil_div(total_tokens, int64_t(num_threads) * kItemsPerThread);
-    chunk = std::max(chunk, ceil_div(kMinItemBytes, kv_bytes_per_token));
+  if (threads > 1) {
+    chunk = ceil_div(total_tokens, threads * params.items_per_thread);
+    chunk = std::max(chunk, ceil_div(params.min_item_bytes, kv_bytes_per_token));
     chunk = round_up_16(chunk);
   }
 
@@ -41,13 +54,14 @@ WorkPlan plan_work(const int32_t* context_lens, int num_seqs, int num_kv_heads, 
     const int64_t splits = ceil_div(context, piece);
     for (int h = 0; h < num_kv_heads; ++h) {
       if (splits == 1) {
-        plan.items.push_back({s, h, 0, int32_t(context), -1});
+        plan.items.push_back({s, h, 0, int32_t(context), -1, -1});
         continue;
       }
+      const int32_t merge_index = int32_t(plan.merges.size());
       plan.merges.push_back({s, h, int32_t(plan.num_partials), int32_t(splits)});
       for (int64_t i = 0; i < splits; ++i) {
         plan.items.push_back({s, h, int32_t(i * piece), int32_t(std::min(context, (i + 1) * piece)),
-                              int32_t(plan.num_partials++)});
+                              int32_t(plan.num_partials++), merge_index});
       }
       plan.max_splits = std::max(plan.max_splits, int(splits));
     }
@@ -55,6 +69,7 @@ WorkPlan plan_work(const int32_t* context_lens, int num_seqs, int num_kv_heads, 
   std::stable_sort(plan.items.begin(), plan.items.end(), [](const WorkItem& a, const WorkItem& b) {
     return a.token_end - a.token_begin > b.token_end - b.token_begin;
   });
+  plan.num_threads = int(std::min<int64_t>(threads, int64_t(plan.items.size())));
   return plan;
 }
 

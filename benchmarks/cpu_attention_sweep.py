@@ -1,0 +1,70 @@
+"""Sweep of the CPU attention op's work-split parameters (the defaults in csrc/openmp/work_plan.cpp).
+
+    python benchmarks/cpu_attention_sweep.py --out sweep.json
+
+For small and large decode shapes (the ones the targets of benchmarks/cpu_attention.py are hardest on), times
+`paged_attention_cpu` under several (items_per_thread, min_item_bytes, min_thread_bytes) settings, set with
+`apex_compile.ops.cpu_attention_work_split`, on the same rotated KV pool and read-bandwidth reference as
+cpu_attention.py. Results never depend on the parameters (tests/test_cpu_attention.py), only speed does.
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from cpu_attention import (  # noqa: E402
+    DTYPES, GIB, MODELS, Pool, bench_config, busy_cores, cpu_model, last_level_cache_bytes,
+)
+
+from apex_compile.ops import cpu_attention_work_split  # noqa: E402
+
+SHAPES = [("SmolLM2-135M", "bf16", 1, 2048), ("SmolLM2-135M", "bf16", 1, 8192), ("SmolLM2-135M", "bf16", 1, 16384),
+          ("SmolLM2-135M", "bf16", 16, 512), ("Llama-3-8B", "bf16", 1, 2048), ("Llama-3-8B", "bf16", 1, 16384),
+          ("Llama-3-8B", "bf16", 4, 512), ("Llama-2-7B", "fp32", 1, 2048), ("Llama-2-7B", "bf16", 1, 16384),
+          ("Llama-2-7B", "bf16", 16, 8192)]
+KIB = 1024
+SETTINGS = [(ipt, mib * KIB, 64 * KIB) for ipt, mib in ((4, 128), (4, 256), (8, 64), (8, 128), (8, 256), (16, 128),
+                                                         (16, 256))]
+"""(items_per_thread, min_item_bytes, min_thread_bytes)"""
+
+
+def main():
+    """Times every setting on every shape; prints rows, writes JSON, restores the defaults."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out")
+    parser.add_argument("--pool-gib", type=float, default=12.0)
+    parser.add_argument("--seconds", type=float, default=0.25)
+    args = parser.parse_args()
+    defaults = cpu_attention_work_split()
+    pool = Pool(int(max(args.pool_gib * GIB, 4 * last_level_cache_bytes())))
+    bandwidth = pool.read_bandwidth(repeats=10)
+    busy = busy_cores()
+    print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads; read bandwidth {bandwidth:.1f} GB/s; "
+          f"defaults {defaults}; cores busy with other work: {busy}", flush=True)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for model, dtype, batch, context in SHAPES:
+        for ipt, mib, mtb in SETTINGS:
+            cpu_attention_work_split(ipt, mib, mtb)
+            row = bench_config(pool, MODELS[model], DTYPES[dtype], batch, context, 16, args.seconds, gen,
+                               with_sdpa=False)
+            row.update(model=model, dtype=dtype, batch=batch, context=context, items_per_thread=ipt,
+                       min_item_bytes=mib, min_thread_bytes=mtb, fraction_of_read_bw=row["op_gbps"] / bandwidth)
+            rows.append(row)
+            print(f"{model:<13} {dtype} b={batch:3d} ctx={context:6d} ipt={ipt:3d} item>={mib // KIB:4d}K "
+                  f"thread>={mtb // KIB:5d}K {row['op_ms'] * 1e3:9.1f} us {100 * row['fraction_of_read_bw']:5.1f}%",
+                  flush=True)
+    cpu_attention_work_split(**defaults)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"cpu": cpu_model(), "threads": torch.get_num_threads(), "read_bandwidth_gbps": bandwidth,
+                       "busy_cores_before": busy, "defaults": defaults, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

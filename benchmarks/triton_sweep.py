@@ -1,0 +1,227 @@
+"""Launch-parameter sweeps behind the defaults of the Triton kernels (H200; results under benchmarks/results/).
+
+    python benchmarks/triton_sweep.py --out sweep.json [--sections timing,rms_norm,decode]
+
+Sections:
+  timing    a few rows timed both ways: steady-state CUDA-graph replay (what benchmarks/triton_kernels.py
+            reports) and do_bench with its L2-clearing write before every replay (what runs before
+            2026-11-30 reported), to show the size of the difference.
+  rms_norm  num_warps of `apex::rms_norm` (bf16, +residual) -> `rms_norm_num_warps`.
+  rms_store the store policy of the rms_norm kernel (default write-back, evict-first, streaming ".cs"), on a
+            copy of its single-pass body defined here, 4096 tokens, each variant timed twice
+            -> the ".cs" stores of apex_compile/kernels/rms_norm.py.
+  decode    chunk / warps / stages x resident programs per SM of the split-K plan of `paged_attention_gpu`
+            over small and large decode shapes, with torch SDPA on contiguous K/V as the reference
+            -> DECODE_* defaults and PROGRAMS_PER_SM in apex_compile/kernels/paged_attention.py.
+Each variant's output is checked against the torch reference before it is timed.
+"""
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from triton_kernels import (  # noqa: E402
+    ATTENTION_LAYOUTS, DEVICE, DTYPE, EPS, Bench, build_paged, check_close, rms_norm_sets, sdpa_function,
+    torch_rms_norm,
+)
+
+from apex_compile.kernels._common import next_pow2  # noqa: E402
+from apex_compile.kernels.paged_attention import decode_split_plan, paged_decode_launch  # noqa: E402
+from apex_compile.kernels.rms_norm import rms_norm_launch  # noqa: E402
+
+RMS_SHAPES = [(h, t) for h in (2048, 4096, 8192) for t in (4096, 16384)]
+RMS_WARPS = [2, 4, 8, 16]
+DECODE_SHAPES = [("llama3-8b", 32, 2048), ("llama3-8b", 32, 512), ("llama3-8b", 8, 2048), ("llama3-8b", 8, 8192),
+                 ("llama3-8b", 8, 32768), ("llama3-8b", 1, 512), ("llama3-8b", 1, 2048), ("llama3-8b", 1, 32768),
+                 ("llama2-7b", 1, 2048), ("llama2-7b", 1, 32768), ("llama2-7b", 8, 512), ("llama2-7b", 32, 512)]
+DECODE_LAUNCHES = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (128, 8, 3), (32, 4, 3),
+                   (32, 2, 4)]
+"""(block_t, num_warps, num_stages)"""
+PROGRAMS_PER_SM = [2, 4, 8, 16]
+
+
+def rms_calls(sets, num_warps=None):
+    """One rms_norm_launch per input set, writing the set's own outputs."""
+    return [lambda s=s: rms_norm_launch(s[0], s[2], EPS, s[1], s[3], s[4], num_warps=num_warps) for s in sets]
+
+
+def sweep_rms_norm(bench, results):
+    """Times rms_norm per hidden size, token count and num_warps against the unfused torch ops."""
+    for hidden, tokens in RMS_SHAPES:
+        sets, bytes_moved = rms_norm_sets(bench, hidden, tokens)
+        ref_y, ref_hidden = torch_rms_norm(sets[0][0], sets[0][2], sets[0][1])
+        base = bench.graph_ms([lambda s=s: torch_rms_norm(s[0], s[2], s[1]) for s in sets])
+        for warps in RMS_WARPS:
+            if not 4 <= next_pow2(hidden) // (32 * warps) <= 128:
+                continue
+            calls = rms_calls(sets, warps)
+            calls[0]()
+            check_close(f"rms_norm warps={warps}", sets[0][3], ref_y)
+            check_close(f"rms_norm residual warps={warps}", sets[0][4], ref_hidden)
+            ms = bench.graph_ms(calls)
+            row = {"section": "rms_norm", "hidden": hidden, "tokens": tokens, "num_warps": warps,
+                   "us": ms * 1e3, "pct_hbm": 100 * bytes_moved / ms / 1e6 / bench.hbm_gbps, "speedup": base / ms}
+            results.append(row)
+            print(f"rms_norm H={hidden:5d} tokens={tokens:5d} warps={warps:2d} {row['us']:8.1f} us "
+                  f"{row['pct_hbm']:5.1f} %HBM x{row['speedup']:.2f}", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+
+
+@triton.jit
+def _rms_norm_store_probe(x_ptr, r_ptr, w_ptr, y_ptr, r_out_ptr, hidden, eps, BLOCK_H: tl.constexpr,
+                          STORE: tl.constexpr):
+    """The rms_norm kernel's single-pass body (contiguous rows, with residual) with a choice of store policy:
+    STORE 0 write-back, 1 evict_first, 2 cache_modifier ".cs"."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    h = tl.load(x_ptr + row * hidden + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    r = tl.load(r_ptr + row * hidden + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    h = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    hf = h.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / hidden + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last")
+    y = (w.to(tl.float32) * (hf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty)
+    if STORE == 0:
+        tl.store(r_out_ptr + row * hidden + cols, h, mask=mask)
+        tl.store(y_ptr + row * hidden + cols, y, mask=mask)
+    elif STORE == 1:
+        tl.store(r_out_ptr + row * hidden + cols, h, mask=mask, eviction_policy="evict_first")
+        tl.store(y_ptr + row * hidden + cols, y, mask=mask, eviction_policy="evict_first")
+    else:
+        tl.store(r_out_ptr + row * hidden + cols, h, mask=mask, cache_modifier=".cs")
+        tl.store(y_ptr + row * hidden + cols, y, mask=mask, cache_modifier=".cs")
+
+
+def sweep_rms_store(bench, results):
+    """Times the three store policies of _rms_norm_store_probe at 4096 tokens, each twice."""
+    tokens = 4096
+    for hidden in (2048, 4096):
+        sets, bytes_moved = rms_norm_sets(bench, hidden, tokens)
+        ref_y, ref_hidden = torch_rms_norm(sets[0][0], sets[0][2], sets[0][1])
+        for store in (0, 1, 2):
+            for warps in (2, 4, 8):
+                calls = [lambda s=s: _rms_norm_store_probe[(tokens,)](
+                    s[0], s[1], s[2], s[3], s[4], hidden, EPS, BLOCK_H=hidden, STORE=store, num_warps=warps)
+                    for s in sets]
+                calls[0]()
+                check_close(f"rms_store {store} y", sets[0][3], ref_y)
+                check_close(f"rms_store {store} residual", sets[0][4], ref_hidden)
+                for repeat in range(2):
+                    ms = bench.graph_ms(calls)
+                    row = {"section": "rms_store", "hidden": hidden, "tokens": tokens, "store": store,
+                           "num_warps": warps, "repeat": repeat, "us": ms * 1e3,
+                           "pct_hbm": 100 * bytes_moved / ms / 1e6 / bench.hbm_gbps}
+                    results.append(row)
+                    print(f"rms_store H={hidden} store={store} warps={warps} rep{repeat} {row['us']:.2f} us "
+                          f"{row['pct_hbm']:.1f}%", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+
+
+def decode_inputs(model, batch, ctx, block_size, bench):
+    """Rotating (q, k, v, paged caches) sets of one decode shape and the K+V bytes one call reads."""
+    num_heads, num_kv_heads, head_dim = ATTENTION_LAYOUTS[model]
+    kv_bytes = 2 * batch * ctx * num_kv_heads * head_dim * 2
+    sets = []
+    for _ in range(bench.rotation(kv_bytes)):
+        q = torch.randn(batch, num_heads, head_dim, dtype=DTYPE, device=DEVICE)
+        k = torch.randn(batch, num_kv_heads, ctx, head_dim, dtype=DTYPE, device=DEVICE)
+        v = torch.randn_like(k)
+        sets.append((q, k, v, build_paged(k, v, block_size)))
+    return sets, kv_bytes
+
+
+def sweep_decode(bench, results, block_size):
+    """Times every (chunk, warps, stages, programs per SM) launch of each decode shape against SDPA."""
+    for model, batch, ctx in DECODE_SHAPES:
+        num_kv_heads = ATTENTION_LAYOUTS[model][1]
+        sets, kv_bytes = decode_inputs(model, batch, ctx, block_size, bench)
+        q, k, v, paged = sets[0]
+        sdpa, backend = sdpa_function(q[:, :, None], k, v, causal=False)
+        ref = sdpa()[:, :, 0]
+        base = bench.graph_ms([sdpa_function(s[0][:, :, None], s[1], s[2], causal=False)[0] for s in sets])
+        seen = set()
+        for pps in PROGRAMS_PER_SM:
+            for block_t, warps, stages in DECODE_LAUNCHES:
+                splits, tokens_per_split = decode_split_plan(batch, num_kv_heads, ctx, q.device, block_t, pps)
+                key = (block_t, warps, stages, tokens_per_split)
+                if key in seen:
+                    continue
+                seen.add(key)
+                launch = dict(max_context_len=ctx, tokens_per_split=tokens_per_split, block_t=block_t,
+                              num_warps=warps, num_stages=stages)
+                check_close(f"decode {model} {launch}", paged_decode_launch(q, *paged, **launch), ref)
+                ms = bench.graph_ms([lambda s=s: paged_decode_launch(s[0], *s[3], **launch) for s in sets])
+                row = {"section": "decode", "model": model, "batch": batch, "ctx": ctx, "block_t": block_t,
+                       "warps": warps, "stages": stages, "programs_per_sm": pps, "splits": splits,
+                       "us": ms * 1e3, "sdpa_us": base * 1e3, "sdpa_backend": backend,
+                       "pct_hbm": 100 * kv_bytes / ms / 1e6 / bench.hbm_gbps, "vs_sdpa": base / ms}
+                results.append(row)
+                print(f"decode {model} b={batch:3d} ctx={ctx:5d} T{block_t}/w{warps}/s{stages} pps={pps:2d} "
+                      f"splits={splits:3d} {row['us']:8.1f} us {row['pct_hbm']:5.1f} %HBM x{row['vs_sdpa']:.2f} SDPA",
+                      flush=True)
+        del sets, paged
+        torch.cuda.empty_cache()
+
+
+def sweep_timing(bench, results, block_size):
+    """The same calls timed in steady state and with do_bench's L2 clearing."""
+    cases = []
+    for hidden, tokens in ((2048, 4096), (4096, 4096), (8192, 16384)):
+        sets, bytes_moved = rms_norm_sets(bench, hidden, tokens)
+        cases.append((f"rms_norm H={hidden} tokens={tokens}", rms_calls(sets), bytes_moved, sets))
+    for model, batch, ctx in (("llama3-8b", 32, 2048), ("llama2-7b", 32, 8192)):
+        sets, kv_bytes = decode_inputs(model, batch, ctx, block_size, bench)
+        calls = [lambda s=s: paged_decode_launch(s[0], *s[3], max_context_len=ctx) for s in sets]
+        cases.append((f"decode {model} b={batch} ctx={ctx}", calls, kv_bytes, sets))
+    for name, calls, bytes_moved, _ in cases:
+        steady, flushed = bench.graph_ms(calls), bench.flushed_graph_ms(calls)
+        row = {"section": "timing", "name": name, "steady_us": steady * 1e3, "flushed_us": flushed * 1e3,
+               "steady_pct_hbm": 100 * bytes_moved / steady / 1e6 / bench.hbm_gbps,
+               "flushed_pct_hbm": 100 * bytes_moved / flushed / 1e6 / bench.hbm_gbps}
+        results.append(row)
+        print(f"timing {name:<36} steady {row['steady_us']:8.1f} us ({row['steady_pct_hbm']:5.1f} %HBM)  "
+              f"flushed {row['flushed_us']:8.1f} us ({row['flushed_pct_hbm']:5.1f} %HBM)", flush=True)
+    del cases
+    torch.cuda.empty_cache()
+
+
+def main():
+    """Runs the chosen sections; prints rows and writes them as JSON."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="JSON results file")
+    parser.add_argument("--sections", default="timing,rms_norm,rms_store,decode")
+    parser.add_argument("--hbm-gbps", type=float, default=4200.0)
+    parser.add_argument("--block-size", type=int, default=16)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("triton_sweep.py needs a CUDA GPU")
+    bench = Bench(args.hbm_gbps)
+    results = []
+    sections = args.sections.split(",")
+    with torch.inference_mode():
+        if "timing" in sections:
+            sweep_timing(bench, results, args.block_size)
+        if "rms_norm" in sections:
+            sweep_rms_norm(bench, results)
+        if "rms_store" in sections:
+            sweep_rms_store(bench, results)
+        if "decode" in sections:
+            sweep_decode(bench, results, args.block_size)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(DEVICE), "torch": torch.__version__,
+                       "hbm_gbps_reference": args.hbm_gbps, "rows": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
