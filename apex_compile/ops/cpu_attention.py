@@ -10,8 +10,10 @@ Conventions:
 - ``cache_append_cpu`` skips tokens whose slot is negative (padding rows); a slot >= num_blocks * block_size
   is an error. Duplicate slots in one call leave one of the rows (unspecified which).
 - ``query`` must have the cache's dtype; accumulation is fp32; the output has the query's dtype.
-- Threads: ``torch.get_num_threads()``. Kernel path: best of avx512 > avx2 > scalar that the CPU supports,
-  or the one named by the environment variable ``APEX_CPU_ISA`` (read on every call; see ``cpu_isa``).
+- Threads: up to ``torch.get_num_threads()`` (fewer only when a call has fewer work items, or less than
+  64 KiB of K+V per thread; see ``cpu_attention_work_split``).
+- Kernel path: best of avx512 > avx2 > scalar that the CPU supports, or the one named by the environment
+  variable ``APEX_CPU_ISA`` (read on every call; see ``cpu_isa``).
 """
 import ctypes
 import mmap
