@@ -66,7 +66,7 @@ Isa select_isa() {
   for (Isa isa : {Isa::Avx512, Isa::Avx2, Isa::Scalar}) {
     if (name == isa_name(isa)) {
       APEX_CHECK(apex_cpu::cpu_supports(isa), "APEX_CPU_ISA=", name, " but this ",
-                  apex_cpu::isa_compiled(isa) ? "CPU does not support it" : "build does not include it");
+                 apex_cpu::isa_compiled(isa) ? "CPU does not support it" : "build does not include it");
       return isa;
     }
   }
@@ -98,19 +98,19 @@ std::array<int64_t, 4> check_caches(const at::Tensor& key_cache, const at::Tenso
   check_cpu(key_cache, "key_cache");
   check_cpu(value_cache, "value_cache");
   APEX_CHECK(key_cache.dim() == 4, "key_cache must be [num_blocks, num_kv_heads, block_size, head_dim], got ",
-              shape_of(key_cache));
+             shape_of(key_cache));
   APEX_CHECK(value_cache.sizes() == key_cache.sizes(), "value_cache shape ", shape_of(value_cache),
-              " differs from key_cache shape ", shape_of(key_cache));
+             " differs from key_cache shape ", shape_of(key_cache));
   APEX_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), "value_cache dtype ",
-              value_cache.scalar_type(), " differs from key_cache dtype ", key_cache.scalar_type());
+             value_cache.scalar_type(), " differs from key_cache dtype ", key_cache.scalar_type());
   kernel_dtype(key_cache.scalar_type());
   APEX_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "key_cache and value_cache must be contiguous");
   const int64_t block_size = key_cache.size(2);
   const int64_t head_dim = key_cache.size(3);
   APEX_CHECK(block_size >= 16 && block_size <= 256 && (block_size & (block_size - 1)) == 0,
-              "block_size must be a power of two in 16..256, got ", block_size);
+             "block_size must be a power of two in 16..256, got ", block_size);
   APEX_CHECK(head_dim >= 16 && head_dim <= apex_cpu::kMaxHeadDim && head_dim % 16 == 0,
-              "head_dim must be a multiple of 16 in 16..256, got ", head_dim);
+             "head_dim must be a multiple of 16 in 16..256, got ", head_dim);
   APEX_CHECK(key_cache.size(1) >= 1, "num_kv_heads must be >= 1");
   return {key_cache.size(0), key_cache.size(1), block_size, head_dim};
 }
@@ -125,18 +125,18 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
   check_cpu(context_lens, "context_lens");
   APEX_CHECK(query.dim() == 3, "query must be [num_seqs, num_heads, head_dim], got ", shape_of(query));
   APEX_CHECK(query.scalar_type() == key_cache.scalar_type(), "query dtype ", query.scalar_type(),
-              " must equal the KV cache dtype ", key_cache.scalar_type());
+             " must equal the KV cache dtype ", key_cache.scalar_type());
   const int64_t num_seqs = query.size(0);
   const int64_t num_heads = query.size(1);
   APEX_CHECK(query.size(2) == head_dim, "query head_dim ", query.size(2), " differs from the cache's ", head_dim);
   APEX_CHECK(num_heads >= 1 && num_heads % num_kv_heads == 0, "num_heads (", num_heads,
-              ") must be a positive multiple of num_kv_heads (", num_kv_heads, ")");
+             ") must be a positive multiple of num_kv_heads (", num_kv_heads, ")");
   APEX_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == num_seqs,
-              "block_tables must be int32 [num_seqs=", num_seqs, ", max_blocks], got ", block_tables.scalar_type(),
-              " ", shape_of(block_tables));
+             "block_tables must be int32 [num_seqs=", num_seqs, ", max_blocks], got ", block_tables.scalar_type(),
+             " ", shape_of(block_tables));
   APEX_CHECK(context_lens.scalar_type() == at::kInt && context_lens.dim() == 1 && context_lens.size(0) == num_seqs,
-              "context_lens must be int32 [num_seqs=", num_seqs, "], got ", context_lens.scalar_type(), " ",
-              shape_of(context_lens));
+             "context_lens must be int32 [num_seqs=", num_seqs, "], got ", context_lens.scalar_type(), " ",
+             shape_of(context_lens));
   APEX_CHECK(num_seqs <= INT32_MAX && num_blocks <= INT32_MAX, "too many sequences or blocks");
 
   const at::Tensor q = query.stride(2) == 1 ? query : query.contiguous();
@@ -148,14 +148,14 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t context = lens_ptr[s];
     APEX_CHECK(context >= 1, "context_lens[", s, "] = ", context,
-                ": every sequence must attend to at least its current token (zero-length contexts are an error)");
+               ": every sequence must attend to at least its current token (zero-length contexts are an error)");
     const int64_t needed = (context + block_size - 1) / block_size;
     APEX_CHECK(needed <= max_blocks, "context_lens[", s, "] = ", context, " needs ", needed, " blocks of ",
-                block_size, " tokens but block_tables has ", max_blocks, " columns");
+               block_size, " tokens but block_tables has ", max_blocks, " columns");
     const int32_t* row = tables_ptr + s * tables.stride(0);
     for (int64_t b = 0; b < needed; ++b) {
       APEX_CHECK(row[b] >= 0 && row[b] < num_blocks, "block_tables[", s, ", ", b, "] = ", row[b],
-                  " is out of range for a cache of ", num_blocks, " blocks");
+                 " is out of range for a cache of ", num_blocks, " blocks");
     }
   }
 
@@ -218,14 +218,14 @@ void cache_append_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor
   check_cpu(value, "value");
   check_cpu(slot_mapping, "slot_mapping");
   APEX_CHECK(key.dim() == 3 && key.size(1) == num_kv_heads && key.size(2) == head_dim,
-              "key must be [num_tokens, num_kv_heads=", num_kv_heads, ", head_dim=", head_dim, "], got ", shape_of(key));
+             "key must be [num_tokens, num_kv_heads=", num_kv_heads, ", head_dim=", head_dim, "], got ", shape_of(key));
   APEX_CHECK(value.sizes() == key.sizes(), "value shape ", shape_of(value), " differs from key shape ", shape_of(key));
   APEX_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type(),
-              "key/value dtypes (", key.scalar_type(), ", ", value.scalar_type(), ") must equal the cache dtype ",
-              key_cache.scalar_type());
+             "key/value dtypes (", key.scalar_type(), ", ", value.scalar_type(), ") must equal the cache dtype ",
+             key_cache.scalar_type());
   APEX_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0),
-              "slot_mapping must be int64 [num_tokens=", key.size(0), "], got ", slot_mapping.scalar_type(), " ",
-              shape_of(slot_mapping));
+             "slot_mapping must be int64 [num_tokens=", key.size(0), "], got ", slot_mapping.scalar_type(), " ",
+             shape_of(slot_mapping));
   const at::Tensor k = key.stride(2) == 1 ? key : key.contiguous();
   const at::Tensor v = value.stride(2) == 1 ? value : value.contiguous();
   const at::Tensor slots = slot_mapping.contiguous();
@@ -233,7 +233,7 @@ void cache_append_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor
   const int64_t num_slots = num_blocks * block_size;
   for (int64_t i = 0; i < slots.size(0); ++i) {
     APEX_CHECK(slots_ptr[i] < num_slots, "slot_mapping[", i, "] = ", slots_ptr[i],
-                " is out of range for a cache of ", num_blocks, " blocks of ", block_size, " tokens");
+               " is out of range for a cache of ", num_blocks, " blocks of ", block_size, " tokens");
   }
   if (slots.size(0) == 0) return;
 
