@@ -93,12 +93,12 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torc
 
 
 def rms_norm_num_warps(block_h: int) -> int:
-    """Warps of the single-pass kernel for rows of `block_h` (a power of two) elements, from
-    benchmarks/triton_sweep.py on the H200: 2 for 4096-8192 (64-128 elements per thread: the most loads in
-    flight per warp without spilling), 8 for 16384, one per 512 elements for shorter rows."""
+    """Warps of the single-pass kernel for rows of `block_h` (a power of two) elements: 2 for 4096-8192
+    (64-128 elements per thread, measured best by benchmarks/triton_sweep.py on the H200), otherwise one warp
+    per 512 elements (at most 16)."""
     if 4096 <= block_h <= 8192:
         return 2
-    return max(1, min(16, block_h // (2048 if block_h > 8192 else 512)))
+    return max(1, min(16, block_h // 512))
 
 
 def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor],
