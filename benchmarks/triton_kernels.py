@@ -24,8 +24,9 @@ the L2 cache when one set is smaller (so no call finds its inputs in L2):
     back to back between CUDA events (median of rounds) and the time divided by the number of calls.
     Targets and the dispatch table use this: it is what the kernels cost in a CUDA-graphed step, free of host
     launch overhead. (Runs before 2026-11-30 timed each replay with do_bench, which writes a 256 MB buffer
-    before every replay: the next kernel then also pays for writing ~60 MB of someone else's dirty L2 lines
-    back to HBM, ~15 us that no kernel in a decode step pays. `Bench.flushed_graph_ms` keeps that method.)
+    before every replay: the next kernel then also pays for writing someone else's dirty L2 lines back to HBM,
+    9 us on a 268 MB decode call (triton_sweep.py "timing"), which no kernel of a decode step pays.
+    `Bench.flushed_graph_ms` keeps that method.)
   - "eager": one Python call per timed run with triton.testing.do_bench (L2 cleared before each run), so
     host overhead that the GPU cannot hide shows (op dispatch, Triton launch); reported for kernel and baseline.
 Every kernel output is checked against its baseline before timing; any error is printed with its row and the
@@ -520,18 +521,31 @@ def build_paged(k, v, block_size):
     return key_cache, value_cache, block_tables, context_lens
 
 
+def decode_sets(bench, model, batch, ctx, block_size):
+    """Rotating (q, k, v, paged caches) sets of one decode shape (contiguous k/v [B, Hkv, ctx, D] for SDPA)."""
+    num_heads, num_kv_heads, head_dim = ATTENTION_LAYOUTS[model]
+    sets = []
+    for _ in range(bench.rotation(decode_kv_bytes(model, batch, ctx))):
+        q = torch.randn(batch, num_heads, head_dim, dtype=DTYPE, device=DEVICE)
+        k = torch.randn(batch, num_kv_heads, ctx, head_dim, dtype=DTYPE, device=DEVICE)
+        v = torch.randn_like(k)
+        sets.append((q, k, v, build_paged(k, v, block_size)))
+    return sets
+
+
+def decode_kv_bytes(model, batch, ctx):
+    """K+V bytes one decode call reads (bf16)."""
+    _, num_kv_heads, head_dim = ATTENTION_LAYOUTS[model]
+    return 2 * batch * ctx * num_kv_heads * head_dim * 2
+
+
 def decode_row(bench, model, batch, ctx, block_size, section_name="decode", with_target=True):
     num_heads, num_kv_heads, head_dim = ATTENTION_LAYOUTS[model]
-    kv_bytes = 2 * batch * ctx * num_kv_heads * head_dim * 2
+    kv_bytes = decode_kv_bytes(model, batch, ctx)
     name = f"{model} bs={block_size} batch={batch} ctx={ctx}"
 
     def row():
-        sets = []
-        for _ in range(bench.rotation(kv_bytes)):
-            q = torch.randn(batch, num_heads, head_dim, dtype=DTYPE, device=DEVICE)
-            k = torch.randn(batch, num_kv_heads, ctx, head_dim, dtype=DTYPE, device=DEVICE)
-            v = torch.randn_like(k)
-            sets.append((q, k, v, build_paged(k, v, block_size)))
+        sets = decode_sets(bench, model, batch, ctx, block_size)
         q, k, v, paged = sets[0]
         sdpa, backend = sdpa_function(q[:, :, None], k, v, causal=False)
         check_close("paged decode", paged_attention_gpu(q, *paged, max_context_len=ctx), sdpa()[:, :, 0])

@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from triton_kernels import (  # noqa: E402
-    ATTENTION_LAYOUTS, DEVICE, DTYPE, EPS, Bench, build_paged, check_close, rms_norm_sets, sdpa_function,
-    torch_rms_norm,
+    ATTENTION_LAYOUTS, DEVICE, EPS, Bench, check_close, decode_kv_bytes, decode_sets, rms_norm_sets,
+    sdpa_function, torch_rms_norm,
 )
 
 from apex_compile.kernels._common import next_pow2  # noqa: E402
@@ -127,24 +127,11 @@ def sweep_rms_store(bench, results):
         torch.cuda.empty_cache()
 
 
-def decode_inputs(model, batch, ctx, block_size, bench):
-    """Rotating (q, k, v, paged caches) sets of one decode shape and the K+V bytes one call reads."""
-    num_heads, num_kv_heads, head_dim = ATTENTION_LAYOUTS[model]
-    kv_bytes = 2 * batch * ctx * num_kv_heads * head_dim * 2
-    sets = []
-    for _ in range(bench.rotation(kv_bytes)):
-        q = torch.randn(batch, num_heads, head_dim, dtype=DTYPE, device=DEVICE)
-        k = torch.randn(batch, num_kv_heads, ctx, head_dim, dtype=DTYPE, device=DEVICE)
-        v = torch.randn_like(k)
-        sets.append((q, k, v, build_paged(k, v, block_size)))
-    return sets, kv_bytes
-
-
 def sweep_decode(bench, results, block_size):
     """Times every (chunk, warps, stages, programs per SM) launch of each decode shape against SDPA."""
     for model, batch, ctx in DECODE_SHAPES:
         num_kv_heads = ATTENTION_LAYOUTS[model][1]
-        sets, kv_bytes = decode_inputs(model, batch, ctx, block_size, bench)
+        sets, kv_bytes = decode_sets(bench, model, batch, ctx, block_size), decode_kv_bytes(model, batch, ctx)
         q, k, v, paged = sets[0]
         sdpa, backend = sdpa_function(q[:, :, None], k, v, causal=False)
         ref = sdpa()[:, :, 0]
@@ -180,7 +167,7 @@ def sweep_timing(bench, results, block_size):
         sets, bytes_moved = rms_norm_sets(bench, hidden, tokens)
         cases.append((f"rms_norm H={hidden} tokens={tokens}", rms_calls(sets), bytes_moved, sets))
     for model, batch, ctx in (("llama3-8b", 32, 2048), ("llama2-7b", 32, 8192)):
-        sets, kv_bytes = decode_inputs(model, batch, ctx, block_size, bench)
+        sets, kv_bytes = decode_sets(bench, model, batch, ctx, block_size), decode_kv_bytes(model, batch, ctx)
         calls = [lambda s=s: paged_decode_launch(s[0], *s[3], max_context_len=ctx) for s in sets]
         cases.append((f"decode {model} b={batch} ctx={ctx}", calls, kv_bytes, sets))
     for name, calls, bytes_moved, _ in cases:

@@ -124,7 +124,6 @@ struct PagedAttentionArgs {
   int head_dim;
   int block_size;
   float scale;
-  int num_threads;
 };
 
 // One unit of parallel work: all query heads of one kv head of one sequence over tokens [token_begin,

@@ -182,7 +182,6 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
   args.head_dim = int(head_dim);
   args.block_size = int(block_size);
   args.scale = float(scale.has_value() ? *scale : 1.0 / std::sqrt(double(head_dim)));
-  args.num_threads = threads;
 
   const apex_cpu::WorkPlan plan = apex_cpu::plan_work(lens_ptr, int(num_seqs), int(num_kv_heads),
                                                       2 * head_dim * int64_t(key_cache.element_size()), threads);
