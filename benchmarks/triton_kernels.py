@@ -363,8 +363,9 @@ def fused_candidates(m: int):
     """Fused-GEMM configs tried for `m` rows (BLOCK_N, BLOCK_K, warps, stages), filtered by the smem budget.
 
     Decode sizes stream the weights: narrow N tiles give every SM several programs (11008 / 32 = 344 tiles on
-    132 SMs), deep K tiles and stages keep many weight bytes in flight. From M = 32 a second M tile of 16 rows
-    (re-reading the weight tile from L2) is also tried."""
+    132 SMs), deep K tiles and stages keep many weight bytes in flight. From M = 32, M tiles of 16 rows (the
+    decode-size winners; the programs of one N tile run together, so the second reads the weight tile from L2)
+    are also tried."""
     block_m = min(128, max(16, triton.next_power_of_2(m)))
     if block_m <= 16:
         shapes = [(16, 256, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3)]
@@ -377,7 +378,7 @@ def fused_candidates(m: int):
                for n, k, w, s in shapes]
     if 32 <= block_m <= 64:
         configs += [{"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k, "num_warps": 4, "num_stages": s}
-                    for n, k, s in ((32, 256, 3), (64, 128, 4))]
+                    for n, k, s in ((32, 128, 4), (32, 256, 3), (64, 128, 4), (16, 256, 4))]
     return [c for c in configs if fused_config_fits(c, 2)]
 
 

@@ -1,12 +1,15 @@
 """Launch-parameter sweeps behind the defaults of the Triton kernels (H200; results under benchmarks/results/).
 
-    python benchmarks/triton_sweep.py --out sweep.json [--sections timing,rms_norm,decode]
+    python benchmarks/triton_sweep.py --out sweep.json [--sections timing,rms_norm,rms_copy,rms_store,decode]
 
 Sections:
   timing    a few rows timed both ways: steady-state CUDA-graph replay (what benchmarks/triton_kernels.py
             reports) and do_bench with its L2-clearing write before every replay (what runs before
             2026-11-30 reported), to show the size of the difference.
   rms_norm  num_warps of `apex::rms_norm` (bf16, +residual) -> `rms_norm_num_warps`.
+  rms_copy  at 4096 tokens, the rms_norm kernel beside a copy of the same bytes in the same kernel shape (x ->
+            y, residual -> residual_out, no math), per num_warps, each twice: the speed of light of this
+            traffic at this size.
   rms_store the store policy of the rms_norm kernel (default write-back, evict-first, streaming ".cs"), on a
             copy of its single-pass body defined here, 4096 tokens, each variant timed twice
             -> the ".cs" stores of apex_compile/kernels/rms_norm.py.
@@ -127,6 +130,50 @@ def sweep_rms_store(bench, results):
         torch.cuda.empty_cache()
 
 
+@triton.jit
+def _rows_copy_probe(x_ptr, r_ptr, y_ptr, r_out_ptr, hidden, BLOCK_H: tl.constexpr):
+    """The loads and stores of the rms_norm single-pass body (one contiguous row per program, same eviction
+    and store policies) without its math: x -> y, residual -> residual_out."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * hidden + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    r = tl.load(r_ptr + row * hidden + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    tl.store(r_out_ptr + row * hidden + cols, r, mask=mask, cache_modifier=".cs")
+    tl.store(y_ptr + row * hidden + cols, x, mask=mask, cache_modifier=".cs")
+
+
+def sweep_rms_copy(bench, results):
+    """At 4096 tokens, times `apex::rms_norm`'s kernel and _rows_copy_probe (the same bytes, no math) over
+    num_warps, interleaved, each twice: how far the kernel is from the speed of light of its traffic."""
+    tokens = 4096
+    for hidden in (2048, 4096):
+        sets, bytes_moved = rms_norm_sets(bench, hidden, tokens)
+        ref_y, ref_hidden = torch_rms_norm(sets[0][0], sets[0][2], sets[0][1])
+        for warps in (2, 4, 8):
+            copy_calls = [lambda s=s, w=warps: _rows_copy_probe[(tokens,)](s[0], s[1], s[3], s[4], hidden,
+                                                                          BLOCK_H=hidden, num_warps=w)
+                          for s in sets]
+            copy_calls[0]()
+            torch.testing.assert_close(sets[0][3], sets[0][0], rtol=0, atol=0)
+            torch.testing.assert_close(sets[0][4], sets[0][1], rtol=0, atol=0)
+            norm_calls = rms_calls(sets, warps)
+            norm_calls[0]()
+            check_close(f"rms_copy norm warps={warps} y", sets[0][3], ref_y)
+            check_close(f"rms_copy norm warps={warps} residual", sets[0][4], ref_hidden)
+            for repeat in range(2):
+                for kind, calls in (("rms_norm", norm_calls), ("copy", copy_calls)):
+                    ms = bench.graph_ms(calls)
+                    row = {"section": "rms_copy", "kernel": kind, "hidden": hidden, "tokens": tokens,
+                           "num_warps": warps, "repeat": repeat, "us": ms * 1e3,
+                           "pct_hbm": 100 * bytes_moved / ms / 1e6 / bench.hbm_gbps}
+                    results.append(row)
+                    print(f"rms_copy H={hidden} {kind:8s} warps={warps} rep{repeat} {row['us']:.2f} us "
+                          f"{row['pct_hbm']:.1f}%", flush=True)
+        del sets
+        torch.cuda.empty_cache()
+
+
 def sweep_decode(bench, results, block_size):
     """Times every (chunk, warps, stages, programs per SM) launch of each decode shape against SDPA."""
     for model, batch, ctx in DECODE_SHAPES:
@@ -186,7 +233,7 @@ def main():
     """Runs the chosen sections; prints rows and writes them as JSON."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="JSON results file")
-    parser.add_argument("--sections", default="timing,rms_norm,rms_store,decode")
+    parser.add_argument("--sections", default="timing,rms_norm,rms_copy,rms_store,decode")
     parser.add_argument("--hbm-gbps", type=float, default=4200.0)
     parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args()
@@ -200,6 +247,8 @@ def main():
             sweep_timing(bench, results, args.block_size)
         if "rms_norm" in sections:
             sweep_rms_norm(bench, results)
+        if "rms_copy" in sections:
+            sweep_rms_copy(bench, results)
         if "rms_store" in sections:
             sweep_rms_store(bench, results)
         if "decode" in sections:
