@@ -3,7 +3,8 @@
 One run measures, with the same threads:
   1. read bandwidth: torch.sum over the KV pool (several times the last-level cache) as fp32, best of several,
   2. `apex_compile.ops.paged_attention_cpu` on a paged KV pool with shuffled block tables,
-  3. torch SDPA (enable_gqa) on contiguous K/V of the same bytes,
+  3. torch SDPA (enable_gqa) on contiguous K/V of the same bytes, timed in turns with 2. (one step each)
+     so that both see the same machine state,
 for Llama-2-7B (32/32 heads, d 128), Llama-3-8B (32/8, d 128) and SmolLM2-135M (9/3, d 64), over batch,
 context and dtype. Effective bandwidth = K+V bytes one decode step must read / median step time (the mean is
 in the JSON too). Every step reads
@@ -72,14 +73,25 @@ def cpu_model():
 def timed_loop(step, min_seconds, min_steps=5):
     """Runs step(i) once to warm up, then repeatedly for at least min_seconds and min_steps; returns the
     (median, mean) seconds per step. The median is robust to the scheduler stalls of a shared machine."""
-    step(0)
-    times = []
+    return interleaved_loops({"step": step}, min_seconds, min_steps)["step"]
+
+
+def interleaved_loops(steps: dict, min_seconds, min_steps=5):
+    """Like timed_loop for several step functions at once, taking turns one step each (so a change of machine
+    state during the measurement, another process or clock drift, affects all alike: ratios between them
+    hold); returns {name: (median, mean) seconds per step}, over at least min_seconds per step function."""
+    for step in steps.values():
+        step(0)
+    times = {name: [] for name in steps}
     start = time.perf_counter()
-    while len(times) < min_steps or time.perf_counter() - start < min_seconds:
-        before = time.perf_counter()
-        step(len(times) + 1)
-        times.append(time.perf_counter() - before)
-    return statistics.median(times), sum(times) / len(times)
+    count = 0
+    while count < min_steps or time.perf_counter() - start < min_seconds * len(steps):
+        count += 1
+        for name, step in steps.items():
+            before = time.perf_counter()
+            step(count)
+            times[name].append(time.perf_counter() - before)
+    return {name: (statistics.median(t), sum(t) / len(t)) for name, t in times.items()}
 
 
 class Pool:
@@ -132,6 +144,18 @@ def busy_cores(seconds=1.0):
     return (busy1 - busy0) / max(1, total1 - total0) * os.cpu_count()
 
 
+def anon_huge_page_bytes():
+    """Bytes of this process's memory on transparent huge pages (/proc/self/smaps_rollup), None if unknown."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def transparent_huge_pages():
     """The kernel's THP mode ("always", "madvise", "never") or "unknown"."""
     try:
@@ -165,21 +189,22 @@ def bench_config(pool, model, dtype, batch, context, block_size, min_seconds, ge
         r = i % replicas
         paged_attention_cpu(queries[r % len(queries)], key_cache, value_cache, tables[r], lens)
 
-    op_seconds, op_mean = timed_loop(op_step, min_seconds)
-    del key_cache, value_cache
     if not with_sdpa:
+        op_seconds, op_mean = timed_loop(op_step, min_seconds)
         return dict(step_bytes=step_bytes, replicas=int(replicas), rotated_bytes=int(replicas * step_bytes),
                     op_ms=op_seconds * 1e3, op_mean_ms=op_mean * 1e3, op_gbps=step_bytes / op_seconds / 1e9)
 
+    # The same pool bytes viewed as contiguous K/V (only read, so the aliasing with the paged view is harmless).
     k_all, v_all = pool.halves(dtype, (replicas, batch, kv_heads, context, head_dim))
     sdpa_queries = queries.unsqueeze(3)  # [replicas, batch, heads, 1, head_dim]
 
     def sdpa_step(i):
-        r = i % replicas
+        r = (i + replicas // 2) % replicas  # half the pool away from the op's step i, which just read replica i
         F.scaled_dot_product_attention(sdpa_queries[r % len(queries)], k_all[r], v_all[r],
                                        enable_gqa=kv_heads != heads)
 
-    sdpa_seconds, sdpa_mean = timed_loop(sdpa_step, min_seconds)
+    timings = interleaved_loops({"op": op_step, "sdpa": sdpa_step}, min_seconds)
+    (op_seconds, op_mean), (sdpa_seconds, sdpa_mean) = timings["op"], timings["sdpa"]
     return dict(
         step_bytes=step_bytes,
         replicas=int(replicas),
@@ -216,8 +241,10 @@ def main():
     busy_before = busy_cores()
     pool = Pool(int(max(pool_gib * GIB, 4 * llc)))
     bandwidth = pool.read_bandwidth(repeats=5 if args.quick else 10)
+    huge_bytes = anon_huge_page_bytes()
     print(f"CPU: {cpu_model()}, {args.threads} threads, LLC {llc >> 20} MiB, ISA {cpu_isa()}, "
-          f"THP {transparent_huge_pages()}, torch {torch.__version__}")
+          f"THP {transparent_huge_pages()} ({'?' if huge_bytes is None else f'{huge_bytes / GIB:.1f}'} GiB of the "
+          f"{2 * pool.half_bytes / GIB:.1f} GiB pool on huge pages), torch {torch.__version__}")
     print(f"read bandwidth (torch.sum over the {2 * pool.half_bytes / GIB:.1f} GiB KV pool as fp32, best of runs): "
           f"{bandwidth:.1f} GB/s")
     if busy_before is not None:
@@ -281,6 +308,7 @@ def main():
         mode="quick" if args.quick else "full",
         machine=dict(cpu=cpu_model(), logical_cpus=os.cpu_count(), threads=args.threads, llc_bytes=llc,
                      isa=cpu_isa(), transparent_huge_pages=transparent_huge_pages(), torch=torch.__version__,
+                     huge_page_bytes_after_pool=huge_bytes,
                      python=platform.python_version(),
                      load_average_before_after=[load_before, os.getloadavg() if load_before else None],
                      busy_cores_before=busy_before),

@@ -23,7 +23,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from cpu_attention import DTYPES, GIB, MODELS, Pool, bench_config, busy_cores, cpu_model, timed_loop  # noqa: E402
+from cpu_attention import (  # noqa: E402
+    DTYPES, GIB, MODELS, Pool, anon_huge_page_bytes, bench_config, busy_cores, cpu_model, timed_loop,
+)
 
 from apex_compile.ops import (  # noqa: E402
     allocate_kv_cache_cpu, cache_append_cpu, cpu_attention_work_split, paged_attention_cpu,
@@ -60,6 +62,7 @@ def run(seconds, pool_gib):
         cpu_attention_work_split(**defaults)
     result["single_us_same_heads"] = tiny_call_us(threads, 16, seconds) if threads > 1 else result["single_us"]
     pool = Pool(int(pool_gib * GIB))
+    result["pool_bytes"], result["huge_page_bytes"] = 2 * pool.half_bytes, anon_huge_page_bytes()
     gen = torch.Generator().manual_seed(0)
     counts = sorted({1, 2, 4, 8, threads} & set(range(1, threads + 1)))
     result["scaling"] = []
@@ -75,7 +78,8 @@ def run(seconds, pool_gib):
 
 def show(result):
     """Prints one process's measurements."""
-    print(f"OMP_WAIT_POLICY={result['omp_wait_policy']}, {result['threads']} threads")
+    print(f"OMP_WAIT_POLICY={result['omp_wait_policy']}, {result['threads']} threads, "
+          f"{result['pool_bytes'] / GIB:.1f} GiB pool, {(result['huge_page_bytes'] or 0) / GIB:.1f} GiB on huge pages")
     print(f"  single item, 1 head:                     {result['single_us']:7.1f} us")
     print(f"  single item each, {result['threads']} heads, 1 thread:    {result['single_us_same_heads']:7.1f} us")
     print(f"  one item per thread (parallel region):   {result['fork_join_us']:7.1f} us")
