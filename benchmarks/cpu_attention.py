@@ -226,6 +226,9 @@ def main():
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--pool-gib", type=float, help="KV buffer size (default 1.5 quick, 12 full)")
     parser.add_argument("--seconds", type=float, help="minimum timed seconds per measurement")
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of the models")
+    parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated subset of bf16,fp32")
+    parser.add_argument("--batches", help="comma-separated batch sizes (default: the grid's)")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -236,6 +239,8 @@ def main():
     else:
         pool_gib, seconds = args.pool_gib or 12.0, args.seconds or 0.4
         batches, contexts = [1, 4, 16, 64], [512, 2048, 8192, 16384, 32768]
+    if args.batches:
+        batches = [int(b) for b in args.batches.split(",")]
     started = time.perf_counter()
     load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     busy_before = busy_cores()
@@ -256,8 +261,10 @@ def main():
     print(header)
     print("-" * len(header))
     results = []
-    for dtype_name, dtype in DTYPES.items():
-        for model_name, model in MODELS.items():
+    for dtype_name in args.dtypes.split(","):
+        dtype = DTYPES[dtype_name]
+        for model_name in args.models.split(","):
+            model = MODELS[model_name]
             for batch in batches:
                 for context in contexts:
                     row = bench_config(pool, model, dtype, batch, context, args.block_size, seconds, gen)

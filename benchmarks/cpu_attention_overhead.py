@@ -8,7 +8,7 @@ large ones reach it: this separates the cost that does not depend on the KV byte
   fork_join as many KV heads of 16 tokens as threads, run on one thread (the default split for so little
             work) and forced to one item per thread: the difference is the cost of the parallel region
   threads   SmolLM2 batch 1 at 2k/16k and Llama-2 batch 1 at 512 tokens (rotated KV, as cpu_attention.py)
-            with 1..all threads
+            with 1..all threads, then with all threads in turns with torch SDPA (as cpu_attention.py times them)
 Then the whole run is repeated in a child process with OMP_WAIT_POLICY=ACTIVE (threads spin between parallel
 regions instead of sleeping), unless it is that child.
 """
@@ -73,6 +73,12 @@ def run(seconds, pool_gib):
             result["scaling"].append({"model": model, "batch": batch, "context": context, "threads": count,
                                       "op_us": row["op_ms"] * 1e3, "op_gbps": row["op_gbps"]})
     torch.set_num_threads(threads)
+    result["with_sdpa_in_turns"] = []
+    for model, batch, context in SCALING_SHAPES:
+        row = bench_config(pool, MODELS[model], DTYPES["bf16"], batch, context, 16, seconds, gen)
+        result["with_sdpa_in_turns"].append({"model": model, "batch": batch, "context": context,
+                                             "op_us": row["op_ms"] * 1e3, "op_gbps": row["op_gbps"],
+                                             "sdpa_us": row["sdpa_ms"] * 1e3})
     return result
 
 
@@ -86,6 +92,9 @@ def show(result):
     for row in result["scaling"]:
         print(f"  {row['model']:<13} b{row['batch']} ctx{row['context']:6d} threads {row['threads']:2d}: "
               f"{row['op_us']:8.1f} us {row['op_gbps']:6.1f} GB/s")
+    for row in result["with_sdpa_in_turns"]:
+        print(f"  {row['model']:<13} b{row['batch']} ctx{row['context']:6d} in turns with SDPA: "
+              f"{row['op_us']:8.1f} us {row['op_gbps']:6.1f} GB/s (SDPA {row['sdpa_us']:.1f} us)")
 
 
 def main():
