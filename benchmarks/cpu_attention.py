@@ -3,8 +3,8 @@
 One run measures, with the same threads:
   1. read bandwidth: torch.sum over the KV pool (several times the last-level cache) as fp32, best of several,
   2. `apex_compile.ops.paged_attention_cpu` on a paged KV pool with shuffled block tables,
-  3. torch SDPA (enable_gqa) on contiguous K/V of the same bytes, timed in turns with 2. (one step each)
-     so that both see the same machine state,
+  3. torch SDPA (enable_gqa) on contiguous K/V of the same bytes, timed in turns with 2. (three rounds of
+     each) so that both see the same machine state,
 for Llama-2-7B (32/32 heads, d 128), Llama-3-8B (32/8, d 128) and SmolLM2-135M (9/3, d 64), over batch,
 context and dtype. Effective bandwidth = K+V bytes one decode step must read / median step time (the mean is
 in the JSON too). Every step reads
@@ -76,21 +76,25 @@ def timed_loop(step, min_seconds, min_steps=5):
     return interleaved_loops({"step": step}, min_seconds, min_steps)["step"]
 
 
-def interleaved_loops(steps: dict, min_seconds, min_steps=5):
-    """Like timed_loop for several step functions at once, taking turns one step each (so a change of machine
-    state during the measurement, another process or clock drift, affects all alike: ratios between them
-    hold); returns {name: (median, mean) seconds per step}, over at least min_seconds per step function."""
+def interleaved_loops(steps: dict, min_seconds, min_steps=5, rounds=3):
+    """Like timed_loop for several step functions, measured in turns: `rounds` rounds, each running every
+    function back to back for min_seconds / rounds (at least min_steps / rounds steps). A change of machine
+    state during the measurement (another process, clock drift) then affects all alike, so ratios between
+    them hold, while no step pays for what another function left behind (alternating single steps made each
+    op step write back what SDPA left dirty: SmolLM2 batch 1 16k took 157 us alone and 186 us so on the
+    H200 host, benchmarks/cpu_attention_overhead.py). Returns {name: (median, mean) seconds per step}."""
     for step in steps.values():
         step(0)
     times = {name: [] for name in steps}
-    start = time.perf_counter()
-    count = 0
-    while count < min_steps or time.perf_counter() - start < min_seconds * len(steps):
-        count += 1
+    steps_per_round = -(-min_steps // rounds)
+    for _ in range(rounds):
         for name, step in steps.items():
-            before = time.perf_counter()
-            step(count)
-            times[name].append(time.perf_counter() - before)
+            start, count = time.perf_counter(), 0
+            while count < steps_per_round or time.perf_counter() - start < min_seconds / rounds:
+                count += 1
+                before = time.perf_counter()
+                step(len(times[name]) + 1)
+                times[name].append(time.perf_counter() - before)
     return {name: (statistics.median(t), sum(t) / len(t)) for name, t in times.items()}
 
 
