@@ -28,8 +28,8 @@ SHAPES = [("SmolLM2-135M", "bf16", 1, 2048), ("SmolLM2-135M", "bf16", 1, 8192), 
           ("Llama-3-8B", "bf16", 4, 512), ("Llama-2-7B", "fp32", 1, 2048), ("Llama-2-7B", "bf16", 1, 16384),
           ("Llama-2-7B", "bf16", 16, 8192)]
 KIB = 1024
-SETTINGS = [(ipt, mib * KIB, 64 * KIB) for ipt, mib in ((4, 128), (4, 256), (8, 64), (8, 128), (8, 256), (16, 128),
-                                                         (16, 256))]
+SETTINGS = [(ipt, mib * KIB, 64 * KIB) for ipt, mib in ((1, 128), (2, 128), (4, 128), (4, 256), (8, 64), (8, 128),
+                                                         (8, 256), (16, 128), (16, 256))]
 """(items_per_thread, min_item_bytes, min_thread_bytes)"""
 
 
@@ -39,7 +39,12 @@ def main():
     parser.add_argument("--out")
     parser.add_argument("--pool-gib", type=float, default=12.0)
     parser.add_argument("--seconds", type=float, default=0.25)
+    parser.add_argument("--shapes", help="comma-separated model:dtype:batch:context (default: the built-in list)")
     args = parser.parse_args()
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [(model, dtype, int(batch), int(context))
+                  for model, dtype, batch, context in (item.split(":") for item in args.shapes.split(","))]
     defaults = cpu_attention_work_split()
     pool = Pool(int(max(args.pool_gib * GIB, 4 * last_level_cache_bytes())))
     bandwidth = pool.read_bandwidth(repeats=10)
@@ -48,7 +53,7 @@ def main():
           f"defaults {defaults}; cores busy with other work: {busy}", flush=True)
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for model, dtype, batch, context in SHAPES:
+    for model, dtype, batch, context in shapes:
         for ipt, mib, mtb in SETTINGS:
             cpu_attention_work_split(ipt, mib, mtb)
             row = bench_config(pool, MODELS[model], DTYPES[dtype], batch, context, 16, args.seconds, gen,
