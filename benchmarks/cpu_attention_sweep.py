@@ -3,13 +3,15 @@
     python benchmarks/cpu_attention_sweep.py --out sweep.json
 
 For small and large decode shapes (the ones the targets of benchmarks/cpu_attention.py are hardest on), times
-`paged_attention_cpu` under several (items_per_thread, min_item_bytes, min_thread_bytes) settings, set with
+`paged_attention_cpu` under several (items_per_thread, min_item_bytes, min_thread_bytes) settings (taking turns
+over three rounds, median of the round medians), set with
 `apex_compile.ops.cpu_attention_work_split`, on the same rotated KV pool and read-bandwidth reference as
 cpu_attention.py. Results never depend on the parameters (tests/test_cpu_attention.py), only speed does.
 """
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -31,6 +33,9 @@ KIB = 1024
 SETTINGS = [(ipt, mib * KIB, 64 * KIB) for ipt, mib in ((1, 128), (2, 128), (4, 128), (4, 256), (8, 64), (8, 128),
                                                          (8, 256), (16, 128), (16, 256))]
 """(items_per_thread, min_item_bytes, min_thread_bytes)"""
+ROUNDS = 3
+"""Rounds in which all settings of a shape take turns (one sweep of 2026-11-30 measured each setting once, and
+two such sweeps on different hosts disagreed by up to 20% on the same small call)."""
 
 
 def main():
@@ -54,16 +59,26 @@ def main():
     gen = torch.Generator().manual_seed(0)
     rows = []
     for model, dtype, batch, context in shapes:
-        for ipt, mib, mtb in SETTINGS:
-            cpu_attention_work_split(ipt, mib, mtb)
-            row = bench_config(pool, MODELS[model], DTYPES[dtype], batch, context, 16, args.seconds, gen,
-                               with_sdpa=False)
+        # Settings take turns over ROUNDS rounds (a drift of the machine's state hits all alike); each round's
+        # median is kept and the median of those is the setting's time.
+        per_setting = {setting: [] for setting in SETTINGS}
+        for _ in range(ROUNDS):
+            for setting in SETTINGS:
+                cpu_attention_work_split(*setting)
+                row = bench_config(pool, MODELS[model], DTYPES[dtype], batch, context, 16, args.seconds / ROUNDS,
+                                   gen, with_sdpa=False)
+                per_setting[setting].append(row)
+        for (ipt, mib, mtb), measured in per_setting.items():
+            round_ms = [r["op_ms"] for r in measured]
+            op_ms = statistics.median(round_ms)
+            row = dict(measured[0], op_ms=op_ms, op_ms_rounds=round_ms, op_gbps=measured[0]["step_bytes"] / op_ms / 1e6)
+            row.pop("op_mean_ms", None)
             row.update(model=model, dtype=dtype, batch=batch, context=context, items_per_thread=ipt,
                        min_item_bytes=mib, min_thread_bytes=mtb, fraction_of_read_bw=row["op_gbps"] / bandwidth)
             rows.append(row)
             print(f"{model:<13} {dtype} b={batch:3d} ctx={context:6d} ipt={ipt:3d} item>={mib // KIB:4d}K "
-                  f"thread>={mtb // KIB:5d}K {row['op_ms'] * 1e3:9.1f} us {100 * row['fraction_of_read_bw']:5.1f}%",
-                  flush=True)
+                  f"thread>={mtb // KIB:5d}K {op_ms * 1e3:9.1f} us {100 * row['fraction_of_read_bw']:5.1f}%  "
+                  f"(rounds: {' '.join(f'{ms * 1e3:.1f}' for ms in round_ms)})", flush=True)
     cpu_attention_work_split(**defaults)
     if args.out:
         with open(args.out, "w") as f:
