@@ -78,6 +78,15 @@ def sweep_rms_norm(bench, results):
         torch.cuda.empty_cache()
 
 
+def time_row(bench, results, calls, bytes_moved, **fields):
+    """Times `calls` (graph replay), appends {**fields, us, pct_hbm} to `results` and prints it."""
+    ms = bench.graph_ms(calls)
+    row = {**fields, "us": ms * 1e3, "pct_hbm": 100 * bytes_moved / ms / 1e6 / bench.hbm_gbps}
+    results.append(row)
+    print(" ".join(f"{key}={value}" for key, value in fields.items()) + f" {row['us']:.2f} us {row['pct_hbm']:.1f}%",
+          flush=True)
+
+
 @triton.jit
 def _rms_norm_store_probe(x_ptr, r_ptr, w_ptr, y_ptr, r_out_ptr, hidden, eps, BLOCK_H: tl.constexpr,
                           STORE: tl.constexpr):
@@ -119,13 +128,8 @@ def sweep_rms_store(bench, results):
                 check_close(f"rms_store {store} y", sets[0][3], ref_y)
                 check_close(f"rms_store {store} residual", sets[0][4], ref_hidden)
                 for repeat in range(2):
-                    ms = bench.graph_ms(calls)
-                    row = {"section": "rms_store", "hidden": hidden, "tokens": tokens, "store": store,
-                           "num_warps": warps, "repeat": repeat, "us": ms * 1e3,
-                           "pct_hbm": 100 * bytes_moved / ms / 1e6 / bench.hbm_gbps}
-                    results.append(row)
-                    print(f"rms_store H={hidden} store={store} warps={warps} rep{repeat} {row['us']:.2f} us "
-                          f"{row['pct_hbm']:.1f}%", flush=True)
+                    time_row(bench, results, calls, bytes_moved, section="rms_store", hidden=hidden, tokens=tokens,
+                             store=store, num_warps=warps, repeat=repeat)
         del sets
         torch.cuda.empty_cache()
 
@@ -163,13 +167,8 @@ def sweep_rms_copy(bench, results):
             check_close(f"rms_copy norm warps={warps} residual", sets[0][4], ref_hidden)
             for repeat in range(2):
                 for kind, calls in (("rms_norm", norm_calls), ("copy", copy_calls)):
-                    ms = bench.graph_ms(calls)
-                    row = {"section": "rms_copy", "kernel": kind, "hidden": hidden, "tokens": tokens,
-                           "num_warps": warps, "repeat": repeat, "us": ms * 1e3,
-                           "pct_hbm": 100 * bytes_moved / ms / 1e6 / bench.hbm_gbps}
-                    results.append(row)
-                    print(f"rms_copy H={hidden} {kind:8s} warps={warps} rep{repeat} {row['us']:.2f} us "
-                          f"{row['pct_hbm']:.1f}%", flush=True)
+                    time_row(bench, results, calls, bytes_moved, section="rms_copy", kernel=kind, hidden=hidden,
+                             tokens=tokens, num_warps=warps, repeat=repeat)
         del sets
         torch.cuda.empty_cache()
 
