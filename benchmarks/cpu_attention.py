@@ -257,8 +257,8 @@ def main():
     print(f"read bandwidth (torch.sum over the {2 * pool.half_bytes / GIB:.1f} GiB KV pool as fp32, best of runs): "
           f"{bandwidth:.1f} GB/s")
     if busy_before is not None:
-        print(f"cores busy with other work before the run: {busy_before:.2f}"
-              + ("  (WARNING: the op and SDPA use every core; these numbers are depressed)" if busy_before > 0.5 else ""))
+        warning = "  (WARNING: the op and SDPA use every core; these numbers are depressed)"
+        print(f"cores busy with other work before the run: {busy_before:.2f}" + (warning if busy_before > 0.5 else ""))
     gen = torch.Generator().manual_seed(0)
     header = (f"{'model':<13} {'dtype':<5} {'batch':>5} {'context':>7} {'KV MiB':>8} {'op ms':>8} {'op GB/s':>8} "
               f"{'%read':>6} {'sdpa ms':>8} {'sdpa GB/s':>9} {'vs sdpa':>7}")

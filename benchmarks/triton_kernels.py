@@ -365,9 +365,9 @@ def fused_candidates(m: int):
 
     Decode sizes stream the weights: narrow N tiles give every SM several programs (11008 / 32 = 344 tiles on
     132 SMs), deep K tiles and stages keep many weight bytes in flight; fewer stages or shorter K tiles fit
-    three or four programs in an SM's shared memory, so 344 tiles run in one wave instead of 1.3. From M = 32, M tiles of 16 rows (the
-    decode-size winners; the programs of one N tile run together, so the second reads the weight tile from L2)
-    are also tried."""
+    three or four programs in an SM's shared memory, so 344 tiles run in one wave instead of 1.3. From M = 32,
+    M tiles of 16 rows (the decode-size winners; the programs of one N tile run together, so the second reads
+    the weight tile from L2) are also tried."""
     block_m = min(128, max(16, triton.next_power_of_2(m)))
     if block_m <= 16:
         shapes = [(16, 256, 4, 4), (32, 128, 4, 4), (32, 128, 4, 3), (32, 256, 4, 3), (64, 128, 4, 4),

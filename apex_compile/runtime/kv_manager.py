@@ -128,7 +128,8 @@ class KVManager:
         """Extends the request's table in `pool` to cover `num_tokens`; False (nothing taken) if too few free."""
         table = self.tables.get(request_id)
         if table is not None and table.pool != pool:
-            raise RuntimeError(f"request {request_id} lives in the {POOL_NAMES[table.pool]} pool, not {POOL_NAMES[pool]}")
+            raise RuntimeError(
+                f"request {request_id} lives in the {POOL_NAMES[table.pool]} pool, not {POOL_NAMES[pool]}")
         need = self.extra_blocks(request_id, num_tokens)
         if need > self.num_free(pool):
             return False
