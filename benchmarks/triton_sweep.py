@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from triton_kernels import (  # noqa: E402
-    ATTENTION_LAYOUTS, DEVICE, EPS, Bench, check_close, decode_kv_bytes, decode_sets, rms_norm_sets,
+    ATTENTION_LAYOUTS, DEVICE, EPS, Bench, check_close, copy_rows_calls, decode_kv_bytes, decode_sets, rms_norm_sets,
     sdpa_function, torch_rms_norm,
 )
 
@@ -134,30 +134,15 @@ def sweep_rms_store(bench, results):
         torch.cuda.empty_cache()
 
 
-@triton.jit
-def _rows_copy_probe(x_ptr, r_ptr, y_ptr, r_out_ptr, hidden, BLOCK_H: tl.constexpr):
-    """The loads and stores of the rms_norm single-pass body (one contiguous row per program, same eviction
-    and store policies) without its math: x -> y, residual -> residual_out."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_H)
-    mask = cols < hidden
-    x = tl.load(x_ptr + row * hidden + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-    r = tl.load(r_ptr + row * hidden + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-    tl.store(r_out_ptr + row * hidden + cols, r, mask=mask, cache_modifier=".cs")
-    tl.store(y_ptr + row * hidden + cols, x, mask=mask, cache_modifier=".cs")
-
-
 def sweep_rms_copy(bench, results):
-    """At 4096 tokens, times `apex::rms_norm`'s kernel and _rows_copy_probe (the same bytes, no math) over
+    """At 4096 tokens, times `apex::rms_norm`'s kernel and copy_rows_kernel (the same bytes, no math) over
     num_warps, interleaved, each twice: how far the kernel is from the speed of light of its traffic."""
     tokens = 4096
     for hidden in (2048, 4096):
         sets, bytes_moved = rms_norm_sets(bench, hidden, tokens)
         ref_y, ref_hidden = torch_rms_norm(sets[0][0], sets[0][2], sets[0][1])
         for warps in (2, 4, 8):
-            copy_calls = [lambda s=s, w=warps: _rows_copy_probe[(tokens,)](s[0], s[1], s[3], s[4], hidden,
-                                                                          BLOCK_H=hidden, num_warps=w)
-                          for s in sets]
+            copy_calls = copy_rows_calls(sets, hidden, tokens, warps)
             copy_calls[0]()
             torch.testing.assert_close(sets[0][3], sets[0][0], rtol=0, atol=0)
             torch.testing.assert_close(sets[0][4], sets[0][1], rtol=0, atol=0)
