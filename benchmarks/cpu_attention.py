@@ -203,7 +203,7 @@ def bench_config(pool, model, dtype, batch, context, block_size, min_seconds, ge
     sdpa_queries = queries.unsqueeze(3)  # [replicas, batch, heads, 1, head_dim]
 
     def sdpa_step(i):
-        r = (i + replicas // 2) % replicas  # half the pool away from the op's step i, which just read replica i
+        r = (i + replicas // 2) % replicas  # half the pool away from the op's step i: no reads of its leftovers
         F.scaled_dot_product_attention(sdpa_queries[r % len(queries)], k_all[r], v_all[r],
                                        enable_gqa=kv_heads != heads)
 

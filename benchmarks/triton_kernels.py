@@ -311,6 +311,11 @@ def rms_norm_sets(bench, hidden, tokens):
     return sets, bytes_moved
 
 
+def rms_calls(sets, num_warps=None):
+    """One rms_norm_launch per rms_norm input set, writing the set's own outputs."""
+    return [lambda s=s: rms_norm_launch(s[0], s[2], EPS, s[1], s[3], s[4], num_warps=num_warps) for s in sets]
+
+
 @triton.jit
 def copy_rows_kernel(x_ptr, r_ptr, y_ptr, r_out_ptr, hidden, BLOCK_H: tl.constexpr):
     """The loads and stores of the rms_norm single-pass kernel (one contiguous row per program, the same eviction
@@ -348,7 +353,7 @@ def bench_rms_norm(bench, grid):
                 check_close("rms_norm residual_out", residual_out, ref_hidden)
                 residual_exact = torch.equal(residual_out, ref_hidden)
                 # GPU time: the kernel writing each set's own outputs; eager time: the apex::rms_norm op call.
-                kernel_calls = [lambda s=s: rms_norm_launch(s[0], s[2], EPS, s[1], s[3], s[4]) for s in sets]
+                kernel_calls = rms_calls(sets)
                 eager_ms = bench.eager_ms([lambda s=s: rms_norm(s[0], s[2], EPS, s[1]) for s in sets])
                 base = bench.measure([lambda s=s: torch_rms_norm(s[0], s[2], s[1]) for s in sets])
                 if tokens < 4096:

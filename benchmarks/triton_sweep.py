@@ -31,13 +31,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from triton_kernels import (  # noqa: E402
-    ATTENTION_LAYOUTS, DEVICE, EPS, Bench, check_close, copy_rows_calls, decode_kv_bytes, decode_sets, rms_norm_sets,
+    ATTENTION_LAYOUTS, DEVICE, EPS, Bench, check_close, copy_rows_calls, decode_kv_bytes, decode_sets, rms_calls,
+    rms_norm_sets,
     sdpa_function, torch_rms_norm,
 )
 
 from apex_compile.kernels._common import next_pow2  # noqa: E402
 from apex_compile.kernels.paged_attention import decode_split_plan, paged_decode_launch  # noqa: E402
-from apex_compile.kernels.rms_norm import rms_norm_launch  # noqa: E402
 
 RMS_SHAPES = [(h, t) for h in (2048, 4096, 8192) for t in (4096, 16384)]
 RMS_WARPS = [2, 4, 8, 16]
@@ -48,11 +48,6 @@ DECODE_LAUNCHES = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3),
                    (32, 2, 4)]
 """(block_t, num_warps, num_stages)"""
 PROGRAMS_PER_SM = [2, 4, 8, 16]
-
-
-def rms_calls(sets, num_warps=None):
-    """One rms_norm_launch per input set, writing the set's own outputs."""
-    return [lambda s=s: rms_norm_launch(s[0], s[2], EPS, s[1], s[3], s[4], num_warps=num_warps) for s in sets]
 
 
 def sweep_rms_norm(bench, results):

@@ -70,7 +70,7 @@ Isa select_isa() {
       return isa;
     }
   }
-  TORCH_CHECK(false, message("APEX_CPU_ISA=", name, " is not one of avx512, avx2, scalar, auto"));
+  APEX_CHECK(false, "APEX_CPU_ISA=", name, " is not one of avx512, avx2, scalar, auto");
 }
 
 apex_cpu::DType kernel_dtype(at::ScalarType type) {
@@ -78,7 +78,7 @@ apex_cpu::DType kernel_dtype(at::ScalarType type) {
     case at::kFloat: return apex_cpu::DType::F32;
     case at::kBFloat16: return apex_cpu::DType::BF16;
     case at::kHalf: return apex_cpu::DType::F16;
-    default: TORCH_CHECK(false, message("apex CPU ops support float32, bfloat16 and float16, got ", type));
+    default: APEX_CHECK(false, "apex CPU ops support float32, bfloat16 and float16, got ", type);
   }
 }
 
