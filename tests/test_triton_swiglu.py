@@ -39,8 +39,10 @@ not_interpreted = pytest.mark.skipif(INTERPRET, reason="torch CPU path only (not
 def tolerance(dtype, device):
     if dtype == torch.float32:
         return 1e-5
-    # The interpreter rounds fp32 -> bf16 toward zero (the GPU rounds to nearest even): allow twice the error.
-    return 2e-2 if device == "cpu" and INTERPRET else 1e-2
+    # bf16 keeps 8 significant bits. The GPU rounds to nearest (<= 2^-8 relative per rounding); the interpreter
+    # rounds fp32 -> bf16 toward zero (< 2^-7 each, all in one direction). swiglu rounds gate, up, silu(gate) and
+    # the product: up to ~3% under the interpreter (2.3% seen in 150 random draws, so 2% failed now and then).
+    return 4e-2 if device == "cpu" and INTERPRET else 1e-2
 
 
 def assert_rel_close(out, ref, rel, what):
