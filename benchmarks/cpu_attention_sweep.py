@@ -3,8 +3,8 @@
     python benchmarks/cpu_attention_sweep.py --out sweep.json
 
 For small and large decode shapes (the ones the targets of benchmarks/cpu_attention.py are hardest on), times
-`paged_attention_cpu` under several (items_per_thread, min_item_bytes, min_thread_bytes) settings (taking turns
-over three rounds, median of the round medians), set with
+`paged_attention_cpu` under several (items_per_thread, min_item_bytes, min_thread_bytes, guided) settings
+(taking turns over three rounds, median of the round medians), set with
 `apex_compile.ops.cpu_attention_work_split`, on the same rotated KV pool and read-bandwidth reference as
 cpu_attention.py. Results never depend on the parameters (tests/test_cpu_attention.py), only speed does.
 """
@@ -25,14 +25,15 @@ from cpu_attention import (  # noqa: E402
 
 from apex_compile.ops import cpu_attention_work_split  # noqa: E402
 
-SHAPES = [("SmolLM2-135M", "bf16", 1, 2048), ("SmolLM2-135M", "bf16", 1, 8192), ("SmolLM2-135M", "bf16", 1, 16384),
-          ("SmolLM2-135M", "bf16", 16, 512), ("Llama-3-8B", "bf16", 1, 2048), ("Llama-3-8B", "bf16", 1, 16384),
-          ("Llama-3-8B", "bf16", 4, 512), ("Llama-2-7B", "fp32", 1, 2048), ("Llama-2-7B", "bf16", 1, 16384),
+SHAPES = [("SmolLM2-135M", "bf16", 1, 2048), ("SmolLM2-135M", "bf16", 1, 16384), ("SmolLM2-135M", "bf16", 16, 512),
+          ("Llama-3-8B", "bf16", 1, 16384), ("Llama-3-8B", "bf16", 4, 512), ("Llama-2-7B", "fp32", 1, 2048),
+          ("Llama-2-7B", "fp32", 1, 8192), ("Llama-2-7B", "fp32", 1, 32768), ("Llama-2-7B", "bf16", 1, 16384),
           ("Llama-2-7B", "bf16", 16, 8192)]
 KIB = 1024
-SETTINGS = [(ipt, mib * KIB, 64 * KIB) for ipt, mib in ((1, 128), (2, 128), (4, 128), (4, 256), (8, 64), (8, 128),
-                                                         (8, 256), (16, 128), (16, 256))]
-"""(items_per_thread, min_item_bytes, min_thread_bytes)"""
+SETTINGS = [(ipt, mib * KIB, 64 * KIB, guided) for guided, ipt, mib in (
+    (False, 4, 128), (False, 8, 128), (False, 8, 256), (False, 16, 128),
+    (True, 1, 128), (True, 2, 128), (True, 4, 128), (True, 2, 256))]
+"""(items_per_thread, min_item_bytes, min_thread_bytes, guided)"""
 ROUNDS = 3
 """Rounds in which all settings of a shape take turns (one sweep of 2026-11-30 measured each setting once, and
 two such sweeps on different hosts disagreed by up to 20% on the same small call)."""
@@ -68,15 +69,16 @@ def main():
                 row = bench_config(pool, MODELS[model], DTYPES[dtype], batch, context, 16, args.seconds / ROUNDS,
                                    gen, with_sdpa=False)
                 per_setting[setting].append(row)
-        for (ipt, mib, mtb), measured in per_setting.items():
+        for (ipt, mib, mtb, guided), measured in per_setting.items():
             round_ms = [r["op_ms"] for r in measured]
             op_ms = statistics.median(round_ms)
             row = dict(measured[0], op_ms=op_ms, op_ms_rounds=round_ms, op_gbps=measured[0]["step_bytes"] / op_ms / 1e6)
             row.pop("op_mean_ms", None)
             row.update(model=model, dtype=dtype, batch=batch, context=context, items_per_thread=ipt,
-                       min_item_bytes=mib, min_thread_bytes=mtb, fraction_of_read_bw=row["op_gbps"] / bandwidth)
+                       min_item_bytes=mib, min_thread_bytes=mtb, guided=guided, fraction_of_read_bw=row["op_gbps"] / bandwidth)
             rows.append(row)
-            print(f"{model:<13} {dtype} b={batch:3d} ctx={context:6d} ipt={ipt:3d} item>={mib // KIB:4d}K "
+            print(f"{model:<13} {dtype} b={batch:3d} ctx={context:6d} {'guided' if guided else 'equal '} "
+                  f"ipt={ipt:3d} item>={mib // KIB:4d}K "
                   f"thread>={mtb // KIB:5d}K {op_ms * 1e3:9.1f} us {100 * row['fraction_of_read_bw']:5.1f}%  "
                   f"(rounds: {' '.join(f'{ms * 1e3:.1f}' for ms in round_ms)})", flush=True)
     cpu_attention_work_split(**defaults)

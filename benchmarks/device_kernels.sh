@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU-machine runs for the kernels. Usage (device tool, repo root): bash benchmarks/device_kernels.sh [PART ...]
-# with PART among: cpu (CPU attention benchmark), triton (Triton benchmark, writes the swiglu dispatch table),
+# with PART among: cpu (CPU attention benchmark), cpu_sweep (its work-split sweep), triton (Triton benchmark,
+# writes the swiglu dispatch table), triton_sweep (launch sweeps; sections from $SWEEP_SECTIONS, default all),
 # tests (kernel CUDA tests, ~140 s); default: triton tests. One call holds at most 10 minutes: run "cpu tests"
 # and "triton" as two calls. Logs and JSON go to $OUT.
 set -u
@@ -15,10 +16,18 @@ if [[ " $PARTS " == *" cpu "* ]]; then
   timeout 200 python3 benchmarks/cpu_attention.py --out "$OUT/cpu_attention.json" > "$OUT/cpu_attention.log" 2>&1
   tail -12 "$OUT/cpu_attention.log"
 fi
+if [[ " $PARTS " == *" cpu_sweep "* ]]; then
+  timeout 300 python3 benchmarks/cpu_attention_sweep.py --out "$OUT/cpu_attention_sweep.json" \
+    > "$OUT/cpu_attention_sweep.log" 2>&1; tail -3 "$OUT/cpu_attention_sweep.log"
+fi
 if [[ " $PARTS " == *" triton "* ]]; then
   timeout 480 python3 benchmarks/triton_kernels.py --write-dispatch --out "$OUT/triton_kernels.json" \
     > "$OUT/triton_kernels.log" 2>&1; tail -30 "$OUT/triton_kernels.log"
   cp apex_compile/kernels/swiglu_dispatch.json "$OUT/" 2>/dev/null
+fi
+if [[ " $PARTS " == *" triton_sweep "* ]]; then
+  timeout 400 python3 benchmarks/triton_sweep.py --sections "${SWEEP_SECTIONS:-timing,rms_norm,rms_copy,rms_store,rms_pdl,decode}" \
+    --out "$OUT/triton_sweep.json" > "$OUT/triton_sweep.log" 2>&1; tail -40 "$OUT/triton_sweep.log"
 fi
 if [[ " $PARTS " == *" tests "* ]]; then  # the end-to-end CUDA tests are in device_e2e.sh
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_triton_rms_norm.py tests/test_triton_swiglu.py \

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "cpu_attention.h"
@@ -15,19 +16,21 @@ namespace {
 std::atomic<int64_t> g_items_per_thread{4};
 std::atomic<int64_t> g_min_item_bytes{128 * 1024};
 std::atomic<int64_t> g_min_thread_bytes{64 * 1024};
+std::atomic<int64_t> g_guided{0};
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
 WorkPlanParams work_plan_params() {
-  return {g_items_per_thread.load(), g_min_item_bytes.load(), g_min_thread_bytes.load()};
+  return {g_items_per_thread.load(), g_min_item_bytes.load(), g_min_thread_bytes.load(), g_guided.load() != 0};
 }
 
 void set_work_plan_params(const WorkPlanParams& params) {
   g_items_per_thread.store(std::max<int64_t>(1, params.items_per_thread));
   g_min_item_bytes.store(std::max<int64_t>(1, params.min_item_bytes));
   g_min_thread_bytes.store(std::max<int64_t>(1, params.min_thread_bytes));
+  g_guided.store(params.guided ? 1 : 0);
 }
 
 WorkPlan plan_work(const int32_t* context_lens, int num_seqs, int num_kv_heads, int64_t kv_bytes_per_token,
@@ -39,31 +42,45 @@ WorkPlan plan_work(const int32_t* context_lens, int num_seqs, int num_kv_heads, 
   const int64_t threads =
       std::max<int64_t>(1, std::min<int64_t>(max_threads, total_tokens * kv_bytes_per_token / params.min_thread_bytes));
 
-  // Chunk (tokens per item): total work over the wanted item count, at least min_item_bytes, panel-aligned.
+  // Equal split: one chunk (tokens per item) for the whole call, the total work over the wanted item count.
+  // Guided split: each piece is the work not yet cut over the wanted item count, so pieces shrink as the cut
+  // proceeds and, largest first, the call ends on small items. Either way at least min_item_bytes, panel-aligned.
+  const int64_t min_chunk = round_up_16(ceil_div(params.min_item_bytes, kv_bytes_per_token));
+  const int64_t wanted_items = threads * params.items_per_thread;
   int64_t chunk = INT32_MAX;
-  if (threads > 1) {
-    chunk = ceil_div(total_tokens, threads * params.items_per_thread);
-    chunk = std::max(chunk, ceil_div(params.min_item_bytes, kv_bytes_per_token));
-    chunk = round_up_16(chunk);
-  }
+  if (threads > 1) chunk = std::max(min_chunk, round_up_16(ceil_div(total_tokens, wanted_items)));
+  int64_t uncut = total_tokens;
+  std::vector<std::pair<int64_t, int64_t>> pieces;  // token ranges of one (seq, kv_head)
 
   for (int s = 0; s < num_seqs; ++s) {
     const int64_t context = context_lens[s];
-    const int64_t wanted_splits = ceil_div(context, chunk);
-    const int64_t piece = round_up_16(ceil_div(context, wanted_splits));  // equal pieces, panel-aligned
-    const int64_t splits = ceil_div(context, piece);
     for (int h = 0; h < num_kv_heads; ++h) {
-      if (splits == 1) {
+      pieces.clear();
+      if (threads > 1 && params.guided) {
+        for (int64_t begin = 0; begin < context;) {
+          const int64_t size = std::max(min_chunk, round_up_16(ceil_div(uncut, wanted_items)));
+          const int64_t end = context - begin <= size + size / 2 ? context : begin + size;  // no sliver left
+          pieces.emplace_back(begin, end);
+          uncut -= end - begin;
+          begin = end;
+        }
+      } else {
+        const int64_t splits = ceil_div(context, chunk);
+        const int64_t piece = round_up_16(ceil_div(context, splits));  // equal pieces, panel-aligned
+        for (int64_t begin = 0; begin < context; begin += piece) {
+          pieces.emplace_back(begin, std::min(context, begin + piece));
+        }
+      }
+      if (pieces.size() == 1) {
         plan.items.push_back({s, h, 0, int32_t(context), -1, -1});
         continue;
       }
       const int32_t merge_index = int32_t(plan.merges.size());
-      plan.merges.push_back({s, h, int32_t(plan.num_partials), int32_t(splits)});
-      for (int64_t i = 0; i < splits; ++i) {
-        plan.items.push_back({s, h, int32_t(i * piece), int32_t(std::min(context, (i + 1) * piece)),
-                              int32_t(plan.num_partials++), merge_index});
+      plan.merges.push_back({s, h, int32_t(plan.num_partials), int32_t(pieces.size())});
+      for (const auto& [begin, end] : pieces) {
+        plan.items.push_back({s, h, int32_t(begin), int32_t(end), int32_t(plan.num_partials++), merge_index});
       }
-      plan.max_splits = std::max(plan.max_splits, int(splits));
+      plan.max_splits = std::max(plan.max_splits, int(pieces.size()));
     }
   }
   std::stable_sort(plan.items.begin(), plan.items.end(), [](const WorkItem& a, const WorkItem& b) {
