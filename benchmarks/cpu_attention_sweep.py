@@ -3,7 +3,7 @@
     python benchmarks/cpu_attention_sweep.py --out sweep.json
 
 For small and large decode shapes (the ones the targets of benchmarks/cpu_attention.py are hardest on), times
-`paged_attention_cpu` under several (items_per_thread, min_item_bytes, min_thread_bytes, guided) settings
+`paged_attention_cpu` under several (items_per_thread, min_item_bytes, min_thread_bytes) settings
 (taking turns over three rounds, median of the round medians), set with
 `apex_compile.ops.cpu_attention_work_split`, on the same rotated KV pool and read-bandwidth reference as
 cpu_attention.py. Results never depend on the parameters (tests/test_cpu_attention.py), only speed does.
@@ -30,10 +30,9 @@ SHAPES = [("SmolLM2-135M", "bf16", 1, 2048), ("SmolLM2-135M", "bf16", 1, 16384),
           ("Llama-2-7B", "fp32", 1, 8192), ("Llama-2-7B", "fp32", 1, 32768), ("Llama-2-7B", "bf16", 1, 16384),
           ("Llama-2-7B", "bf16", 16, 8192)]
 KIB = 1024
-SETTINGS = [(ipt, mib * KIB, 64 * KIB, guided) for guided, ipt, mib in (
-    (False, 4, 128), (False, 8, 128), (False, 8, 256), (False, 16, 128),
-    (True, 1, 128), (True, 2, 128), (True, 4, 128), (True, 2, 256))]
-"""(items_per_thread, min_item_bytes, min_thread_bytes, guided)"""
+SETTINGS = [(ipt, mib * KIB, 64 * KIB) for ipt, mib in ((1, 64), (1, 128), (1, 256), (2, 128), (4, 128))]
+"""(items_per_thread, min_item_bytes, min_thread_bytes) of the guided split (an equal split, 4-16 items per
+thread, lost to it by up to 17% at batch 1 on 2026-11-30: cpu_attention_sweep_*_s4_guided.txt)"""
 ROUNDS = 3
 """Rounds in which all settings of a shape take turns (one sweep of 2026-11-30 measured each setting once, and
 two such sweeps on different hosts disagreed by up to 20% on the same small call)."""
@@ -53,7 +52,7 @@ def main():
                   for model, dtype, batch, context in (item.split(":") for item in args.shapes.split(","))]
     defaults = cpu_attention_work_split()
     pool = Pool(int(max(args.pool_gib * GIB, 4 * last_level_cache_bytes())))
-    bandwidth = pool.read_bandwidth(repeats=10)
+    bandwidth = max(pool.read_bandwidth(repeats=10).values())
     busy = busy_cores()
     print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads; read bandwidth {bandwidth:.1f} GB/s; "
           f"defaults {defaults}; cores busy with other work: {busy}", flush=True)
@@ -69,16 +68,15 @@ def main():
                 row = bench_config(pool, MODELS[model], DTYPES[dtype], batch, context, 16, args.seconds / ROUNDS,
                                    gen, with_sdpa=False)
                 per_setting[setting].append(row)
-        for (ipt, mib, mtb, guided), measured in per_setting.items():
+        for (ipt, mib, mtb), measured in per_setting.items():
             round_ms = [r["op_ms"] for r in measured]
             op_ms = statistics.median(round_ms)
             row = dict(measured[0], op_ms=op_ms, op_ms_rounds=round_ms, op_gbps=measured[0]["step_bytes"] / op_ms / 1e6)
             row.pop("op_mean_ms", None)
             row.update(model=model, dtype=dtype, batch=batch, context=context, items_per_thread=ipt,
-                       min_item_bytes=mib, min_thread_bytes=mtb, guided=guided, fraction_of_read_bw=row["op_gbps"] / bandwidth)
+                       min_item_bytes=mib, min_thread_bytes=mtb, fraction_of_read_bw=row["op_gbps"] / bandwidth)
             rows.append(row)
-            print(f"{model:<13} {dtype} b={batch:3d} ctx={context:6d} {'guided' if guided else 'equal '} "
-                  f"ipt={ipt:3d} item>={mib // KIB:4d}K "
+            print(f"{model:<13} {dtype} b={batch:3d} ctx={context:6d} ipt={ipt:3d} item>={mib // KIB:4d}K "
                   f"thread>={mtb // KIB:5d}K {op_ms * 1e3:9.1f} us {100 * row['fraction_of_read_bw']:5.1f}%  "
                   f"(rounds: {' '.join(f'{ms * 1e3:.1f}' for ms in round_ms)})", flush=True)
     cpu_attention_work_split(**defaults)

@@ -52,6 +52,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from apex_compile.kernels._common import pdl_available  # noqa: E402
 from apex_compile.kernels.paged_attention import (  # noqa: E402
     DECODE_NUM_STAGES,
     cache_append_gpu,
@@ -311,9 +312,10 @@ def rms_norm_sets(bench, hidden, tokens):
     return sets, bytes_moved
 
 
-def rms_calls(sets, num_warps=None):
+def rms_calls(sets, num_warps=None, pdl=None):
     """One rms_norm_launch per rms_norm input set, writing the set's own outputs."""
-    return [lambda s=s: rms_norm_launch(s[0], s[2], EPS, s[1], s[3], s[4], num_warps=num_warps) for s in sets]
+    return [lambda s=s: rms_norm_launch(s[0], s[2], EPS, s[1], s[3], s[4], num_warps=num_warps, pdl=pdl)
+            for s in sets]
 
 
 @triton.jit
@@ -339,7 +341,9 @@ def copy_rows_calls(sets, hidden, tokens, num_warps=4):
 
 def bench_rms_norm(bench, grid):
     """rms_norm rows; from 4096 tokens (the target rows) the kernel is timed in rounds of turns with a copy of the
-    same bytes in the same kernel shape, reported as its own row: the speed of light at that size."""
+    same bytes in the same kernel shape, reported as its own row: the speed of light at that size. Where the
+    kernel uses programmatic dependent launch, a row without it shows what PDL contributes."""
+    with_pdl = pdl_available(torch.device(DEVICE))
     for hidden in RMS_HIDDEN:
         for tokens in RMS_TOKENS[grid]:
             name = f"H={hidden} tokens={tokens} +residual"
@@ -353,26 +357,30 @@ def bench_rms_norm(bench, grid):
                 check_close("rms_norm residual_out", residual_out, ref_hidden)
                 residual_exact = torch.equal(residual_out, ref_hidden)
                 # GPU time: the kernel writing each set's own outputs; eager time: the apex::rms_norm op call.
-                kernel_calls = rms_calls(sets)
+                graphs = {"kernel": bench.capture(rms_calls(sets))}
+                if with_pdl:
+                    graphs["no_pdl"] = bench.capture(rms_calls(sets, pdl=False))
+                if tokens >= 4096:
+                    copy_calls = copy_rows_calls(sets, hidden, tokens)
+                    copy_calls[0]()
+                    torch.testing.assert_close(sets[0][3], sets[0][0], rtol=0, atol=0)
+                    graphs["copy"] = bench.capture(copy_calls)
+                timed = interleaved_medians(graphs, len(sets))
                 eager_ms = bench.eager_ms([lambda s=s: rms_norm(s[0], s[2], EPS, s[1]) for s in sets])
                 base = bench.measure([lambda s=s: torch_rms_norm(s[0], s[2], s[1]) for s in sets])
-                if tokens < 4096:
-                    bench.add("rms_norm", name, Timing(bench.graph_ms(kernel_calls), eager_ms), base,
-                              bytes_moved=bytes_moved, residual_out_bitwise_equal=residual_exact)
-                    return
-                copy_calls = copy_rows_calls(sets, hidden, tokens)
-                copy_calls[0]()
-                torch.testing.assert_close(sets[0][3], sets[0][0], rtol=0, atol=0)
-                graphs = {"kernel": bench.capture(kernel_calls), "copy": bench.capture(copy_calls)}
-                timed = interleaved_medians(graphs, len(sets))
 
                 def target(r):
                     return ">=85%HBM >=1.5x", r["pct_hbm"] >= 85 and r["speedup"] >= 1.5
 
                 bench.add("rms_norm", name, Timing(timed["kernel"], eager_ms), base, bytes_moved=bytes_moved,
-                          target=target, residual_out_bitwise_equal=residual_exact)
-                bench.add("rms_norm", f"H={hidden} tokens={tokens} copy of the same bytes", Timing(timed["copy"]),
-                          base, bytes_moved=bytes_moved, speed_of_light_for=name)
+                          target=target if tokens >= 4096 else None, residual_out_bitwise_equal=residual_exact,
+                          pdl=with_pdl)
+                if with_pdl:
+                    bench.add("rms_norm", f"H={hidden} tokens={tokens} kernel without PDL", Timing(timed["no_pdl"]),
+                              base, bytes_moved=bytes_moved, pdl=False)
+                if tokens >= 4096:
+                    bench.add("rms_norm", f"H={hidden} tokens={tokens} copy of the same bytes",
+                              Timing(timed["copy"]), base, bytes_moved=bytes_moved, speed_of_light_for=name)
 
             bench.guard("rms_norm", name, row)
 

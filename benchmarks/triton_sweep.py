@@ -13,10 +13,9 @@ Sections:
   rms_store the store policy of the rms_norm kernel (default write-back, evict-first, streaming ".cs"), on a
             copy of its single-pass body defined here, 4096 tokens, each variant timed twice
             -> the ".cs" stores of apex_compile/kernels/rms_norm.py.
-  rms_pdl   programmatic dependent launch (PDL) of the rms_norm single-pass body (a copy defined here): plain
-            launch, or launched with launch_pdl so that the next call's programs are placed while this one
-            finishes and wait (gdc_wait) only before their first load of the predecessor's outputs; at
-            1..16384 tokens, plain and PDL timed in turns, twice.
+  rms_pdl   programmatic dependent launch (PDL) of `apex::rms_norm`'s kernel on or off, at 1..16384 tokens, in
+            turns, twice (the run of 2026-11-30 s4 timed a copy of the kernel body that loaded the weight
+            before gdc_wait; the kernel now waits before any memory access) -> PDL in rms_norm.py.
   decode    chunk / warps / stages x resident programs per SM of the split-K plan of `paged_attention_gpu`
             over small and large decode shapes, with torch SDPA on contiguous K/V as the reference
             -> DECODE_* defaults and PROGRAMS_PER_SM in apex_compile/kernels/paged_attention.py.
@@ -112,52 +111,22 @@ def _rms_norm_store_probe(x_ptr, r_ptr, w_ptr, y_ptr, r_out_ptr, hidden, eps, BL
         tl.store(y_ptr + row * hidden + cols, y, mask=mask, cache_modifier=".cs")
 
 
-@triton.jit
-def _rms_norm_pdl_probe(x_ptr, r_ptr, w_ptr, y_ptr, r_out_ptr, hidden, eps, BLOCK_H: tl.constexpr,
-                        PDL: tl.constexpr):
-    """The rms_norm kernel's single-pass body (contiguous rows, with residual). PDL 1: the weight (never
-    written by a predecessor) is loaded and dependents are released before gdc_wait, which precedes every
-    load of x / residual and every store; PDL 0: no grid-dependency instructions."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_H)
-    mask = cols < hidden
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last")
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    h = tl.load(x_ptr + row * hidden + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-    r = tl.load(r_ptr + row * hidden + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-    h = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    tl.store(r_out_ptr + row * hidden + cols, h, mask=mask, cache_modifier=".cs")
-    hf = h.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / hidden + eps)
-    y = (w.to(tl.float32) * (hf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + row * hidden + cols, y, mask=mask, cache_modifier=".cs")
-
-
 def sweep_rms_pdl(bench, results):
-    """Times _rms_norm_pdl_probe plain and with PDL (CUDA graphs of back-to-back calls), in turns, twice."""
+    """Times `apex::rms_norm`'s kernel with and without PDL (CUDA graphs of back-to-back calls), in turns,
+    twice."""
     for hidden, tokens in ((2048, 1), (2048, 16), (2048, 256), (2048, 4096), (4096, 4096), (8192, 4096),
                            (2048, 16384)):
         sets, bytes_moved = rms_norm_sets(bench, hidden, tokens)
         ref_y, ref_hidden = torch_rms_norm(sets[0][0], sets[0][2], sets[0][1])
-        warps = max(1, min(16, hidden // 512))
-        variants = {}
-        for pdl in (0, 1):
-            calls = [lambda s=s, pdl=pdl: _rms_norm_pdl_probe[(tokens,)](
-                s[0], s[1], s[2], s[3], s[4], hidden, EPS, BLOCK_H=hidden, PDL=pdl, num_warps=warps,
-                launch_pdl=bool(pdl)) for s in sets]
-            try:
-                calls[0]()
-                check_close(f"rms_pdl {pdl} y", sets[0][3], ref_y)
-                check_close(f"rms_pdl {pdl} residual", sets[0][4], ref_hidden)
-                variants[pdl] = calls
-            except Exception as error:  # an older triton without launch_pdl / gdc_*: report, go on
-                print(f"rms_pdl H={hidden} tokens={tokens} pdl={pdl}: {type(error).__name__}: {error}", flush=True)
+        variants = {pdl: rms_calls(sets, pdl=pdl) for pdl in (False, True)}
+        for pdl, calls in variants.items():
+            calls[0]()
+            check_close(f"rms_pdl {pdl} y", sets[0][3], ref_y)
+            check_close(f"rms_pdl {pdl} residual", sets[0][4], ref_hidden)
         for repeat in range(2):
             for pdl, calls in variants.items():
                 time_row(bench, results, calls, bytes_moved, section="rms_pdl", hidden=hidden, tokens=tokens,
-                         pdl=pdl, num_warps=warps, repeat=repeat)
+                         pdl=pdl, repeat=repeat)
         del sets
         torch.cuda.empty_cache()
 

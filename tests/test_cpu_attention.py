@@ -193,14 +193,12 @@ def restore_work_split():
     cpu_attention_work_split(**saved)
 
 
-@pytest.mark.parametrize("guided", [False, True])
 @pytest.mark.parametrize("items_per_thread", [1, 3, 16])
-def test_work_split_schedules(guided, items_per_thread, threads, restore_work_split):
-    """Equal and guided (shrinking) pieces, coarse to fine, over a ragged batch on 6 threads: the cut never
-    changes the result beyond the reference tolerance, whatever sizes the pieces take."""
+def test_work_split_granularity(items_per_thread, threads, restore_work_split):
+    """Guided pieces, coarse to fine, over a ragged batch on 6 threads: the cut never changes the result beyond
+    the reference tolerance, whatever sizes the pieces take."""
     torch.set_num_threads(6)
-    cpu_attention_work_split(items_per_thread=items_per_thread, min_item_bytes=4096, min_thread_bytes=1,
-                             guided=guided)
+    cpu_attention_work_split(items_per_thread=items_per_thread, min_item_bytes=4096, min_thread_bytes=1)
     gen = torch.Generator().manual_seed(17 + items_per_thread)
     case = PagedCase(gen, [3000, 1, 700, 4100, 45], 8, 2, 64, 32, torch.bfloat16)
     assert_matches(case.run(), case)
@@ -232,13 +230,9 @@ def test_finest_split_small_calls(num_threads, isa, threads, finest_split):
 
 def test_work_split_parameters_round_trip(finest_split):
     params = cpu_attention_work_split()
-    assert {k: v for k, v in params.items() if k != "guided"} == {
-        "items_per_thread": 1 << 20, "min_item_bytes": 1, "min_thread_bytes": 1}
+    assert params == {"items_per_thread": 1 << 20, "min_item_bytes": 1, "min_thread_bytes": 1}
     assert cpu_attention_work_split(min_item_bytes=4096)["min_item_bytes"] == 4096
     assert cpu_attention_work_split(items_per_thread=-3)["items_per_thread"] == 1 << 20  # <= 0 keeps
-    for guided in (True, False):
-        assert cpu_attention_work_split(guided=guided)["guided"] is guided
-        assert cpu_attention_work_split()["guided"] is guided  # None keeps
 
 
 def test_longest_context(threads):

@@ -40,6 +40,21 @@ def sm_count(device: torch.device) -> int:
     return INTERPRETER_SM_COUNT
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).major
+
+
+def pdl_available(device: torch.device) -> bool:
+    """Whether kernels on `device` can use programmatic dependent launch (Hopper or newer CUDA GPUs; never
+    under the interpreter): such a launch lets the GPU place the next kernel's programs while this one ends,
+    and each program waits (`gdc_wait`) before its first access to memory."""
+    if INTERPRET or device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_capability_major(index) >= 9
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """`tl.dot` input precision: exact fp32 products for fp32 inputs (no TF32), the default otherwise."""
     return "ieee" if dtype == torch.float32 else "tf32"

@@ -34,8 +34,7 @@ _lib.define(
     "Tensor context_lens, float? scale=None) -> Tensor"
 )
 _lib.define("cpu_isa_code() -> int")
-_lib.define("cpu_attention_work_split(int items_per_thread, int min_item_bytes, int min_thread_bytes, "
-            "int guided) -> int[]")
+_lib.define("cpu_attention_work_split(int items_per_thread, int min_item_bytes, int min_thread_bytes) -> int[]")
 
 _ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 _MADV_HUGEPAGE = 14
@@ -137,13 +136,11 @@ def cpu_isa() -> str:
     return _ISA_NAMES[torch.ops.apex.cpu_isa_code()]
 
 
-def cpu_attention_work_split(items_per_thread: int = 0, min_item_bytes: int = 0, min_thread_bytes: int = 0,
-                             guided: Optional[bool] = None) -> dict:
+def cpu_attention_work_split(items_per_thread: int = 0, min_item_bytes: int = 0,
+                             min_thread_bytes: int = 0) -> dict:
     """Process-wide work-split parameters of `paged_attention_cpu` (for tuning sweeps; results never depend
-    on them): wanted items per thread, smallest item (K+V bytes), K+V bytes per thread below which fewer
-    threads are used, and whether pieces shrink as the work is cut (guided) or are all equal. Numbers <= 0
-    and guided=None keep the current value; returns the values now in effect."""
-    values = torch.ops.apex.cpu_attention_work_split(items_per_thread, min_item_bytes, min_thread_bytes,
-                                                     -1 if guided is None else int(guided))
-    names = ("items_per_thread", "min_item_bytes", "min_thread_bytes", "guided")
-    return {name: bool(value) if name == "guided" else value for name, value in zip(names, values)}
+    on them): the guided divisor (each piece is the uncut work over threads * items_per_thread), smallest item
+    (K+V bytes), K+V bytes per thread below which fewer threads are used. Arguments <= 0 keep the current
+    value; returns the values now in effect."""
+    values = torch.ops.apex.cpu_attention_work_split(items_per_thread, min_item_bytes, min_thread_bytes)
+    return dict(zip(("items_per_thread", "min_item_bytes", "min_thread_bytes"), values))

@@ -156,23 +156,20 @@ struct WorkPlan {
 };
 
 // Parameters of the work split (process-wide; set_work_plan_params exists for tuning sweeps):
-//   items_per_thread  wanted items per thread, so that dynamic scheduling evens out the end of the call,
+//   items_per_thread  each piece is the work not yet cut over threads * items_per_thread (guided schedule),
 //   min_item_bytes    smallest piece of one (seq, kv_head) worth its own item (K+V bytes),
-//   min_thread_bytes  K+V bytes below which one more thread costs more (waking it, joining it) than it reads,
-//   guided            pieces shrink as the work is cut (each the uncut rest over the wanted item count) instead
-//                     of all being equal, so the call ends on small items.
+//   min_thread_bytes  K+V bytes below which one more thread costs more (waking it, joining it) than it reads.
 struct WorkPlanParams {
   int64_t items_per_thread;
   int64_t min_item_bytes;
   int64_t min_thread_bytes;
-  bool guided;
 };
 WorkPlanParams work_plan_params();
 void set_work_plan_params(const WorkPlanParams& params);
 
 // Splits the work of one call by KV bytes: picks the thread count (at most max_threads, at least
-// min_thread_bytes of K+V per thread), then cuts every (seq, kv_head) into pieces (equal or guided, see
-// WorkPlanParams) by items_per_thread, none smaller than min_item_bytes (or than one panel).
+// min_thread_bytes of K+V per thread), then cuts every (seq, kv_head) into pieces that shrink as the cut proceeds
+// (see WorkPlanParams), none smaller than min_item_bytes (or than one panel).
 // kv_bytes_per_token counts K and V of one kv head.
 WorkPlan plan_work(const int32_t* context_lens, int num_seqs, int num_kv_heads, int64_t kv_bytes_per_token,
                    int max_threads);

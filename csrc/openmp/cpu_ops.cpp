@@ -258,18 +258,16 @@ void cache_append_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor
 // Code of the kernel path the next call will use: 0 scalar, 1 avx2, 2 avx512 (errors like the ops would).
 int64_t cpu_isa_code() { return int64_t(select_isa()); }
 
-// Sets the work-split parameters (values < 0, and sizes of 0, keep the current one); returns those now in
-// effect, guided as 0 or 1.
+// Sets the work-split parameters (values <= 0 keep the current one); returns those now in effect.
 std::vector<int64_t> cpu_attention_work_split(int64_t items_per_thread, int64_t min_item_bytes,
-                                              int64_t min_thread_bytes, int64_t guided) {
+                                              int64_t min_thread_bytes) {
   apex_cpu::WorkPlanParams params = apex_cpu::work_plan_params();
   if (items_per_thread > 0) params.items_per_thread = items_per_thread;
   if (min_item_bytes > 0) params.min_item_bytes = min_item_bytes;
   if (min_thread_bytes > 0) params.min_thread_bytes = min_thread_bytes;
-  if (guided >= 0) params.guided = guided != 0;
   apex_cpu::set_work_plan_params(params);
   params = apex_cpu::work_plan_params();
-  return {params.items_per_thread, params.min_item_bytes, params.min_thread_bytes, int64_t(params.guided)};
+  return {params.items_per_thread, params.min_item_bytes, params.min_thread_bytes};
 }
 
 }  // namespace

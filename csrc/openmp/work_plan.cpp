@@ -12,25 +12,24 @@ namespace apex_cpu {
 
 namespace {
 
-// Defaults measured on the GPU machine's 16-core host (benchmarks/cpu_attention_sweep.py).
-std::atomic<int64_t> g_items_per_thread{4};
+// Defaults measured on the GPU machine's 16-core host (benchmarks/cpu_attention_sweep.py; on 2026-11-30 the
+// guided split with 1 piece per thread per step beat equal pieces, 4-16 per thread, by up to 17% at batch 1).
+std::atomic<int64_t> g_items_per_thread{1};
 std::atomic<int64_t> g_min_item_bytes{128 * 1024};
 std::atomic<int64_t> g_min_thread_bytes{64 * 1024};
-std::atomic<int64_t> g_guided{0};
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
 WorkPlanParams work_plan_params() {
-  return {g_items_per_thread.load(), g_min_item_bytes.load(), g_min_thread_bytes.load(), g_guided.load() != 0};
+  return {g_items_per_thread.load(), g_min_item_bytes.load(), g_min_thread_bytes.load()};
 }
 
 void set_work_plan_params(const WorkPlanParams& params) {
   g_items_per_thread.store(std::max<int64_t>(1, params.items_per_thread));
   g_min_item_bytes.store(std::max<int64_t>(1, params.min_item_bytes));
   g_min_thread_bytes.store(std::max<int64_t>(1, params.min_thread_bytes));
-  g_guided.store(params.guided ? 1 : 0);
 }
 
 WorkPlan plan_work(const int32_t* context_lens, int num_seqs, int num_kv_heads, int64_t kv_bytes_per_token,
@@ -42,13 +41,12 @@ WorkPlan plan_work(const int32_t* context_lens, int num_seqs, int num_kv_heads, 
   const int64_t threads =
       std::max<int64_t>(1, std::min<int64_t>(max_threads, total_tokens * kv_bytes_per_token / params.min_thread_bytes));
 
-  // Equal split: one chunk (tokens per item) for the whole call, the total work over the wanted item count.
-  // Guided split: each piece is the work not yet cut over the wanted item count, so pieces shrink as the cut
-  // proceeds and, largest first, the call ends on small items. Either way at least min_item_bytes, panel-aligned.
+  // Guided split (like OpenMP's guided schedule, by KV bytes): each piece is the work not yet cut over
+  // threads * items_per_thread, at least min_item_bytes, panel-aligned. Pieces shrink as the cut proceeds, and
+  // run largest first, so the first pieces are long (few item starts) and the call ends on small ones (a slow
+  // thread delays the end by little).
   const int64_t min_chunk = round_up_16(ceil_div(params.min_item_bytes, kv_bytes_per_token));
-  const int64_t wanted_items = threads * params.items_per_thread;
-  int64_t chunk = INT32_MAX;
-  if (threads > 1) chunk = std::max(min_chunk, round_up_16(ceil_div(total_tokens, wanted_items)));
+  const int64_t divisor = threads * params.items_per_thread;
   int64_t uncut = total_tokens;
   std::vector<std::pair<int64_t, int64_t>> pieces;  // token ranges of one (seq, kv_head)
 
@@ -56,20 +54,12 @@ WorkPlan plan_work(const int32_t* context_lens, int num_seqs, int num_kv_heads, 
     const int64_t context = context_lens[s];
     for (int h = 0; h < num_kv_heads; ++h) {
       pieces.clear();
-      if (threads > 1 && params.guided) {
-        for (int64_t begin = 0; begin < context;) {
-          const int64_t size = std::max(min_chunk, round_up_16(ceil_div(uncut, wanted_items)));
-          const int64_t end = context - begin <= size + size / 2 ? context : begin + size;  // no sliver left
-          pieces.emplace_back(begin, end);
-          uncut -= end - begin;
-          begin = end;
-        }
-      } else {
-        const int64_t splits = ceil_div(context, chunk);
-        const int64_t piece = round_up_16(ceil_div(context, splits));  // equal pieces, panel-aligned
-        for (int64_t begin = 0; begin < context; begin += piece) {
-          pieces.emplace_back(begin, std::min(context, begin + piece));
-        }
+      for (int64_t begin = 0; begin < context;) {
+        const int64_t size = threads > 1 ? std::max(min_chunk, round_up_16(ceil_div(uncut, divisor))) : context;
+        const int64_t end = context - begin <= size + size / 2 ? context : begin + size;  // no sliver left
+        pieces.emplace_back(begin, end);
+        uncut -= end - begin;
+        begin = end;
       }
       if (pieces.size() == 1) {
         plan.items.push_back({s, h, 0, int32_t(context), -1, -1});
