@@ -13,7 +13,7 @@ python3 -c "import apex_compile, apex_compile.ops as o; print('cpu isa', o.cpu_i
 # The CPU benchmark runs first, before anything else has loaded the machine: any other core-hungry process
 # (a compile worker, a test run) depresses it (cpu_attention.py reports the cores busy before it starts).
 if [[ " $PARTS " == *" cpu "* ]]; then
-  timeout 200 python3 benchmarks/cpu_attention.py --out "$OUT/cpu_attention.json" > "$OUT/cpu_attention.log" 2>&1
+  timeout 320 python3 benchmarks/cpu_attention.py --out "$OUT/cpu_attention.json" > "$OUT/cpu_attention.log" 2>&1
   tail -12 "$OUT/cpu_attention.log"
 fi
 if [[ " $PARTS " == *" cpu_sweep "* ]]; then
