@@ -26,8 +26,9 @@ if [[ " $PARTS " == *" triton "* ]]; then
   cp apex_compile/kernels/swiglu_dispatch.json "$OUT/" 2>/dev/null
 fi
 if [[ " $PARTS " == *" triton_sweep "* ]]; then
-  timeout 400 python3 benchmarks/triton_sweep.py --sections "${SWEEP_SECTIONS:-timing,rms_norm,rms_copy,rms_store,rms_pdl,decode}" \
-    --out "$OUT/triton_sweep.json" > "$OUT/triton_sweep.log" 2>&1; tail -40 "$OUT/triton_sweep.log"
+  timeout 400 python3 benchmarks/triton_sweep.py \
+    --sections "${SWEEP_SECTIONS:-timing,rms_norm,rms_copy,rms_store,rms_pdl,decode}" --out "$OUT/triton_sweep.json" \
+    > "$OUT/triton_sweep.log" 2>&1; tail -40 "$OUT/triton_sweep.log"
 fi
 if [[ " $PARTS " == *" tests "* ]]; then  # the end-to-end CUDA tests are in device_e2e.sh
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_triton_rms_norm.py tests/test_triton_swiglu.py \

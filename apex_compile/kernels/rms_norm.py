@@ -13,9 +13,9 @@ x and residual, one write of y and residual_out); wider rows take a two-pass loo
 
 On Hopper and newer GPUs the kernel is launched with programmatic dependent launch (PDL): each program first
 releases its dependents (`gdc_launch_dependents`) and then waits for its predecessors (`gdc_wait`) before
-touching memory, so consecutive launches overlap their start-up. Measured on the H200
-(benchmarks/results/triton_sweep_2026-11-30_h200_s4_rms_pdl.txt): 0.4-0.6 us less per call at every size,
-1.44 -> 0.93 us for one token and 85.3% -> 87.3% of HBM at 4096 x 2048.
+touching memory, so consecutive launches overlap their start-up. Measured on the H200 (rows "without PDL" in
+benchmarks/results/triton_kernels_2026-11-30_h200_s4run2.txt): 1.6 -> 1.1 us for one token, 2.9 -> 2.3 us for
+256, one point of HBM bandwidth at 4096 x 2048.
 """
 from typing import Optional
 
