@@ -128,7 +128,7 @@ class Pool:
     def read_bandwidth(self, repeats):
         """{probe: best-of-`repeats` GB/s} of each READ_PROBES reduction over the whole pool (same memory, same
         threads); the machine's read bandwidth is the highest."""
-        arrays = [half.view(torch.float32) for half in self.halves_bytes]
+        arrays = self.halves(torch.float32, (self.half_bytes // 4,))
         result = {}
         for name, probe in self.READ_PROBES.items():
             best = 0.0
@@ -144,7 +144,7 @@ class Pool:
         """A step function for interleaved_loops: step i runs READ_PROBES[probe] over the i-th `slice_bytes`
         slice of the pool (rotating, so consecutive steps read different memory)."""
         elements = slice_bytes // 4
-        arrays = [half.view(torch.float32) for half in self.halves_bytes]
+        arrays = self.halves(torch.float32, (self.half_bytes // 4,))
         slices_per_half = max(1, arrays[0].numel() // elements)
         function = self.READ_PROBES[probe]
 

@@ -27,7 +27,7 @@ if [[ " $PARTS " == *" triton "* ]]; then
 fi
 if [[ " $PARTS " == *" triton_sweep "* ]]; then
   timeout 400 python3 benchmarks/triton_sweep.py \
-    --sections "${SWEEP_SECTIONS:-timing,rms_norm,rms_copy,rms_store,rms_pdl,decode}" --out "$OUT/triton_sweep.json" \
+    --sections "${SWEEP_SECTIONS:-timing,rms_norm,rms_copy,rms_store,decode}" --out "$OUT/triton_sweep.json" \
     > "$OUT/triton_sweep.log" 2>&1; tail -40 "$OUT/triton_sweep.log"
 fi
 if [[ " $PARTS " == *" tests "* ]]; then  # the end-to-end CUDA tests are in device_e2e.sh

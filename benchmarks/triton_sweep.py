@@ -1,6 +1,6 @@
 """Launch-parameter sweeps behind the defaults of the Triton kernels (H200; results under benchmarks/results/).
 
-    python benchmarks/triton_sweep.py --out sweep.json [--sections timing,rms_norm,rms_copy,rms_store,rms_pdl,decode]
+    python benchmarks/triton_sweep.py --out sweep.json [--sections timing,rms_norm,rms_copy,rms_store,decode]
 
 Sections:
   timing    a few rows timed both ways: steady-state CUDA-graph replay (what benchmarks/triton_kernels.py
@@ -13,9 +13,6 @@ Sections:
   rms_store the store policy of the rms_norm kernel (default write-back, evict-first, streaming ".cs"), on a
             copy of its single-pass body defined here, 4096 tokens, each variant timed twice
             -> the ".cs" stores of apex_compile/kernels/rms_norm.py.
-  rms_pdl   programmatic dependent launch (PDL) of `apex::rms_norm`'s kernel on or off, at 1..16384 tokens, in
-            turns, twice (the run of 2026-11-30 s4 timed a copy of the kernel body that loaded the weight
-            before gdc_wait; the kernel now waits before any memory access) -> PDL in rms_norm.py.
   decode    chunk / warps / stages x resident programs per SM of the split-K plan of `paged_attention_gpu`
             over small and large decode shapes, with torch SDPA on contiguous K/V as the reference
             -> DECODE_* defaults and PROGRAMS_PER_SM in apex_compile/kernels/paged_attention.py.
@@ -109,26 +106,6 @@ def _rms_norm_store_probe(x_ptr, r_ptr, w_ptr, y_ptr, r_out_ptr, hidden, eps, BL
     else:
         tl.store(r_out_ptr + row * hidden + cols, h, mask=mask, cache_modifier=".cs")
         tl.store(y_ptr + row * hidden + cols, y, mask=mask, cache_modifier=".cs")
-
-
-def sweep_rms_pdl(bench, results):
-    """Times `apex::rms_norm`'s kernel with and without PDL (CUDA graphs of back-to-back calls), in turns,
-    twice."""
-    for hidden, tokens in ((2048, 1), (2048, 16), (2048, 256), (2048, 4096), (4096, 4096), (8192, 4096),
-                           (2048, 16384)):
-        sets, bytes_moved = rms_norm_sets(bench, hidden, tokens)
-        ref_y, ref_hidden = torch_rms_norm(sets[0][0], sets[0][2], sets[0][1])
-        variants = {pdl: rms_calls(sets, pdl=pdl) for pdl in (False, True)}
-        for pdl, calls in variants.items():
-            calls[0]()
-            check_close(f"rms_pdl {pdl} y", sets[0][3], ref_y)
-            check_close(f"rms_pdl {pdl} residual", sets[0][4], ref_hidden)
-        for repeat in range(2):
-            for pdl, calls in variants.items():
-                time_row(bench, results, calls, bytes_moved, section="rms_pdl", hidden=hidden, tokens=tokens,
-                         pdl=pdl, repeat=repeat)
-        del sets
-        torch.cuda.empty_cache()
 
 
 def sweep_rms_store(bench, results):
@@ -235,7 +212,7 @@ def main():
     """Runs the chosen sections; prints rows and writes them as JSON."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="JSON results file")
-    parser.add_argument("--sections", default="timing,rms_norm,rms_copy,rms_store,rms_pdl,decode")
+    parser.add_argument("--sections", default="timing,rms_norm,rms_copy,rms_store,decode")
     parser.add_argument("--hbm-gbps", type=float, default=4200.0)
     parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args()
@@ -253,8 +230,6 @@ def main():
             sweep_rms_copy(bench, results)
         if "rms_store" in sections:
             sweep_rms_store(bench, results)
-        if "rms_pdl" in sections:
-            sweep_rms_pdl(bench, results)
         if "decode" in sections:
             sweep_decode(bench, results, args.block_size)
     if args.out:
