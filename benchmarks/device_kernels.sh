@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # GPU-machine runs for the kernels. Usage (device tool, repo root): bash benchmarks/device_kernels.sh [PART ...]
-# with PART among: cpu (CPU attention benchmark), cpu_sweep (its work-split sweep), triton (Triton benchmark,
-# writes the swiglu dispatch table), triton_sweep (launch sweeps; sections from $SWEEP_SECTIONS, default all),
-# tests (kernel CUDA tests, ~140 s); default: triton tests. One call holds at most 10 minutes: run "cpu tests"
-# and "triton" as two calls. Logs and JSON go to $OUT.
+# with PART among: cpu (CPU attention benchmark), cpu_sweep (its sweep of $CPU_SWEEP: split (default) or isa,
+# extra arguments in $CPU_SWEEP_ARGS), triton (Triton benchmark, writes the swiglu dispatch table), triton_sweep
+# (launch sweeps; sections from $SWEEP_SECTIONS, default all), tests (kernel CUDA tests, ~140 s); default:
+# triton tests. One call holds at most 10 minutes: run "cpu tests" and "triton" as two calls. Logs and JSON go
+# to $OUT.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD APEX_COMPILE_BUILD_DIR=/tmp/apex_jit
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -17,8 +18,8 @@ if [[ " $PARTS " == *" cpu "* ]]; then
   tail -12 "$OUT/cpu_attention.log"
 fi
 if [[ " $PARTS " == *" cpu_sweep "* ]]; then
-  timeout 300 python3 benchmarks/cpu_attention_sweep.py --out "$OUT/cpu_attention_sweep.json" \
-    > "$OUT/cpu_attention_sweep.log" 2>&1; tail -3 "$OUT/cpu_attention_sweep.log"
+  timeout 300 python3 benchmarks/cpu_attention_sweep.py --sweep "${CPU_SWEEP:-split}" ${CPU_SWEEP_ARGS:-} \
+    --out "$OUT/cpu_attention_sweep.json" > "$OUT/cpu_attention_sweep.log" 2>&1; tail -30 "$OUT/cpu_attention_sweep.log"
 fi
 if [[ " $PARTS " == *" triton "* ]]; then
   timeout 480 python3 benchmarks/triton_kernels.py --write-dispatch --out "$OUT/triton_kernels.json" \

@@ -422,7 +422,8 @@ def fused_candidates(m: int):
     132 SMs), deep K tiles and stages keep many weight bytes in flight; fewer stages or shorter K tiles fit
     three or four programs in an SM's shared memory, so 344 tiles run in one wave instead of 1.3. From M = 32,
     M tiles of 16 rows (the decode-size winners; the programs of one N tile run together, so the second reads
-    the weight tile from L2) are also tried."""
+    the weight tile from L2) are also tried, and at M = 32 tiles of 64 rows (the M = 64 winners: on Hopper a
+    warpgroup MMA is 64 rows tall; session 4 measured M = 64 faster than M = 32 with 32-row tiles)."""
     block_m = min(128, max(16, triton.next_power_of_2(m)))
     if block_m <= 16:
         shapes = [(16, 256, 4, 4), (32, 128, 4, 4), (32, 128, 4, 3), (32, 256, 4, 3), (64, 128, 4, 4),
@@ -438,6 +439,9 @@ def fused_candidates(m: int):
     if 32 <= block_m <= 64:
         configs += [{"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": k, "num_warps": 4, "num_stages": s}
                     for n, k, s in ((32, 128, 4), (32, 256, 3), (64, 128, 4), (16, 256, 4))]
+    if block_m == 32:
+        configs += [{"BLOCK_M": 64, "BLOCK_N": n, "BLOCK_K": k, "num_warps": 4, "num_stages": s}
+                    for n, k, s in ((32, 64, 4), (32, 128, 3), (64, 64, 3))]
     return [c for c in configs if fused_config_fits(c, 2)]
 
 

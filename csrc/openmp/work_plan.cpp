@@ -56,7 +56,12 @@ WorkPlan plan_work(const int32_t* context_lens, int num_seqs, int num_kv_heads, 
       pieces.clear();
       for (int64_t begin = 0; begin < context;) {
         const int64_t size = threads > 1 ? std::max(min_chunk, round_up_16(ceil_div(uncut, divisor))) : context;
-        const int64_t end = context - begin <= size + size / 2 ? context : begin + size;  // no sliver left
+        // No sliver: a rest of less than 1.5 pieces is halved, so that no piece exceeds `size` (one above a
+        // thread's share would delay the end of the call), or taken whole where halves would be below min_chunk.
+        const int64_t rest = context - begin;
+        const int64_t half = round_up_16(ceil_div(rest, 2));
+        const int64_t take = rest <= size ? rest : rest >= size + size / 2 ? size : half >= min_chunk ? half : rest;
+        const int64_t end = begin + take;
         pieces.emplace_back(begin, end);
         uncut -= end - begin;
         begin = end;
