@@ -109,14 +109,15 @@ def main():
         for (label, _, fields), measured in zip(settings, per_setting):
             round_ms = [r["op_ms"] for r in measured]
             op_ms = statistics.median(round_ms)
-            row = dict(measured[0], op_ms=op_ms, op_ms_rounds=round_ms, op_gbps=measured[0]["step_bytes"] / op_ms / 1e6)
+            row = dict(measured[0], op_ms=op_ms, op_ms_rounds=round_ms,
+                       op_gbps=measured[0]["step_bytes"] / op_ms / 1e6)
             row.pop("op_mean_ms", None)
-            row.update(model=model, dtype=dtype, batch=batch, context=context, fraction_of_read_bw=row["op_gbps"] / bandwidth,
-                       **fields)
+            row.update(model=model, dtype=dtype, batch=batch, context=context,
+                       fraction_of_read_bw=row["op_gbps"] / bandwidth, **fields)
             rows.append(row)
+            rounds_text = " ".join(f"{ms * 1e3:.1f}" for ms in round_ms)
             print(f"{model:<13} {dtype} b={batch:3d} ctx={context:6d} {label} {op_ms * 1e3:9.1f} us "
-                  f"{100 * row['fraction_of_read_bw']:5.1f}%  (rounds: {' '.join(f'{ms * 1e3:.1f}' for ms in round_ms)})",
-                  flush=True)
+                  f"{100 * row['fraction_of_read_bw']:5.1f}%  (rounds: {rounds_text})", flush=True)
     cpu_attention_work_split(**defaults)
     os.environ.pop("APEX_CPU_ISA", None)
     if args.out:

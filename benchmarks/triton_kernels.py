@@ -17,6 +17,9 @@ Sections (all in one run; `--sections` picks some):
              the decode launch parameters (chunk, warps, stages, split size)
   prefill    paged_prefill_attention_gpu over packed causal prompts (a few tile configs; the first is the
              default) vs torch SDPA called once per prompt
+  rope       whether a fused RoPE kernel could pay: HF's apply_rotary_pos_emb on q/k views of a fused QKV
+             output, eager vs compiled by inductor (what the apex backend's inner compiler does with it on
+             CUDA), beside the QKV projection GEMM it would be fused into, Llama-2/3 layouts, tokens 1..4096
 
 Timing, two ways, with every measured function rotating over several input sets that together exceed twice
 the L2 cache when one set is smaller (so no call finds its inputs in L2):
@@ -94,6 +97,9 @@ SILU_TOKENS = {"full": [1, 64, 1024, 4096, 16384], "quick": [1, 1024, 16384]}
 MLP_SHAPES = {"llama2-7b": (4096, 11008), "llama3-8b": (4096, 14336), "smollm2-135m": (576, 1536)}
 MLP_TOKENS = {"full": [1, 2, 4, 8, 16, 32, 64, 128, 256, 512], "quick": [1, 8, 32, 64, 256, 512]}
 ATTENTION_LAYOUTS = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}
+ROPE_TOKENS = {"full": [1, 8, 64, 512, 4096], "quick": [1, 64, 4096]}
+ROPE_HIDDEN = 4096
+"""Model width of the rope rows' QKV projection (Llama-2-7B and Llama-3-8B)."""
 DECODE_BATCHES = {"full": [1, 8, 32, 128], "quick": [1, 32, 128]}
 DECODE_CONTEXTS = {"full": [512, 2048, 8192, 32768], "quick": [512, 2048, 32768]}
 DECODE_SWEEP = ("llama3-8b", 32, 4096, [16, 32, 64, 128, 256])
@@ -723,13 +729,64 @@ def bench_prefill(bench, grid, block_size):
 # ----------------------------------------------------------------------------------------------------------
 
 
+# ----------------------------------------------------------------------------------------------------------
+# RoPE
+
+
+def rope_row(bench, model, tokens):
+    """One rope row: HF's apply_rotary_pos_emb compiled by inductor against the same function eager, and the QKV
+    projection GEMM of the same tokens, timed in interleaved rounds. The compiled RoPE's time bounds what
+    fusing RoPE into the QKV GEMM's epilogue could save (the GEMM would still write q and k once); its
+    fraction of the GEMM is stored as `rope_fraction_of_qkv_gemm`."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    num_heads, num_kv_heads, head_dim = ATTENTION_LAYOUTS[model]
+    qkv_width = (num_heads + 2 * num_kv_heads) * head_dim
+    qk_bytes = tokens * (num_heads + num_kv_heads) * head_dim * 2
+    bytes_moved = 2 * qk_bytes + 2 * tokens * head_dim * 2  # q, k read and written; cos, sin read
+    weight = torch.randn(qkv_width, ROPE_HIDDEN, dtype=DTYPE, device=DEVICE) / ROPE_HIDDEN ** 0.5
+    sets = []
+    for _ in range(bench.rotation(bytes_moved)):
+        x = torch.randn(tokens, ROPE_HIDDEN, dtype=DTYPE, device=DEVICE)
+        qkv = F.linear(x, weight)
+        # q and k as LlamaAttention makes them: views of the projection output, transposed to [1, heads, M, D].
+        q = qkv[:, :num_heads * head_dim].view(1, tokens, num_heads, head_dim).transpose(1, 2)
+        k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(
+            1, tokens, num_kv_heads, head_dim).transpose(1, 2)
+        angles = torch.rand(1, tokens, head_dim // 2, device=DEVICE) * 1000
+        angles = torch.cat([angles, angles], dim=-1)
+        sets.append((x, q, k, angles.cos().to(DTYPE), angles.sin().to(DTYPE)))
+    torch._dynamo.reset()  # a fresh cache per row: one compiled graph per shape, no recompile limit
+    compiled = torch.compile(apply_rotary_pos_emb, dynamic=False)
+    x, q, k, cos, sin = sets[0]
+    for got, want in zip(compiled(q, k, cos, sin), apply_rotary_pos_emb(q, k, cos, sin)):
+        check_close("rope (inductor)", got, want)
+    graphs = {"inductor": bench.capture([lambda s=s: compiled(*s[1:]) for s in sets]),
+              "eager": bench.capture([lambda s=s: apply_rotary_pos_emb(*s[1:]) for s in sets]),
+              "qkv_gemm": bench.capture([lambda s=s: F.linear(s[0], weight) for s in sets])}
+    timed = interleaved_medians(graphs, len(sets))
+    name = f"{model} M={tokens}"
+    bench.add("rope", f"{name} inductor", Timing(timed["inductor"]), Timing(timed["eager"]), bytes_moved=bytes_moved,
+              rope_fraction_of_qkv_gemm=timed["inductor"] / timed["qkv_gemm"])
+    bench.add("rope", f"{name} QKV GEMM it would fuse into", Timing(timed["qkv_gemm"]),
+              bytes_moved=qkv_width * ROPE_HIDDEN * 2 + tokens * (ROPE_HIDDEN + qkv_width) * 2,
+              flops=2 * tokens * ROPE_HIDDEN * qkv_width)
+
+
+def bench_rope(bench, grid):
+    for model in ATTENTION_LAYOUTS:
+        for tokens in ROPE_TOKENS[grid]:
+            bench.guard("rope", f"{model} M={tokens}",
+                        lambda model=model, tokens=tokens: rope_row(bench, model, tokens))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the results as JSON to this path")
     parser.add_argument("--write-dispatch", action="store_true",
                         help=f"store the measured swiglu dispatch table in {os.path.relpath(DISPATCH_TABLE_PATH)}")
-    parser.add_argument("--sections", default="rms_norm,silu_mul,mlp,decode,prefill",
-                        help="comma-separated subset of: rms_norm, silu_mul, mlp, decode, prefill")
+    parser.add_argument("--sections", default="rms_norm,silu_mul,mlp,decode,prefill,rope",
+                        help="comma-separated subset of: rms_norm, silu_mul, mlp, decode, prefill, rope")
     parser.add_argument("--quick", action="store_true", help="smaller shape grids")
     parser.add_argument("--block-size", type=int, default=16, help="KV block size of the attention rows")
     parser.add_argument("--hbm-gbps", type=float, default=4200.0, help="HBM bandwidth the %%HBM column uses")
@@ -737,7 +794,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("triton_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False)")
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = set(sections) - {"rms_norm", "silu_mul", "mlp", "decode", "prefill"}
+    unknown = set(sections) - {"rms_norm", "silu_mul", "mlp", "decode", "prefill", "rope"}
     if unknown:
         sys.exit(f"unknown sections: {sorted(unknown)}")
 
@@ -764,6 +821,8 @@ def main():
             bench_decode(bench, grid, args.block_size)
         if "prefill" in sections:
             bench_prefill(bench, grid, args.block_size)
+        if "rope" in sections:
+            bench_rope(bench, grid)
 
     if table is not None:
         print("\nswiglu dispatch table (per shape: rows apply to M <= max_m):")
