@@ -778,6 +778,9 @@ def bench_rope(bench, grid):
         for tokens in ROPE_TOKENS[grid]:
             bench.guard("rope", f"{model} M={tokens}",
                         lambda model=model, tokens=tokens: rope_row(bench, model, tokens))
+    fractions = [f"{r['name'].removesuffix(' inductor')} {100 * r['rope_fraction_of_qkv_gemm']:.1f}%"
+                 for r in bench.rows if "rope_fraction_of_qkv_gemm" in r]
+    print(f"rope: compiled RoPE time as a share of its QKV GEMM (the most fusing could save): {', '.join(fractions)}")
 
 
 def main():
