@@ -758,7 +758,7 @@ def rope_row(bench, model, tokens):
         sets.append((x, q, k, angles.cos().to(DTYPE), angles.sin().to(DTYPE)))
     torch._dynamo.reset()  # a fresh cache per row: one compiled graph per shape, no recompile limit
     compiled = torch.compile(apply_rotary_pos_emb, dynamic=False)
-    x, q, k, cos, sin = sets[0]
+    _, q, k, cos, sin = sets[0]
     for got, want in zip(compiled(q, k, cos, sin), apply_rotary_pos_emb(q, k, cos, sin)):
         check_close("rope (inductor)", got, want)
     graphs = {"inductor": bench.capture([lambda s=s: compiled(*s[1:]) for s in sets]),

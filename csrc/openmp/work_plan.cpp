@@ -20,6 +20,16 @@ std::atomic<int64_t> g_min_thread_bytes{64 * 1024};
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Tokens of the next piece when `rest` tokens of a (seq, kv_head) are left and pieces are now `size` long. No
+// sliver is left: a rest of less than 1.5 pieces is halved, so that no piece exceeds `size` (one above a
+// thread's share would delay the end of the call), or taken whole where the halves would be below min_chunk.
+int64_t next_piece(int64_t rest, int64_t size, int64_t min_chunk) {
+  if (rest <= size) return rest;
+  if (rest >= size + size / 2) return size;
+  const int64_t half = round_up_16(ceil_div(rest, 2));
+  return half >= min_chunk ? half : rest;
+}
+
 }  // namespace
 
 WorkPlanParams work_plan_params() {
@@ -56,12 +66,7 @@ WorkPlan plan_work(const int32_t* context_lens, int num_seqs, int num_kv_heads, 
       pieces.clear();
       for (int64_t begin = 0; begin < context;) {
         const int64_t size = threads > 1 ? std::max(min_chunk, round_up_16(ceil_div(uncut, divisor))) : context;
-        // No sliver: a rest of less than 1.5 pieces is halved, so that no piece exceeds `size` (one above a
-        // thread's share would delay the end of the call), or taken whole where halves would be below min_chunk.
-        const int64_t rest = context - begin;
-        const int64_t half = round_up_16(ceil_div(rest, 2));
-        const int64_t take = rest <= size ? rest : rest >= size + size / 2 ? size : half >= min_chunk ? half : rest;
-        const int64_t end = begin + take;
+        const int64_t end = begin + next_piece(context - begin, size, min_chunk);
         pieces.emplace_back(begin, end);
         uncut -= end - begin;
         begin = end;
