@@ -1,6 +1,6 @@
 """Launch-parameter sweeps behind the defaults of the Triton kernels (H200; results under benchmarks/results/).
 
-    python benchmarks/triton_sweep.py --out sweep.json [--sections timing,rms_norm,rms_copy,rms_store,decode]
+    python benchmarks/triton_sweep.py --out sweep.json [--sections timing,rms_norm,rms_copy,rms_store,rms_order,decode]
 
 Sections:
   timing    a few rows timed both ways: steady-state CUDA-graph replay (what benchmarks/triton_kernels.py
@@ -13,6 +13,10 @@ Sections:
   rms_store the store policy of the rms_norm kernel (default write-back, evict-first, streaming ".cs"), on a
             copy of its single-pass body defined here, 4096 tokens, each variant timed twice
             -> the ".cs" stores of apex_compile/kernels/rms_norm.py.
+  rms_order at 4096 tokens, the order of the rms_norm body's memory accesses (weight loaded first or after the
+            reduction; residual_out stored right after the add or with y), masked or unmasked rows, with and
+            without PDL, per num_warps, all timed in interleaved rounds beside the shipped kernel, the copy of
+            the same bytes in the same shape and torch's copy_ of the same bytes (another kernel shape).
   decode    chunk / warps / stages x resident programs per SM of the split-K plan of `paged_attention_gpu`
             over small and large decode shapes, with torch SDPA on contiguous K/V as the reference
             -> DECODE_* defaults and PROGRAMS_PER_SM in apex_compile/kernels/paged_attention.py.
@@ -33,10 +37,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from triton_kernels import (  # noqa: E402
     ATTENTION_LAYOUTS, DEVICE, EPS, Bench, check_close, copy_rows_calls, decode_kv_bytes, decode_sets, rms_calls,
     rms_norm_sets,
-    sdpa_function, torch_rms_norm,
+    interleaved_medians, sdpa_function, torch_rms_norm,
 )
 
-from apex_compile.kernels._common import next_pow2  # noqa: E402
+from apex_compile.kernels._common import next_pow2, pdl_available  # noqa: E402
 from apex_compile.kernels.paged_attention import decode_split_plan, paged_decode_launch  # noqa: E402
 
 RMS_SHAPES = [(h, t) for h in (2048, 4096, 8192) for t in (4096, 16384)]
@@ -153,6 +157,82 @@ def sweep_rms_copy(bench, results):
         torch.cuda.empty_cache()
 
 
+@triton.jit
+def _rms_norm_order_probe(x_ptr, r_ptr, w_ptr, y_ptr, r_out_ptr, hidden, eps, BLOCK_H: tl.constexpr,
+                          WEIGHT_LATE: tl.constexpr, STORE_LATE: tl.constexpr, MASKED: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    """The rms_norm kernel's single-pass body (contiguous rows, with residual, the shipped eviction and store
+    policies) with a choice of access order: WEIGHT_LATE loads the weight after the reduction instead of first,
+    STORE_LATE stores residual_out together with y instead of right after the add; MASKED=False drops the
+    column mask (hidden == BLOCK_H)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = (cols < hidden) if MASKED else None
+    other = 0.0 if MASKED else None
+    if not WEIGHT_LATE:
+        w = tl.load(w_ptr + cols, mask=mask, other=other, eviction_policy="evict_last")
+    h = tl.load(x_ptr + row * hidden + cols, mask=mask, other=other, eviction_policy="evict_first")
+    r = tl.load(r_ptr + row * hidden + cols, mask=mask, other=other, eviction_policy="evict_first")
+    h = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    if not STORE_LATE:
+        tl.store(r_out_ptr + row * hidden + cols, h, mask=mask, cache_modifier=".cs")
+    hf = h.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / hidden + eps)
+    if WEIGHT_LATE:
+        w = tl.load(w_ptr + cols, mask=mask, other=other, eviction_policy="evict_last")
+    y = (w.to(tl.float32) * (hf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty)
+    if STORE_LATE:
+        tl.store(r_out_ptr + row * hidden + cols, h, mask=mask, cache_modifier=".cs")
+    tl.store(y_ptr + row * hidden + cols, y, mask=mask, cache_modifier=".cs")
+
+
+def sweep_rms_order(bench, results):
+    """Times every access order x mask x PDL x num_warps of _rms_norm_order_probe at 4096 tokens in interleaved
+    rounds with the shipped kernel, copy_rows_kernel and torch's copy_ of the same bytes."""
+    tokens = 4096
+    with_pdl = pdl_available(torch.device("cuda"))
+    for hidden in (2048, 4096):
+        sets, bytes_moved = rms_norm_sets(bench, hidden, tokens)
+        ref_y, ref_hidden = torch_rms_norm(sets[0][0], sets[0][2], sets[0][1])
+        graphs = {}
+        for warps in ((1, 2, 4, 8) if hidden == 2048 else (2, 4, 8)):
+            for pdl in ((False, True) if with_pdl else (False,)):
+                graphs[f"shipped warps={warps} pdl={int(pdl)}"] = rms_calls(sets, warps, pdl=pdl)
+                for weight_late in (False, True):
+                    for store_late in (False, True):
+                        for masked in (False, True):
+                            label = (f"probe warps={warps} pdl={int(pdl)} weight_late={int(weight_late)} "
+                                     f"store_late={int(store_late)} masked={int(masked)}")
+                            graphs[label] = [lambda s=s, w=warps, p=pdl, wl=weight_late, sl=store_late, m=masked:
+                                             _rms_norm_order_probe[(tokens,)](
+                                                 s[0], s[1], s[2], s[3], s[4], hidden, EPS, BLOCK_H=hidden,
+                                                 WEIGHT_LATE=wl, STORE_LATE=sl, MASKED=m, USE_PDL=p,
+                                                 num_warps=w, launch_pdl=p) for s in sets]
+        for label, calls in graphs.items():
+            for s in sets:
+                s[3].fill_(float("nan"))
+                s[4].fill_(float("nan"))
+            calls[0]()
+            check_close(f"rms_order {label} y", sets[0][3], ref_y)
+            check_close(f"rms_order {label} residual", sets[0][4], ref_hidden)
+        graphs["copy_rows warps=4"] = copy_rows_calls(sets, hidden, tokens, 4)
+        copy_sources = [torch.randn(2 * tokens, hidden, dtype=sets[0][0].dtype, device="cuda") for _ in sets]
+        copy_targets = [torch.empty_like(src) for src in copy_sources]
+        graphs["torch copy_"] = [lambda src=src, dst=dst: dst.copy_(src)
+                                 for src, dst in zip(copy_sources, copy_targets)]
+        medians = interleaved_medians({label: bench.capture(calls) for label, calls in graphs.items()}, len(sets))
+        for label, ms in sorted(medians.items(), key=lambda item: item[1]):
+            row = {"section": "rms_order", "hidden": hidden, "tokens": tokens, "variant": label, "us": ms * 1e3,
+                   "pct_hbm": 100 * bytes_moved / ms / 1e6 / bench.hbm_gbps}
+            results.append(row)
+            print(f"rms_order H={hidden} {label:<62} {row['us']:6.2f} us {row['pct_hbm']:5.1f}%", flush=True)
+        del sets, copy_sources, copy_targets
+        torch.cuda.empty_cache()
+
+
 def sweep_decode(bench, results, block_size):
     """Times every (chunk, warps, stages, programs per SM) launch of each decode shape against SDPA."""
     for model, batch, ctx in DECODE_SHAPES:
@@ -212,7 +292,7 @@ def main():
     """Runs the chosen sections; prints rows and writes them as JSON."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="JSON results file")
-    parser.add_argument("--sections", default="timing,rms_norm,rms_copy,rms_store,decode")
+    parser.add_argument("--sections", default="timing,rms_norm,rms_copy,rms_store,rms_order,decode")
     parser.add_argument("--hbm-gbps", type=float, default=4200.0)
     parser.add_argument("--block-size", type=int, default=16)
     args = parser.parse_args()
@@ -230,6 +310,8 @@ def main():
             sweep_rms_copy(bench, results)
         if "rms_store" in sections:
             sweep_rms_store(bench, results)
+        if "rms_order" in sections:
+            sweep_rms_order(bench, results)
         if "decode" in sections:
             sweep_decode(bench, results, args.block_size)
     if args.out:
