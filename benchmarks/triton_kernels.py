@@ -65,7 +65,7 @@ from apex_compile.kernels.paged_attention import (  # noqa: E402
     paged_decode_launch,
 )
 from apex_compile.kernels.prefill_attention import default_prefill_config, paged_prefill_launch  # noqa: E402
-from apex_compile.kernels.rms_norm import rms_norm, rms_norm_launch  # noqa: E402
+from apex_compile.kernels.rms_norm import rms_norm, rms_norm_launch, rms_norm_num_warps  # noqa: E402
 from apex_compile.kernels.swiglu import (  # noqa: E402
     DISPATCH_TABLE_PATH,
     dispatch_key,
@@ -328,7 +328,7 @@ def rms_calls(sets, num_warps=None, pdl=None):
 def copy_rows_kernel(x_ptr, r_ptr, y_ptr, r_out_ptr, hidden, BLOCK_H: tl.constexpr):
     """The loads and stores of the rms_norm single-pass kernel (one contiguous row per program, the same eviction
     and store policies) without its math: x -> y, residual -> residual_out. Its time is the speed of light of
-    rms_norm's traffic at a given size."""
+    rms_norm's traffic in this kernel shape."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
@@ -338,17 +338,28 @@ def copy_rows_kernel(x_ptr, r_ptr, y_ptr, r_out_ptr, hidden, BLOCK_H: tl.constex
     tl.store(y_ptr + row * hidden + cols, x, mask=mask, cache_modifier=".cs")
 
 
-def copy_rows_calls(sets, hidden, tokens, num_warps=4):
-    """One copy_rows_kernel launch per rms_norm input set (x -> y, residual -> residual_out)."""
+def copy_rows_calls(sets, hidden, tokens, num_warps=None):
+    """One copy_rows_kernel launch per rms_norm input set (x -> y, residual -> residual_out), with the rms_norm
+    kernel's num_warps unless given."""
     block_h = triton.next_power_of_2(hidden)
+    num_warps = num_warps or rms_norm_num_warps(block_h)
     return [lambda s=s: copy_rows_kernel[(tokens,)](s[0], s[1], s[3], s[4], hidden, BLOCK_H=block_h,
                                                     num_warps=num_warps) for s in sets]
 
 
+def memcpy_calls(sets):
+    """Per rms_norm input set, torch's copy_ of as many bytes as the set's rms_norm call moves (one contiguous
+    buffer of 2 rows per token into another): the same traffic in the CUDA memcpy's kernel shape."""
+    sources = [torch.randn(2 * s[0].shape[0], s[0].shape[1], dtype=s[0].dtype, device=s[0].device) for s in sets]
+    targets = [torch.empty_like(source) for source in sources]
+    return [lambda source=source, target=target: target.copy_(source) for source, target in zip(sources, targets)]
+
+
 def bench_rms_norm(bench, grid):
-    """rms_norm rows; from 4096 tokens (the target rows) the kernel is timed in rounds of turns with a copy of the
-    same bytes in the same kernel shape, reported as its own row: the speed of light at that size. Where the
-    kernel uses programmatic dependent launch, a row without it shows what PDL contributes."""
+    """rms_norm rows; from 4096 tokens (the target rows) the kernel is timed in rounds of turns with two copies of
+    its bytes, each reported as its own row: in the same kernel shape (the speed of light of that shape) and by
+    torch's copy_ (the CUDA memcpy kernel, one buffer into another). Where the kernel uses programmatic
+    dependent launch, a row without it shows what PDL contributes."""
     with_pdl = pdl_available(torch.device(DEVICE))
     for hidden in RMS_HIDDEN:
         for tokens in RMS_TOKENS[grid]:
@@ -371,6 +382,7 @@ def bench_rms_norm(bench, grid):
                     copy_calls[0]()
                     torch.testing.assert_close(sets[0][3], sets[0][0], rtol=0, atol=0)
                     graphs["copy"] = bench.capture(copy_calls)
+                    graphs["memcpy"] = bench.capture(memcpy_calls(sets))
                 timed = interleaved_medians(graphs, len(sets))
                 eager_ms = bench.eager_ms([lambda s=s: rms_norm(s[0], s[2], EPS, s[1]) for s in sets])
                 base = bench.measure([lambda s=s: torch_rms_norm(s[0], s[2], s[1]) for s in sets])
@@ -387,6 +399,8 @@ def bench_rms_norm(bench, grid):
                 if tokens >= 4096:
                     bench.add("rms_norm", f"H={hidden} tokens={tokens} copy of the same bytes",
                               Timing(timed["copy"]), base, bytes_moved=bytes_moved, speed_of_light_for=name)
+                    bench.add("rms_norm", f"H={hidden} tokens={tokens} torch copy_ of as many bytes",
+                              Timing(timed["memcpy"]), base, bytes_moved=bytes_moved, speed_of_light_for=name)
 
             bench.guard("rms_norm", name, row)
 

@@ -103,10 +103,11 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torc
 
 
 def rms_norm_num_warps(block_h: int) -> int:
-    """Warps of the single-pass kernel for rows of `block_h` (a power of two) elements: 2 for 4096-8192
-    (64-128 elements per thread, measured best by benchmarks/triton_sweep.py on the H200), otherwise one warp
-    per 512 elements (at most 16)."""
-    if 4096 <= block_h <= 8192:
+    """Warps of the single-pass kernel for rows of `block_h` (a power of two) elements: 2 for 2048-8192
+    (32-128 elements per thread), otherwise one warp per 512 elements (at most 16). Measured on the H200 by
+    benchmarks/triton_sweep.py (rms_norm, rms_order): at 2048 x 4096 tokens 2 warps beat 4 by 1.5-2.3 points of
+    HBM bandwidth on each of three GPUs (results/triton_sweep_2026-12-01_h200_*); equal at 16384 tokens."""
+    if 2048 <= block_h <= 8192:
         return 2
     return max(1, min(16, block_h // 512))
 
