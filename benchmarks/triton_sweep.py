@@ -23,6 +23,7 @@ Sections:
 Each variant's output is checked against the torch reference before it is timed.
 """
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -37,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from triton_kernels import (  # noqa: E402
     ATTENTION_LAYOUTS, DEVICE, EPS, Bench, check_close, copy_rows_calls, decode_kv_bytes, decode_sets, rms_calls,
     rms_norm_sets,
-    interleaved_medians, sdpa_function, torch_rms_norm,
+    interleaved_medians, memcpy_calls, sdpa_function, torch_rms_norm,
 )
 
 from apex_compile.kernels._common import next_pow2, pdl_available  # noqa: E402
@@ -87,42 +88,60 @@ def time_row(bench, results, calls, bytes_moved, **fields):
 
 
 @triton.jit
-def _rms_norm_store_probe(x_ptr, r_ptr, w_ptr, y_ptr, r_out_ptr, hidden, eps, BLOCK_H: tl.constexpr,
-                          STORE: tl.constexpr):
-    """The rms_norm kernel's single-pass body (contiguous rows, with residual) with a choice of store policy:
-    STORE 0 write-back, 1 evict_first, 2 cache_modifier ".cs"."""
+def _store_row(ptr, value, mask, STORE: tl.constexpr):
+    """Stores one row with store policy STORE: 0 write-back, 1 evict_first, 2 cache_modifier ".cs"."""
+    if STORE == 0:
+        tl.store(ptr, value, mask=mask)
+    elif STORE == 1:
+        tl.store(ptr, value, mask=mask, eviction_policy="evict_first")
+    else:
+        tl.store(ptr, value, mask=mask, cache_modifier=".cs")
+
+
+@triton.jit
+def _rms_norm_probe(x_ptr, r_ptr, w_ptr, y_ptr, r_out_ptr, hidden, eps, BLOCK_H: tl.constexpr,
+                    STORE: tl.constexpr, WEIGHT_LATE: tl.constexpr, STORE_LATE: tl.constexpr, MASKED: tl.constexpr,
+                    USE_PDL: tl.constexpr):
+    """The rms_norm kernel's single-pass body (contiguous rows, with residual, evict-first loads) with a choice of
+    store policy (STORE, as in _store_row) and of access order: WEIGHT_LATE loads the weight after the reduction
+    instead of first, STORE_LATE stores residual_out together with y instead of right after the add;
+    MASKED=False drops the column mask (hidden == BLOCK_H)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
-    mask = cols < hidden
-    h = tl.load(x_ptr + row * hidden + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-    r = tl.load(r_ptr + row * hidden + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    mask = (cols < hidden) if MASKED else None
+    other = 0.0 if MASKED else None
+    if not WEIGHT_LATE:
+        w = tl.load(w_ptr + cols, mask=mask, other=other, eviction_policy="evict_last")
+    h = tl.load(x_ptr + row * hidden + cols, mask=mask, other=other, eviction_policy="evict_first")
+    r = tl.load(r_ptr + row * hidden + cols, mask=mask, other=other, eviction_policy="evict_first")
     h = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+    if not STORE_LATE:
+        _store_row(r_out_ptr + row * hidden + cols, h, mask, STORE)
     hf = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / hidden + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0, eviction_policy="evict_last")
+    if WEIGHT_LATE:
+        w = tl.load(w_ptr + cols, mask=mask, other=other, eviction_policy="evict_last")
     y = (w.to(tl.float32) * (hf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty)
-    if STORE == 0:
-        tl.store(r_out_ptr + row * hidden + cols, h, mask=mask)
-        tl.store(y_ptr + row * hidden + cols, y, mask=mask)
-    elif STORE == 1:
-        tl.store(r_out_ptr + row * hidden + cols, h, mask=mask, eviction_policy="evict_first")
-        tl.store(y_ptr + row * hidden + cols, y, mask=mask, eviction_policy="evict_first")
-    else:
-        tl.store(r_out_ptr + row * hidden + cols, h, mask=mask, cache_modifier=".cs")
-        tl.store(y_ptr + row * hidden + cols, y, mask=mask, cache_modifier=".cs")
+    if STORE_LATE:
+        _store_row(r_out_ptr + row * hidden + cols, h, mask, STORE)
+    _store_row(y_ptr + row * hidden + cols, y, mask, STORE)
 
 
 def sweep_rms_store(bench, results):
-    """Times the three store policies of _rms_norm_store_probe at 4096 tokens, each twice."""
+    """Times the three store policies of _rms_norm_probe (weight loaded and both rows stored after the reduction)
+    at 4096 tokens, each twice."""
     tokens = 4096
     for hidden in (2048, 4096):
         sets, bytes_moved = rms_norm_sets(bench, hidden, tokens)
         ref_y, ref_hidden = torch_rms_norm(sets[0][0], sets[0][2], sets[0][1])
         for store in (0, 1, 2):
             for warps in (2, 4, 8):
-                calls = [lambda s=s: _rms_norm_store_probe[(tokens,)](
-                    s[0], s[1], s[2], s[3], s[4], hidden, EPS, BLOCK_H=hidden, STORE=store, num_warps=warps)
-                    for s in sets]
+                calls = [lambda s=s: _rms_norm_probe[(tokens,)](
+                    s[0], s[1], s[2], s[3], s[4], hidden, EPS, BLOCK_H=hidden, STORE=store, WEIGHT_LATE=True,
+                    STORE_LATE=True, MASKED=True, USE_PDL=False, num_warps=warps) for s in sets]
                 calls[0]()
                 check_close(f"rms_store {store} y", sets[0][3], ref_y)
                 check_close(f"rms_store {store} residual", sets[0][4], ref_hidden)
@@ -157,41 +176,9 @@ def sweep_rms_copy(bench, results):
         torch.cuda.empty_cache()
 
 
-@triton.jit
-def _rms_norm_order_probe(x_ptr, r_ptr, w_ptr, y_ptr, r_out_ptr, hidden, eps, BLOCK_H: tl.constexpr,
-                          WEIGHT_LATE: tl.constexpr, STORE_LATE: tl.constexpr, MASKED: tl.constexpr,
-                          USE_PDL: tl.constexpr):
-    """The rms_norm kernel's single-pass body (contiguous rows, with residual, the shipped eviction and store
-    policies) with a choice of access order: WEIGHT_LATE loads the weight after the reduction instead of first,
-    STORE_LATE stores residual_out together with y instead of right after the add; MASKED=False drops the
-    column mask (hidden == BLOCK_H)."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_H)
-    mask = (cols < hidden) if MASKED else None
-    other = 0.0 if MASKED else None
-    if not WEIGHT_LATE:
-        w = tl.load(w_ptr + cols, mask=mask, other=other, eviction_policy="evict_last")
-    h = tl.load(x_ptr + row * hidden + cols, mask=mask, other=other, eviction_policy="evict_first")
-    r = tl.load(r_ptr + row * hidden + cols, mask=mask, other=other, eviction_policy="evict_first")
-    h = (h.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-    if not STORE_LATE:
-        tl.store(r_out_ptr + row * hidden + cols, h, mask=mask, cache_modifier=".cs")
-    hf = h.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(hf * hf, axis=0) / hidden + eps)
-    if WEIGHT_LATE:
-        w = tl.load(w_ptr + cols, mask=mask, other=other, eviction_policy="evict_last")
-    y = (w.to(tl.float32) * (hf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty)
-    if STORE_LATE:
-        tl.store(r_out_ptr + row * hidden + cols, h, mask=mask, cache_modifier=".cs")
-    tl.store(y_ptr + row * hidden + cols, y, mask=mask, cache_modifier=".cs")
-
-
 def sweep_rms_order(bench, results):
-    """Times every access order x mask x PDL x num_warps of _rms_norm_order_probe at 4096 tokens in interleaved
-    rounds with the shipped kernel, copy_rows_kernel and torch's copy_ of the same bytes."""
+    """Times every access order x mask x PDL x num_warps of _rms_norm_probe (".cs" stores) at 4096 tokens in
+    interleaved rounds with the shipped kernel, copy_rows_kernel and torch's copy_ of the same bytes."""
     tokens = 4096
     with_pdl = pdl_available(torch.device("cuda"))
     for hidden in (2048, 4096):
@@ -201,16 +188,14 @@ def sweep_rms_order(bench, results):
         for warps in ((1, 2, 4, 8) if hidden == 2048 else (2, 4, 8)):
             for pdl in ((False, True) if with_pdl else (False,)):
                 graphs[f"shipped warps={warps} pdl={int(pdl)}"] = rms_calls(sets, warps, pdl=pdl)
-                for weight_late in (False, True):
-                    for store_late in (False, True):
-                        for masked in (False, True):
-                            label = (f"probe warps={warps} pdl={int(pdl)} weight_late={int(weight_late)} "
-                                     f"store_late={int(store_late)} masked={int(masked)}")
-                            graphs[label] = [lambda s=s, w=warps, p=pdl, wl=weight_late, sl=store_late, m=masked:
-                                             _rms_norm_order_probe[(tokens,)](
-                                                 s[0], s[1], s[2], s[3], s[4], hidden, EPS, BLOCK_H=hidden,
-                                                 WEIGHT_LATE=wl, STORE_LATE=sl, MASKED=m, USE_PDL=p,
-                                                 num_warps=w, launch_pdl=p) for s in sets]
+                for weight_late, store_late, masked in itertools.product((False, True), repeat=3):
+                    label = (f"probe warps={warps} pdl={int(pdl)} weight_late={int(weight_late)} "
+                             f"store_late={int(store_late)} masked={int(masked)}")
+                    graphs[label] = [lambda s=s, w=warps, p=pdl, wl=weight_late, sl=store_late, m=masked:
+                                     _rms_norm_probe[(tokens,)](
+                                         s[0], s[1], s[2], s[3], s[4], hidden, EPS, BLOCK_H=hidden, STORE=2,
+                                         WEIGHT_LATE=wl, STORE_LATE=sl, MASKED=m, USE_PDL=p,
+                                         num_warps=w, launch_pdl=p) for s in sets]
         for label, calls in graphs.items():
             for s in sets:
                 s[3].fill_(float("nan"))
@@ -219,17 +204,14 @@ def sweep_rms_order(bench, results):
             check_close(f"rms_order {label} y", sets[0][3], ref_y)
             check_close(f"rms_order {label} residual", sets[0][4], ref_hidden)
         graphs["copy_rows warps=4"] = copy_rows_calls(sets, hidden, tokens, 4)
-        copy_sources = [torch.randn(2 * tokens, hidden, dtype=sets[0][0].dtype, device="cuda") for _ in sets]
-        copy_targets = [torch.empty_like(src) for src in copy_sources]
-        graphs["torch copy_"] = [lambda src=src, dst=dst: dst.copy_(src)
-                                 for src, dst in zip(copy_sources, copy_targets)]
+        graphs["torch copy_"] = memcpy_calls(sets)
         medians = interleaved_medians({label: bench.capture(calls) for label, calls in graphs.items()}, len(sets))
         for label, ms in sorted(medians.items(), key=lambda item: item[1]):
             row = {"section": "rms_order", "hidden": hidden, "tokens": tokens, "variant": label, "us": ms * 1e3,
                    "pct_hbm": 100 * bytes_moved / ms / 1e6 / bench.hbm_gbps}
             results.append(row)
             print(f"rms_order H={hidden} {label:<62} {row['us']:6.2f} us {row['pct_hbm']:5.1f}%", flush=True)
-        del sets, copy_sources, copy_targets
+        del sets, graphs
         torch.cuda.empty_cache()
 
 
