@@ -1,6 +1,6 @@
 """`ApexConfig`: memory pools, batching limits and offload policy of an `ApexModel`."""
 import dataclasses
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 OFFLOAD_MODES = ("auto", "never", "all")
 PREEMPTION_MODES = ("swap", "recompute")
@@ -32,6 +32,11 @@ class ApexConfig:
         default: inductor on CUDA, eager on CPU). "inductor" on CPU also freezes the weights into the graph
         (oneDNN-packed linear layers; minutes of compiling on a small machine, faster steps; weights changed
         after the first step are not seen).
+    cuda_graphs: on CUDA with `compile`, decode steps of the device pool replay whole-forward CUDA graphs
+        captured per batch size (see `capture_sizes`); False runs every step through the compiled code
+        (debugging). Ignored on the CPU.
+    capture_sizes: batch sizes captured (None: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs); a decode step
+        runs the smallest size >= its batch, larger batches run uncaptured.
     """
 
     gpu_cache_size: Optional[int] = None
@@ -44,6 +49,8 @@ class ApexConfig:
     preemption: str = "swap"
     compile: bool = True
     inner: Optional[str] = None
+    cuda_graphs: bool = True
+    capture_sizes: Optional[Sequence[int]] = None
 
     def __post_init__(self):
         for name in ("gpu_cache_size", "cpu_cache_size"):
@@ -67,6 +74,11 @@ class ApexConfig:
             raise ValueError(f"ApexConfig.max_model_len must be >= 1, got {self.max_model_len}")
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"ApexConfig.preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
+        if self.capture_sizes is not None:
+            sizes = list(self.capture_sizes)
+            if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+                raise ValueError(f"ApexConfig.capture_sizes must be positive batch sizes, got {self.capture_sizes!r}")
+            self.capture_sizes = tuple(sorted(set(sizes)))
         if self.inner is not None and self.inner not in INNER_COMPILERS:
             raise ValueError(f"ApexConfig.inner must be one of {INNER_COMPILERS} or None, got {self.inner!r}")
 

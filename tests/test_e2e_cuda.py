@@ -86,3 +86,23 @@ def test_bf16_logits_within_tolerance():
     ours = apex(ids).logits.float()
     assert ours.shape == ref.shape
     assert float((ours - ref).abs().max()) < BF16_LOGITS_ATOL
+
+
+@pytest.mark.parametrize("offload", ["never", 0.5])
+def test_cuda_graph_replay_equals_uncaptured_steps(fp32_model, offload):
+    """Requests of different lengths finish one by one, so decode batches shrink through every capture size
+    (with padding rows); graph replays must give the tokens of the uncaptured compiled step."""
+    from apex_compile.runtime.request import SamplingParams
+
+    torch.manual_seed(1)
+    prompts = [torch.randint(3, SMALL["vocab_size"], (n,)).tolist() for n in (5, 17, 33, 9, 40, 3, 21)]
+    sampling = [SamplingParams(max_new_tokens=n) for n in (3, 30, 12, 7, 25, 1, 18)]
+    outputs = []
+    for graphs in (True, False):
+        apex = optimize(fp32_model, ApexConfig(offload=offload, gpu_cache_size=32 * MB, cpu_cache_size=32 * MB,
+                                               cuda_graphs=graphs, capture_sizes=(1, 2, 4, 8)))
+        outputs.append([c.token_ids for c in apex.engine.generate(prompts, sampling)])
+        if graphs and offload == "never":
+            assert apex.engine.graphs.ready and apex.engine.graphs.replays > 10
+        assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+    assert outputs[0] == outputs[1]

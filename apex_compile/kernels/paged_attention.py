@@ -18,7 +18,9 @@ Decode kernel (`_paged_decode_kernel`), grid (num_seqs, num_kv_heads, num_splits
 - split-K over long contexts: when num_seqs * num_kv_heads programs cannot fill the GPU, each sequence's
   tokens are split into ranges; each split writes its normalised partial output and log-sum-exp, and
   `_paged_decode_merge_kernel` combines them. With one split the first kernel writes the output directly.
-The number of splits depends only on shapes and an optional host-side `max_context_len` (no device sync).
+The number of splits depends only on shapes and an optional host-side `max_context_len` (no device sync); each
+sequence divides its own context over them (a short one uses fewer), so a launch planned for the block table's
+capacity, as a CUDA graph is, still spreads every context over the GPU.
 
 On CUDA, data-dependent checks are not made (they would synchronise): a zero context gives NaN rows, and
 cache_append_gpu ignores slots outside [0, num_blocks * block_size). On CPU tensors (interpreter) both raise.
@@ -145,7 +147,7 @@ def _paged_decode_kernel(
     num_splits, tokens_per_split,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -154,6 +156,11 @@ def _paged_decode_kernel(
 
     context_len = tl.load(context_lens_ptr + seq)
     context_len = tl.minimum(context_len, max_blocks_per_seq * BLOCK_SIZE)
+    if tokens_per_split == 0:
+        # Per-sequence split size (the host plan's rule on this sequence's own context): a ragged batch, or a
+        # launch planned for the table's capacity (CUDA graphs), spreads each context over the splits.
+        used_splits = tl.maximum(tl.minimum(num_splits, tl.cdiv(context_len, MIN_SPLIT_TOKENS)), 1)
+        tokens_per_split = tl.cdiv(tl.cdiv(context_len, used_splits), BLOCK_T) * BLOCK_T
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, context_len)
     end = tl.where(split == num_splits - 1, context_len, end)  # the last split covers any remainder
@@ -397,9 +404,10 @@ def paged_decode_launch(query, key_cache, value_cache, block_tables, context_len
         if tokens_per_split is not None and tokens_per_split % block_t:
             block_t = DECODE_BLOCK_T
     if tokens_per_split is None:
-        num_splits, tokens_per_split = decode_split_plan(
+        num_splits, _ = decode_split_plan(
             num_seqs, num_kv_heads, min(max_context_len or capacity, capacity), query.device, block_t,
             programs_per_sm)
+        tokens_per_split = 0  # each sequence splits its own context (kernel), up to num_splits ranges
     else:
         if tokens_per_split % block_t:
             raise ValueError(f"tokens_per_split must be a multiple of {block_t}")
@@ -420,7 +428,7 @@ def paged_decode_launch(query, key_cache, value_cache, block_tables, context_len
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_SIZE=block_size, BLOCK_T=block_t,
         SINGLE_SPLIT=single, DOT_PRECISION=dot_precision(key_cache.dtype), UPCAST_DOT=UPCAST_DOT_OPERANDS,
-        num_warps=num_warps, num_stages=num_stages,
+        MIN_SPLIT_TOKENS=MIN_TOKENS_PER_SPLIT, num_warps=num_warps, num_stages=num_stages,
     )
     if not single:
         _paged_decode_merge_kernel[(num_seqs * num_heads,)](

@@ -14,7 +14,6 @@ double-buffered staging; CUDA events order copies against the compute stream), s
 device-pool attention. On a CPU-only machine both pools are host memory and everything runs synchronously.
 """
 import concurrent.futures
-import dataclasses
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -22,21 +21,7 @@ import torch.nn.functional as F
 
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, KVManager, KVPool
 from apex_compile.runtime.scheduler import ScheduledChunk
-
-
-@dataclasses.dataclass
-class PoolPart:
-    """The rows of one pool in a step and the metadata its ops need (tensors on the pool's device)."""
-
-    pool: KVPool
-    start: int  # first row of the pool in the step
-    end: int
-    paged_end: int  # rows start..paged_end-1 are paged rows, the rest fresh chunks
-    slot_mapping: torch.Tensor  # int64 [end - start]
-    block_tables: Optional[torch.Tensor]  # int32 [paged rows, max blocks]
-    context_lens: Optional[torch.Tensor]  # int32 [paged rows]
-    max_context_len: int  # host-side bound of context_lens (tunes the GPU kernel's split-K)
-    fresh: List[Tuple[int, int]]  # (start, end) rows of each fresh chunk
+from apex_compile.runtime.step_buffers import PoolPart
 
 
 def order_chunks(chunks: Sequence[ScheduledChunk]) -> List[ScheduledChunk]:
@@ -114,8 +99,13 @@ class PagedAttentionRunner:
             self.parts.append(PoolPart(pool, start, row, paged_end,
                                        torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
                                        block_tables, lens, max(context_lens, default=0), fresh))
-        self.num_rows = row
-        only = self.parts[0] if len(self.parts) == 1 else None
+        self.set_parts(self.parts, row)
+
+    def set_parts(self, parts: List[PoolPart], num_rows: int) -> None:
+        """Uses metadata built elsewhere (the engine's persistent StepBuffers) for the next step."""
+        self.parts = parts
+        self.num_rows = num_rows
+        only = parts[0] if len(parts) == 1 else None
         self._whole_paged = only if only is not None and only.paged_end == only.end else None
         self._stash.clear()
 

@@ -18,10 +18,12 @@ import torch
 from apex_compile.config import GiB, ApexConfig
 from apex_compile.runtime.attention_runner import PagedAttentionRunner, order_chunks
 from apex_compile.runtime.context import attention_runner
+from apex_compile.runtime.cuda_graphs import DecodeGraphs, capture_sizes
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, POOL_NAMES, CacheShape, KVManager
 from apex_compile.runtime.request import Request, SamplingParams
 from apex_compile.runtime.sampler import Sampler
 from apex_compile.runtime.scheduler import ScheduledChunk, Scheduler
+from apex_compile.runtime.step_buffers import StepBuffers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 EAGER_ATTENTION_NAME = "apex_paged"
@@ -181,6 +183,13 @@ class Engine:
         self.kv = KVManager(self.shape, device_bytes // block_bytes, host_bytes // block_bytes, self.device)
         self.scheduler = Scheduler(self.config, self.kv)
         self.runner = PagedAttentionRunner(self.kv, self.device)
+        max_rows = max(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        self.buffers = StepBuffers(self.kv, max_rows, self.max_model_len, self.device)
+        self.graphs: Optional[DecodeGraphs] = None
+        if self.device.type == "cuda" and self.config.cuda_graphs and self.config.compile:
+            limit = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+            sizes = self.config.capture_sizes or capture_sizes(limit)
+            self.graphs = DecodeGraphs([n for n in sizes if n <= max_rows])
         self.sampler = Sampler()
         self.reports: list = []  # pass reports of the compiled step's graphs
         self.stats = EngineStats()
@@ -291,22 +300,49 @@ class Engine:
         self.kv.wait_for_moves()
         return order_chunks(plan.chunks)
 
+    def _graph_size(self, chunks: List[ScheduledChunk]) -> Optional[int]:
+        """The capture size whose graph runs this step, or None (not a decode-only step of the device pool)."""
+        if self.graphs is None or any(c.pool != DEVICE_POOL or c.num_tokens != 1 or c.start == 0 for c in chunks):
+            return None
+        return self.graphs.size_for(len(chunks))
+
+    def _run_model(self, parts, num_rows: int, num_logits: int) -> torch.Tensor:
+        """The compiled step over the buffers' first `num_rows` rows, attention served by the runner."""
+        self.runner.set_parts(parts, num_rows)
+        input_ids, position_ids, indices = self.buffers.inputs(num_rows, num_logits)
+        with attention_runner(self.runner), torch.inference_mode():
+            return self._step_fn(input_ids, position_ids, indices)
+
+    def capture_graphs(self, progress: bool = True) -> None:
+        """Captures the decode CUDA graphs of every capture size (done by `warmup`, else at the first decode)."""
+        if self.graphs is None or self.graphs.ready:
+            return
+        padded = {}
+
+        def prepare(size):
+            padded[size] = self.buffers.fill([], [], pad_to=size)
+            self.buffers.copy_to_device()
+
+        self.graphs.capture(prepare, lambda size: self._run_model(*padded[size], size), progress)
+
     def _forward_chunks(self, chunks: List[ScheduledChunk], logit_rows: List[int]) -> torch.Tensor:
         """Runs the model on the chunks (flattened in order) and returns the logits of `logit_rows`."""
-        token_ids: List[int] = []
-        positions: List[int] = []
-        for chunk in chunks:
-            token_ids.extend(chunk.request.token_ids(chunk.start, chunk.start + chunk.num_tokens))
-            positions.extend(range(chunk.start, chunk.start + chunk.num_tokens))
-        self.runner.prepare(chunks)
-        device = self.device
-        input_ids = torch.tensor([token_ids], dtype=torch.int64).to(device, non_blocking=True)
-        position_ids = torch.tensor([positions], dtype=torch.int64).to(device, non_blocking=True)
+        size = self._graph_size(chunks)
+        if size is not None and not self.graphs.ready:
+            self.capture_graphs()
         # Always at least one logits row, so the graph never sees an empty index (N=0 would recompile).
-        indices = torch.tensor(logit_rows or [len(token_ids) - 1], dtype=torch.int64).to(device, non_blocking=True)
+        logit_rows = logit_rows or [sum(c.num_tokens for c in chunks) - 1]
+        parts, num_rows = self.buffers.fill(chunks, logit_rows, pad_to=size)
+        self.buffers.copy_to_device()
         start = time.perf_counter()
-        with attention_runner(self.runner), torch.inference_mode():
-            logits = self._step_fn(input_ids, position_ids, indices)
+        if size is not None:
+            logits = self.graphs.replay(size)
+            if logit_rows == list(range(len(logit_rows))):
+                logits = logits[:len(logit_rows)]
+            else:
+                logits = logits[torch.tensor(logit_rows, device=logits.device)]
+        else:
+            logits = self._run_model(parts, num_rows, len(logit_rows))
         self.stats.forward_seconds += time.perf_counter() - start
         self.stats.steps += 1
         for chunk in chunks:
@@ -460,6 +496,7 @@ class Engine:
         prompt = [int(self.model.config.bos_token_id or 1)] * 3
         self.generate([prompt], SamplingParams(max_new_tokens=2))
         self.generate([prompt, prompt + prompt], [SamplingParams(max_new_tokens=1), SamplingParams(max_new_tokens=3)])
+        self.capture_graphs()
 
     def blocks_in_use(self) -> dict:
         """Blocks held by requests in each pool (all zero when idle)."""

@@ -1,4 +1,5 @@
-"""Next-token choice from a step's logits: greedy, or temperature -> top-k -> top-p sampling (HF's order)."""
+"""Next-token choice from a step's logits: greedy, or temperature -> top-k -> top-p sampling (HF's order),
+as batched ops on the logits' device."""
 from typing import Dict, List, Sequence
 
 import torch
@@ -28,40 +29,71 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return torch.full_like(scaled, float("-inf")).scatter(1, sorted_ids, sorted_logits)
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply rounds) of int64 tensors holding values < 2**32; the constants
+    are below 2**31, so no int64 product overflows."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _MASK32
+    return x ^ (x >> 16)
+
+
+def seeded_uniform(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniform (0, 1) float32 [N, vocab], a pure function of (seed, counter, column) per row: every seeded row of
+    a batch draws from its own stream in one batched op, whatever else is in the batch."""
+    key = _mix32(seeds & _MASK32)
+    key = _mix32(key ^ ((seeds >> 32) & _MASK32))
+    key = _mix32(key ^ (counters & _MASK32))
+    columns = _mix32(torch.arange(vocab, device=seeds.device, dtype=torch.int64))
+    bits = _mix32(key[:, None] ^ columns[None, :])
+    return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
 class Sampler:
-    """Chooses one token per logits row; requests with a seed draw from their own generator."""
+    """Chooses one token per logits row with batched ops on the logits' device and one copy to the host.
+
+    Unseeded rows draw with torch.multinomial from torch's global RNG (`torch.manual_seed` reproduces a run);
+    seeded rows draw by an exponential race (argmax of p / E, E ~ Exp(1), an exact draw from p) whose noise is
+    a hash of (seed, draws so far, token): reproducible per request, independent of the batch.
+    """
 
     def __init__(self):
-        self._generators: Dict[int, torch.Generator] = {}
+        self._draws: Dict[int, int] = {}
 
     def forget(self, request_id: int) -> None:
-        """Drops a finished request's generator."""
-        self._generators.pop(request_id, None)
-
-    def _generator(self, request: Request, device: torch.device) -> torch.Generator:
-        gen = self._generators.get(request.request_id)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(request.sampling.seed)
-            self._generators[request.request_id] = gen
-        return gen
+        """Drops a finished request's draw counter."""
+        self._draws.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> List[int]:
         """Next token of each request from its logits row (logits [len(requests), vocab])."""
         params: List[SamplingParams] = [r.sampling for r in requests]
-        if not any(p.do_sample for p in params):
-            return logits.argmax(dim=-1).tolist()
+        greedy = logits.argmax(dim=-1)
+        sampled_rows = [i for i, p in enumerate(params) if p.do_sample]
+        if not sampled_rows:
+            return greedy.tolist()
         device = logits.device
         temperature = torch.tensor([p.temperature if p.do_sample else 1.0 for p in params], device=device)
         top_k = torch.tensor([p.top_k if p.do_sample else 1 for p in params], device=device)
         top_p = torch.tensor([p.top_p if p.do_sample else 1.0 for p in params], device=device)
         probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
-        tokens = torch.empty(len(requests), dtype=torch.int64, device=device)
-        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        tokens = greedy.clone()
+        unseeded = [i for i in sampled_rows if params[i].seed is None]
         if unseeded:
             index = torch.tensor(unseeded, device=device)
             tokens[index] = torch.multinomial(probs[index], 1).squeeze(1)
-        for i, request in enumerate(requests):
-            if params[i].seed is not None:
-                tokens[i] = torch.multinomial(probs[i], 1, generator=self._generator(request, device))[0]
+        seeded = [i for i in sampled_rows if params[i].seed is not None]
+        if seeded:
+            counters = []
+            for i in seeded:
+                rid = requests[i].request_id
+                counters.append(self._draws.get(rid, 0))
+                self._draws[rid] = counters[-1] + 1
+            index = torch.tensor(seeded, device=device)
+            noise = seeded_uniform(torch.tensor([params[i].seed for i in seeded], device=device),
+                                   torch.tensor(counters, device=device), logits.shape[-1])
+            tokens[index] = (probs[index] / -torch.log(noise)).argmax(dim=-1)
         return tokens.tolist()

@@ -1,0 +1,198 @@
+"""Persistent step inputs: allocated once at the engine's maxima, written in place each step.
+
+Everything a step's graph reads (input ids, positions, logits indices, and the device pool's slot mapping,
+context lengths and block tables) lives in one byte arena with a pinned host mirror; a step writes the mirror
+through numpy views and moves the used prefix with one host-to-device copy. The tensors handed to the model
+and the attention ops are views at fixed addresses, so a CUDA graph captured over them replays any later
+step of its size. Host-pool metadata is read by the CPU kernels and stays in host memory.
+
+Block tables have a fixed width, cdiv(max_model_len, block_size); a row is rewritten only when another
+request takes it or its request gains blocks (then only the new entries).
+"""
+import dataclasses
+from typing import List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, BlockTable, KVManager, KVPool
+from apex_compile.runtime.scheduler import ScheduledChunk
+
+_ALIGN = 64
+
+
+class _Arena:
+    """Typed views carved out of one byte buffer; `like(device)` repeats the layout on another device."""
+
+    def __init__(self):
+        self.layout: List[Tuple[str, int, torch.dtype, tuple]] = []
+        self.nbytes = 0
+
+    def add(self, name: str, dtype: torch.dtype, shape: tuple) -> None:
+        size = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        self.layout.append((name, self.nbytes, dtype, shape))
+        self.nbytes += -(-size // _ALIGN) * _ALIGN
+
+    def offset(self, name: str) -> int:
+        return next(off for n, off, _, _ in self.layout if n == name)
+
+    def allocate(self, device: torch.device, pin: bool = False) -> Tuple[torch.Tensor, dict]:
+        """(byte buffer, {name: typed view}) of this layout on `device` (zero-filled)."""
+        buf = torch.zeros(max(self.nbytes, _ALIGN), dtype=torch.uint8, device=device, pin_memory=pin)
+        views = {}
+        for name, off, dtype, shape in self.layout:
+            size = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+            views[name] = buf[off:off + size].view(dtype).view(shape)
+        return buf, views
+
+
+@dataclasses.dataclass
+class PoolPart:
+    """The rows of one pool in a step and the metadata its ops need (tensors on the pool's device).
+
+    Paged rows (decode tokens, tokens of a chunk continuing a cached prompt) come first, one row per token with
+    its own block-table row and context length; fresh chunks (a prompt's first chunk) follow.
+    """
+
+    pool: KVPool
+    start: int  # first row of the pool in the step
+    end: int
+    paged_end: int  # rows start..paged_end-1 are paged rows, the rest fresh chunks
+    slot_mapping: torch.Tensor  # int64 [end - start] (padding rows: -1)
+    block_tables: Optional[torch.Tensor]  # int32 [paged rows, width]
+    context_lens: Optional[torch.Tensor]  # int32 [paged rows]
+    max_context_len: Optional[int]  # host-side bound of context_lens (tunes split-K); None: the table's capacity
+    fresh: List[Tuple[int, int]]  # (start, end) rows of each fresh chunk
+
+
+class _PoolRows:
+    """A pool's metadata rows in a host arena (and, for the device pool on CUDA, its device twin)."""
+
+    def __init__(self, views: dict, dev_views: dict, prefix: str):
+        self.slot = views[prefix + "slot"].numpy()
+        self.ctx = views[prefix + "ctx"].numpy()
+        self.tables = views[prefix + "tables"].numpy()
+        self.dev_slot = dev_views[prefix + "slot"]
+        self.dev_ctx = dev_views[prefix + "ctx"]
+        self.dev_tables = dev_views[prefix + "tables"]
+        self.row_table: List[Optional[BlockTable]] = [None] * self.tables.shape[0]
+        self.row_len = [0] * self.tables.shape[0]
+
+    def write_table(self, row: int, table: BlockTable) -> None:
+        """Makes table row `row` hold `table`'s block ids, writing only what changed since the last step."""
+        ids = table.block_ids
+        have = self.row_len[row] if self.row_table[row] is table else 0
+        if have < len(ids):
+            self.tables[row, have:len(ids)] = ids[have:]
+            self.row_table[row], self.row_len[row] = table, len(ids)
+
+
+class StepBuffers:
+    """The engine's persistent step inputs (see the module docstring)."""
+
+    def __init__(self, kv: KVManager, max_tokens: int, max_model_len: int, device: torch.device):
+        self.kv = kv
+        self.device = device
+        self.max_tokens = max_tokens
+        self.width = -(-max_model_len // kv.block_size)
+        on_cuda = device.type == "cuda"
+        arena = _Arena()
+        for name in ("input_ids", "positions", "logits_indices"):
+            arena.add(name, torch.int64, (max_tokens,))
+        arena.add("d_slot", torch.int64, (max_tokens,))
+        arena.add("d_ctx", torch.int32, (max_tokens,))
+        arena.add("d_tables", torch.int32, (max_tokens, self.width))  # last: a step copies the rows it uses
+        self._tables_offset = arena.offset("d_tables")
+        self.host_buf, host = arena.allocate(torch.device("cpu"), pin=on_cuda)
+        if on_cuda:
+            self.dev_buf, dev = arena.allocate(device)
+        else:
+            self.dev_buf, dev = self.host_buf, host
+        host_arena = _Arena()  # host-pool rows: read on the CPU, never copied
+        host_arena.add("h_slot", torch.int64, (max_tokens,))
+        host_arena.add("h_ctx", torch.int32, (max_tokens,))
+        host_arena.add("h_tables", torch.int32, (max_tokens, self.width))
+        _, host_pool = host_arena.allocate(torch.device("cpu"))
+        self.ids, self.positions = host["input_ids"].numpy(), host["positions"].numpy()
+        self.logits_indices = host["logits_indices"].numpy()
+        self.dev_ids = dev["input_ids"].view(1, max_tokens)
+        self.dev_positions = dev["positions"].view(1, max_tokens)
+        self.dev_logits_indices = dev["logits_indices"]
+        self.rows = {DEVICE_POOL: _PoolRows(host, dev, "d_"), HOST_POOL: _PoolRows(host_pool, host_pool, "h_")}
+        self._copy_bytes = 0
+        self._copied: Optional[torch.cuda.Event] = None  # the last copy; the mirror is not rewritten before it
+
+    def fill(self, chunks: List[ScheduledChunk], logit_rows: List[int], pad_to: Optional[int] = None
+             ) -> Tuple[List[PoolPart], int]:
+        """Writes the step's inputs (chunks in `order_chunks` order) and returns (pool parts, rows).
+
+        pad_to: pad a decode-only step of the device pool to that many rows (slot -1, context length 1, input
+        id 0; no chunks at all gives a step of padding only): the rows of a captured graph. Its part then
+        covers the padded rows, and its split-K is planned for the table's capacity. Call `copy_to_device`
+        once before the step runs.
+        """
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+        row, parts, used_table_rows = 0, [], 0
+        for pool_index in (DEVICE_POOL, HOST_POOL):
+            pool_chunks = [c for c in chunks if c.pool == pool_index]
+            padded = pad_to is not None and pool_index == DEVICE_POOL
+            if not pool_chunks and not padded:
+                continue
+            part = self._fill_pool(pool_index, pool_chunks, row, pad_to if padded else None)
+            if pool_index == DEVICE_POOL:
+                used_table_rows = part.paged_end - part.start
+            parts.append(part)
+            row = part.end
+        count = len(logit_rows) if pad_to is None else pad_to
+        self.logits_indices[:count] = logit_rows if pad_to is None else np.arange(pad_to)
+        self._copy_bytes = self._tables_offset + used_table_rows * self.width * 4
+        return parts, row
+
+    def _fill_pool(self, pool_index: int, chunks: List[ScheduledChunk], start: int, pad_to: Optional[int]
+                   ) -> PoolPart:
+        """Writes one pool's rows from `start` (paged chunks first, then fresh ones) and returns its part."""
+        kv, bs = self.kv, self.kv.block_size
+        ids, positions, rows = self.ids, self.positions, self.rows[pool_index]
+        row, paged, max_ctx, fresh = start, 0, 0, []
+        for chunk in chunks:
+            request, first, n = chunk.request, chunk.start, chunk.num_tokens
+            table = kv.tables[request.request_id]
+            block_ids, prompt = table.block_ids, request.prompt_token_ids
+            n_prompt = len(prompt)
+            for p in range(first, first + n):
+                ids[row] = prompt[p] if p < n_prompt else request.output_token_ids[p - n_prompt]
+                positions[row] = p
+                rows.slot[row - start] = block_ids[p // bs] * bs + p % bs
+                if first:
+                    rows.write_table(paged, table)
+                    rows.ctx[paged] = p + 1
+                    paged += 1
+                row += 1
+            if first:
+                max_ctx = max(max_ctx, first + n)
+            else:
+                fresh.append((row - n, row))
+        if pad_to is not None:
+            end = start + pad_to
+            ids[row:end], positions[row:end] = 0, 0
+            rows.slot[row - start:pad_to] = -1
+            rows.ctx[paged:pad_to] = 1
+            paged, row = pad_to, end
+        return PoolPart(kv.pools[pool_index], start, row, start + paged, rows.dev_slot[:row - start],
+                        rows.dev_tables[:paged] if paged else None, rows.dev_ctx[:paged] if paged else None,
+                        None if pad_to is not None else max_ctx, fresh)
+
+    def copy_to_device(self) -> None:
+        """The step's one host-to-device copy (the used prefix of the arena); no-op on a CPU-only run."""
+        if self.dev_buf is not self.host_buf:
+            n = self._copy_bytes
+            self.dev_buf[:n].copy_(self.host_buf[:n], non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def inputs(self, num_rows: int, num_logits: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids [1, rows], position_ids [1, rows], logits_indices [num_logits]): views of the buffers."""
+        return (self.dev_ids[:, :num_rows], self.dev_positions[:, :num_rows],
+                self.dev_logits_indices[:num_logits])

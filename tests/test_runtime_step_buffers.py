@@ -1,0 +1,122 @@
+"""StepBuffers: a step's inputs written in place (ids, positions, slots, block tables, context lengths, logits
+indices), block-table rows updated when requests gain blocks or change rows, padding rows of a captured size."""
+import torch
+
+from apex_compile.runtime.attention_runner import order_chunks
+from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, CacheShape, KVManager
+from apex_compile.runtime.request import Request, SamplingParams
+from apex_compile.runtime.scheduler import ScheduledChunk
+from apex_compile.runtime.step_buffers import StepBuffers
+
+BS = 16
+
+
+def setup(max_tokens=32, max_model_len=256):
+    kv = KVManager(CacheShape(2, 2, 16, BS, torch.float32), 64, 64, torch.device("cpu"))
+    return kv, StepBuffers(kv, max_tokens, max_model_len, torch.device("cpu"))
+
+
+def decode_request(kv, request_id, prompt_len, generated, pool=DEVICE_POOL):
+    request = Request(request_id, list(range(100, 100 + prompt_len)), SamplingParams())
+    request.output_token_ids = list(range(500, 500 + generated))
+    request.num_computed = request.num_tokens - 1
+    assert kv.grow(request_id, pool, request.num_tokens)
+    return request
+
+
+def expected_rows(kv, chunks):
+    """(ids, positions, slots, tables, ctx) a step of `chunks` must hold, computed from the requests."""
+    ids, positions, slots, tables, ctx = [], [], [], [], []
+    for c in chunks:
+        tokens = c.request.prompt_token_ids + c.request.output_token_ids
+        blocks = kv.tables[c.request.request_id].block_ids
+        for p in range(c.start, c.start + c.num_tokens):
+            ids.append(tokens[p])
+            positions.append(p)
+            slots.append(blocks[p // BS] * BS + p % BS)
+            if c.start:
+                tables.append(list(blocks))
+                ctx.append(p + 1)
+    return ids, positions, slots, tables, ctx
+
+
+def check_step(kv, buffers, chunks, logit_rows):
+    parts, rows = buffers.fill(chunks, logit_rows)
+    ids, positions, slots, tables, ctx = expected_rows(kv, chunks)
+    input_ids, position_ids, indices = buffers.inputs(rows, len(logit_rows))
+    assert input_ids[0].tolist() == ids and position_ids[0].tolist() == positions
+    assert indices.tolist() == logit_rows
+    part = parts[0]
+    assert part.slot_mapping.tolist() == slots
+    assert part.context_lens.tolist() == ctx
+    for row, table in enumerate(tables):
+        assert part.block_tables[row, :len(table)].tolist() == table
+    return parts
+
+
+def test_decode_step_and_block_growth_update_rows_in_place():
+    kv, buffers = setup()
+    requests = [decode_request(kv, i, 10 + 7 * i, 3) for i in range(3)]
+    chunks = [ScheduledChunk(r, r.num_computed, 1, DEVICE_POOL) for r in requests]
+    check_step(kv, buffers, chunks, [0, 1, 2])
+    rows = buffers.rows[DEVICE_POOL]
+    # request 0 crosses into a new block: only its new entry is written
+    r0 = requests[0]
+    r0.output_token_ids += list(range(600, 600 + BS))
+    r0.num_computed = r0.num_tokens - 1
+    assert kv.grow(0, DEVICE_POOL, r0.num_tokens)
+    rows.tables[0, :len(kv.tables[0].block_ids) - 1] = -7  # untouched entries stay as they are
+    buffers.fill([ScheduledChunk(r, r.num_computed, 1, DEVICE_POOL) for r in requests], [0, 1, 2])
+    blocks = kv.tables[0].block_ids
+    assert rows.tables[0, len(blocks) - 1] == blocks[-1]
+    assert (rows.tables[0, :len(blocks) - 1] == -7).all()
+
+
+def test_rows_rewritten_when_requests_finish_and_others_shift():
+    kv, buffers = setup()
+    requests = [decode_request(kv, i, 20 + 9 * i, 2) for i in range(4)]
+    check_step(kv, buffers, [ScheduledChunk(r, r.num_computed, 1, DEVICE_POOL) for r in requests], [0, 1, 2, 3])
+    kv.free(1)  # request 1 finished; 2 and 3 move up a row, a new request takes the last row
+    new = decode_request(kv, 7, 40, 1)
+    rest = [requests[0], requests[2], requests[3], new]
+    check_step(kv, buffers, [ScheduledChunk(r, r.num_computed, 1, DEVICE_POOL) for r in rest], [0, 1, 2, 3])
+
+
+def test_mixed_step_with_prefill_chunks_and_host_rows():
+    kv, buffers = setup(max_tokens=64)
+    decode = decode_request(kv, 0, 12, 4)
+    continuing = Request(1, list(range(200, 240)), SamplingParams())
+    continuing.num_computed = 16
+    assert kv.grow(1, DEVICE_POOL, 30)
+    fresh = Request(2, list(range(300, 310)), SamplingParams())
+    assert kv.grow(2, DEVICE_POOL, 10)
+    host = decode_request(kv, 3, 25, 2, pool=HOST_POOL)
+    chunks = order_chunks([ScheduledChunk(fresh, 0, 10, DEVICE_POOL), ScheduledChunk(decode, decode.num_computed, 1, 0),
+                           ScheduledChunk(continuing, 16, 14, DEVICE_POOL),
+                           ScheduledChunk(host, host.num_computed, 1, HOST_POOL)])
+    parts, rows = buffers.fill(chunks, [0, 25])
+    assert rows == 26
+    device, host_part = parts
+    assert (device.start, device.paged_end, device.end, device.fresh) == (0, 15, 25, [(15, 25)])
+    assert (host_part.start, host_part.end, host_part.paged_end) == (25, 26, 26)
+    assert device.max_context_len == 30
+    ids, positions, slots, tables, ctx = expected_rows(kv, chunks[:3])
+    assert buffers.inputs(rows, 2)[0][0, :25].tolist() == ids
+    assert device.slot_mapping.tolist() == slots and device.context_lens.tolist() == ctx
+    _, _, host_slots, host_tables, host_ctx = expected_rows(kv, chunks[3:])
+    assert host_part.slot_mapping.tolist() == host_slots and host_part.context_lens.tolist() == host_ctx
+    assert host_part.block_tables[0, :len(host_tables[0])].tolist() == host_tables[0]
+
+
+def test_padding_rows_of_a_captured_size():
+    kv, buffers = setup()
+    requests = [decode_request(kv, i, 5 + i, 1) for i in range(3)]
+    parts, rows = buffers.fill([ScheduledChunk(r, r.num_computed, 1, DEVICE_POOL) for r in requests], [0, 1, 2],
+                               pad_to=8)
+    assert rows == 8
+    part = parts[0]
+    assert part.slot_mapping[3:].tolist() == [-1] * 5 and part.context_lens[3:].tolist() == [1] * 5
+    assert buffers.inputs(8, 8)[0][0, 3:].tolist() == [0] * 5
+    assert buffers.inputs(8, 8)[2].tolist() == list(range(8))
+    assert part.max_context_len is None  # split-K planned for the table's capacity
+    assert 0 <= int(part.block_tables.min()) and int(part.block_tables.max()) < kv.pools[0].num_blocks
