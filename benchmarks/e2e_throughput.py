@@ -128,6 +128,11 @@ def run_apex(model, shape, batch, prompt_len, new_tokens, prompts, args):
     timer = HostTimer(engine)
     sampling = SamplingParams(max_new_tokens=new_tokens)
     results = []
+    profile = None
+    if batch in args.profile_batches:
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+        profile = torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        print(f"profile of 5 decode steps at batch {batch} (cuda time over the 5 steps):")
     for _ in range(args.repeats):
         torch.cuda.synchronize()
         step_times, decode_steps = [], 0
@@ -138,8 +143,14 @@ def run_apex(model, shape, batch, prompt_len, new_tokens, prompts, args):
             decoding = bool(engine.scheduler.running) and not engine.scheduler.waiting and all(
                 r.num_computed == r.num_tokens - 1 for r in engine.scheduler.running)
             timer.active = decoding
+            if profile is not None and decode_steps == 40 and decoding:
+                profile.__enter__()
             t0 = time.perf_counter()
             engine.step()
+            if profile is not None and decode_steps == 44 and decoding:
+                profile.__exit__(None, None, None)
+                print(profile.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+                profile = None
             if decoding:
                 step_times.append(time.perf_counter() - t0)
                 decode_steps += 1
@@ -176,6 +187,25 @@ def run_hf(model, batch, prompt_len, prompts):
     return {"tokens_per_s": batch * 128 / t128, "decode_step_s": (t192 - t64) / 128, "compile_s": compile_s}
 
 
+def warmup_only(args):
+    """Prints the warm-up seconds of a fresh engine per shape (compile, then graph capture)."""
+    for shape_name in args.shapes.split(","):
+        torch.manual_seed(0)
+        model = random_llama(SHAPES[shape_name])
+        batch = max(int(b) for b in args.batches.split(","))
+        apex = optimize(model, ApexConfig(offload="never", gpu_cache_size=4 << 30, cpu_cache_size=0,
+                                          max_num_seqs=batch, max_num_batched_tokens=args.prefill_tokens))
+        start = time.perf_counter()
+        apex.engine.warmup()
+        total = time.perf_counter() - start
+        capture = apex.engine.graphs.capture_seconds
+        print(f"warm-up {shape_name} batch {batch}: {total:.1f} s ({total - capture:.1f} s compile, {capture:.1f} s "
+              f"capture of {len(apex.engine.graphs.sizes)} graphs)", flush=True)
+        del apex, model
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="llama3_8b,llama2_7b")
@@ -187,6 +217,10 @@ def main():
     parser.add_argument("--no-hf", action="store_true", help="skip HF generate")
     parser.add_argument("--hf-batches", default=None, help="batches that also run HF (default: all)")
     parser.add_argument("--no-graphs", action="store_true", help="apex with cuda_graphs=False")
+    parser.add_argument("--warmup-only", action="store_true",
+                        help="time the warm-up of an engine (compile + capture at the largest batch) and exit; run "
+                             "it in a fresh process twice to see the cold and the warm compile cache")
+    parser.add_argument("--profile", default="", help="batches whose decode steps 41-45 are profiled")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -194,6 +228,9 @@ def main():
     result = {"benchmark": "e2e_throughput", "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                           "python": platform.python_version()}, "rows": []}
+    args.profile_batches = {int(b) for b in args.profile.split(",") if b}
+    if args.warmup_only:
+        return warmup_only(args)
     hf_batches = None if args.hf_batches is None else {int(b) for b in args.hf_batches.split(",")}
     print(f"{'shape':10} {'batch':>5} {'prompt':>6} | {'apex tok/s':>10} {'step ms':>8} {'floor ms':>8} "
           f"{'x floor':>7} {'HBM %':>6} | {'HF tok/s':>9} {'HF step':>8} {'apex/HF':>7} | warm-up s, host ms/step")

@@ -15,8 +15,12 @@ import torch
 
 
 def capture_sizes(max_rows: int) -> List[int]:
-    """1, 2, 4, 8, then every multiple of 8 up to `max_rows`, and `max_rows` itself."""
-    sizes = [s for s in (1, 2, 4) if s < max_rows] + list(range(8, max_rows, 8)) + [max_rows]
+    """2, 4, 8, then every multiple of 8 up to `max_rows`, and `max_rows` itself (at least 2).
+
+    A lone decode row runs padded to 2: the same memory-bound GEMMs, and the step never meets dynamo's
+    specialisation of size-1 dimensions, so one compiled graph serves every capture size."""
+    max_rows = max(max_rows, 2)
+    sizes = [s for s in (2, 4) if s < max_rows] + list(range(8, max_rows, 8)) + [max_rows]
     return sorted(set(sizes))
 
 

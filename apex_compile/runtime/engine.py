@@ -9,6 +9,7 @@ their blocks.
 """
 import contextlib
 import dataclasses
+import os
 import sys
 import time
 from typing import Callable, Iterator, List, Optional, Sequence, Union
@@ -125,6 +126,21 @@ _COMPILED_ATTR = "_apex_compiled_steps"
 RECOMPILE_LIMIT = 64  # graphs per step code object: 0/1-size specialisations x models x backend options
 
 
+CACHE_DIR_ENV = "APEX_COMPILE_CACHE_DIR"
+
+
+def compile_cache_dir() -> str:
+    """The directory of the persistent compile caches ($APEX_COMPILE_CACHE_DIR, default ~/.cache/apex_compile).
+
+    Inductor's FX-graph and AOT-autograd caches and Triton's kernel cache go to its `inductor` and `triton`
+    folders unless TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR are set, so a second process compiling the same
+    model shape loads what the first compiled."""
+    root = os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "apex_compile")
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(root, "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(root, "triton"))
+    return root
+
+
 def _compiled_step(model: torch.nn.Module, overlap: bool, inner: Optional[str]):
     """(compiled step, list receiving its pass reports) for `model` with these apex backend options.
 
@@ -136,6 +152,7 @@ def _compiled_step(model: torch.nn.Module, overlap: bool, inner: Optional[str]):
     if key not in per_model:
         from apex_compile.backend import apex_backend
 
+        compile_cache_dir()
         reports: list = []
         options = {"attention": "paged", "overlap": overlap, "on_report": reports.append}
         if inner is not None:
@@ -183,12 +200,12 @@ class Engine:
         self.kv = KVManager(self.shape, device_bytes // block_bytes, host_bytes // block_bytes, self.device)
         self.scheduler = Scheduler(self.config, self.kv)
         self.runner = PagedAttentionRunner(self.kv, self.device)
-        max_rows = max(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        max_rows = max(self.config.max_num_batched_tokens, self.config.max_num_seqs, 2)
         self.buffers = StepBuffers(self.kv, max_rows, self.max_model_len, self.device)
         self.graphs: Optional[DecodeGraphs] = None
         if self.device.type == "cuda" and self.config.cuda_graphs and self.config.compile:
-            limit = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
-            sizes = self.config.capture_sizes or capture_sizes(limit)
+            sizes = self.config.capture_sizes or capture_sizes(min(self.config.max_num_seqs,
+                                                                   self.config.max_num_batched_tokens))
             self.graphs = DecodeGraphs([n for n in sizes if n <= max_rows])
         self.sampler = Sampler()
         self.reports: list = []  # pass reports of the compiled step's graphs
@@ -330,19 +347,22 @@ class Engine:
         size = self._graph_size(chunks)
         if size is not None and not self.graphs.ready:
             self.capture_graphs()
-        # Always at least one logits row, so the graph never sees an empty index (N=0 would recompile).
-        logit_rows = logit_rows or [sum(c.num_tokens for c in chunks) - 1]
+        num_logits = len(logit_rows)
+        # At least two logits rows (a repeated row is computed and dropped): dynamo specialises size-0 and
+        # size-1 dimensions, and each specialisation would compile the whole model again.
+        logit_rows = (logit_rows + [sum(c.num_tokens for c in chunks) - 1] * 2)[:max(num_logits, 2)]
         parts, num_rows = self.buffers.fill(chunks, logit_rows, pad_to=size)
         self.buffers.copy_to_device()
         start = time.perf_counter()
         if size is not None:
             logits = self.graphs.replay(size)
-            if logit_rows == list(range(len(logit_rows))):
-                logits = logits[:len(logit_rows)]
+            logit_rows = logit_rows[:num_logits]
+            if logit_rows == list(range(num_logits)):
+                logits = logits[:num_logits]
             else:
                 logits = logits[torch.tensor(logit_rows, device=logits.device)]
         else:
-            logits = self._run_model(parts, num_rows, len(logit_rows))
+            logits = self._run_model(parts, num_rows, len(logit_rows))[:num_logits]
         self.stats.forward_seconds += time.perf_counter() - start
         self.stats.steps += 1
         for chunk in chunks:
@@ -491,11 +511,14 @@ class Engine:
                           request.num_preemptions)
 
     def warmup(self) -> None:
-        """Compiles the step graphs a run meets (one prompt alone, then a batch, then a lone decode), so that
-        compiling does not land inside a timed run; the compiled graphs are shared by every engine of the model."""
+        """Compiles the step a run meets and captures the decode CUDA graphs, so that neither lands inside a
+        timed run; the compiled step is shared by every engine of the model, the graphs belong to this one."""
         prompt = [int(self.model.config.bos_token_id or 1)] * 3
-        self.generate([prompt], SamplingParams(max_new_tokens=2))
-        self.generate([prompt, prompt + prompt], [SamplingParams(max_new_tokens=1), SamplingParams(max_new_tokens=3)])
+        # A prefill of two prompts, then two decode rows: with CUDA graphs the decode captures every size and
+        # the one compiled graph (both dimensions dynamic) serves every step.
+        self.generate([prompt, prompt + prompt], [SamplingParams(max_new_tokens=2), SamplingParams(max_new_tokens=3)])
+        if self.graphs is None:
+            self.generate([prompt], SamplingParams(max_new_tokens=2))  # a lone decode row: size-1 specialisation
         self.capture_graphs()
 
     def blocks_in_use(self) -> dict:
