@@ -265,12 +265,17 @@ def main():
                 print(f"{shape_name:10} {batch:5} {prompt_len:6} | {apex['tokens_per_s']:10.0f} "
                       f"{apex['decode_step_s'] * 1e3:8.2f} {floor * 1e3:8.2f} {row['step_over_floor']:7.2f} "
                       f"{row['hbm_fraction'] * 100:6.1f} | {hf_text} | {apex['warmup_s']:.0f}, {host}", flush=True)
+                write_json(args.out, result)  # after every row: a run cut short keeps what it measured
         del model
         gc.collect()
         torch.cuda.empty_cache()
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
+    write_json(args.out, result)
+
+
+def write_json(path, result):
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
             json.dump(result, f, indent=2)
 
 

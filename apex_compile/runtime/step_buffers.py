@@ -115,8 +115,7 @@ class StepBuffers:
         _, host_pool = host_arena.allocate(torch.device("cpu"))
         self.ids, self.positions = host["input_ids"].numpy(), host["positions"].numpy()
         self.logits_indices = host["logits_indices"].numpy()
-        self.dev_ids = dev["input_ids"].view(1, max_tokens)
-        self.dev_positions = dev["positions"].view(1, max_tokens)
+        self.dev_ids, self.dev_positions = dev["input_ids"], dev["positions"]
         self.dev_logits_indices = dev["logits_indices"]
         self.rows = {DEVICE_POOL: _PoolRows(host, dev, "d_"), HOST_POOL: _PoolRows(host_pool, host_pool, "h_")}
         self._copy_bytes = 0
@@ -193,6 +192,7 @@ class StepBuffers:
             self._copied.record()
 
     def inputs(self, num_rows: int, num_logits: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(input_ids [1, rows], position_ids [1, rows], logits_indices [num_logits]): views of the buffers."""
-        return (self.dev_ids[:, :num_rows], self.dev_positions[:, :num_rows],
+        """(input_ids [1, rows], position_ids [1, rows], logits_indices [num_logits]): views of the buffers,
+        contiguous (a [1, rows] slice of a [1, max] buffer would carry stride max, and dynamo guards on it)."""
+        return (self.dev_ids[:num_rows].unsqueeze(0), self.dev_positions[:num_rows].unsqueeze(0),
                 self.dev_logits_indices[:num_logits])
