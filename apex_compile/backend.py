@@ -25,6 +25,7 @@ import torch.fx as fx
 import apex_compile.kernels.rms_norm  # noqa: F401  (registers apex::rms_norm)
 import apex_compile.kernels.swiglu  # noqa: F401  (registers apex::swiglu, apex::silu_mul)
 import apex_compile.ops.attention  # noqa: F401  (registers the apex attention ops)
+from apex_compile.config import compile_cache_dir
 from passes.pipeline import ATTENTION_MODES, run_pipeline
 from passes.report import PassReport
 
@@ -95,4 +96,5 @@ def apex_backend(gm: fx.GraphModule, example_inputs: List, mode: Optional[str] =
         from torch._dynamo.backends.registry import lookup_backend
         return lookup_backend("aot_eager")(gm, example_inputs)
     from torch._inductor.compile_fx import compile_fx
+    compile_cache_dir()
     return compile_fx(gm, example_inputs, config_patches=_inductor_patches(mode, opts.attention == "paged"))

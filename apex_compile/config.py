@@ -1,5 +1,6 @@
 """`ApexConfig`: memory pools, batching limits and offload policy of an `ApexModel`."""
 import dataclasses
+import os
 from typing import Optional, Sequence, Union
 
 OFFLOAD_MODES = ("auto", "never", "all")
@@ -89,3 +90,30 @@ class ApexConfig:
         if self.offload == "all":
             return 1.0
         return float(self.offload)
+
+
+CACHE_DIR_ENV = "APEX_COMPILE_CACHE_DIR"
+
+
+def compile_cache_dir() -> str:
+    """The directory of the persistent compile caches ($APEX_COMPILE_CACHE_DIR, default ~/.cache/apex_compile).
+
+    Inductor's FX-graph and AOT-autograd caches and Triton's kernel cache go to its `inductor` and `triton`
+    folders unless TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR are set, so a second process compiling the same
+    model shape loads what the first compiled."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    except ImportError:  # older torch: the same default, computed as inductor does
+        import getpass
+        import tempfile
+
+        def default_cache_dir():
+            return os.path.join(tempfile.gettempdir(), "torchinductor_" + getpass.getuser())
+
+    root = os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "apex_compile")
+    # Inductor writes its default into the variable the first time anything asks for its cache dir (importing
+    # some transformers models does), and reads the variable on every later use: that default is replaced.
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(root, "triton"))
+    return root

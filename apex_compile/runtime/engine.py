@@ -9,7 +9,6 @@ their blocks.
 """
 import contextlib
 import dataclasses
-import os
 import sys
 import time
 from typing import Callable, Iterator, List, Optional, Sequence, Union
@@ -126,21 +125,6 @@ _COMPILED_ATTR = "_apex_compiled_steps"
 RECOMPILE_LIMIT = 64  # graphs per step code object: 0/1-size specialisations x models x backend options
 
 
-CACHE_DIR_ENV = "APEX_COMPILE_CACHE_DIR"
-
-
-def compile_cache_dir() -> str:
-    """The directory of the persistent compile caches ($APEX_COMPILE_CACHE_DIR, default ~/.cache/apex_compile).
-
-    Inductor's FX-graph and AOT-autograd caches and Triton's kernel cache go to its `inductor` and `triton`
-    folders unless TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR are set, so a second process compiling the same
-    model shape loads what the first compiled."""
-    root = os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "apex_compile")
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(root, "inductor"))
-    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(root, "triton"))
-    return root
-
-
 def _compiled_step(model: torch.nn.Module, overlap: bool, inner: Optional[str]):
     """(compiled step, list receiving its pass reports) for `model` with these apex backend options.
 
@@ -152,7 +136,6 @@ def _compiled_step(model: torch.nn.Module, overlap: bool, inner: Optional[str]):
     if key not in per_model:
         from apex_compile.backend import apex_backend
 
-        compile_cache_dir()
         reports: list = []
         options = {"attention": "paged", "overlap": overlap, "on_report": reports.append}
         if inner is not None:
