@@ -7,6 +7,8 @@ in a fresh interpreter. Options (`torch.compile(..., options={...})`):
   becomes `apex.attention`, served by the engine's AttentionRunner; raises `passes.PatternError` when the
   graph does not match).
 - "overlap": bool, default False; with "paged", splits attention into offload launch / device / wait.
+- "fuse": bool, default True: RMSNorm and SwiGLU become the fused apex ops (False keeps them as traced).
+- "pack_linear": bool, default False: fp32 linears on a CPU run on oneDNN packed weights (with inner "eager").
 - "inner": "inductor", "eager" or "aot_eager". Default: "inductor" when the graph's tensors are on CUDA,
   "eager" otherwise: on CPU the heavy ops are the apex kernels and ATen GEMMs, and inductor's C++
   compile of a whole decoder costs minutes on small CI machines for little gain.
@@ -37,6 +39,8 @@ class BackendOptions:
     """The validated `options` of the apex backend (see the module docstring)."""
     attention: str = "sdpa"
     overlap: bool = False
+    fuse: bool = True
+    pack_linear: bool = False
     inner: Optional[str] = None
     on_report: Optional[Callable[[PassReport], None]] = None
     mode: Optional[str] = None
@@ -54,6 +58,9 @@ class BackendOptions:
             raise ValueError(f"apex backend: attention must be one of {ATTENTION_MODES}, got {parsed.attention!r}")
         if not isinstance(parsed.overlap, bool):
             raise ValueError(f"apex backend: overlap must be a bool, got {parsed.overlap!r}")
+        for name in ("fuse", "pack_linear"):
+            if not isinstance(getattr(parsed, name), bool):
+                raise ValueError(f"apex backend: {name} must be a bool, got {getattr(parsed, name)!r}")
         if parsed.overlap and parsed.attention != "paged":
             raise ValueError("apex backend: overlap=True needs attention='paged'")
         if parsed.inner is not None and parsed.inner not in INNER_COMPILERS:
@@ -84,10 +91,14 @@ def apex_backend(gm: fx.GraphModule, example_inputs: List, mode: Optional[str] =
     if mode is not None and opts.mode is not None and mode != opts.mode:
         raise ValueError(f"apex backend: mode={mode!r} and options['mode']={opts.mode!r} disagree")
     mode = mode or opts.mode
-    report = run_pipeline(gm, attention=opts.attention, overlap=opts.overlap)
+    inner = opts.inner or ("inductor" if _on_cuda(example_inputs) else "eager")
+    if opts.pack_linear and inner != "eager":
+        raise ValueError(f"apex backend: pack_linear needs inner='eager' (got {inner!r}; inductor packs weights "
+                         "itself when it freezes them)")
+    report = run_pipeline(gm, attention=opts.attention, overlap=opts.overlap, fuse=opts.fuse,
+                          pack_linear=opts.pack_linear)
     if opts.on_report is not None:
         opts.on_report(report)
-    inner = opts.inner or ("inductor" if _on_cuda(example_inputs) else "eager")
     if mode is not None and inner != "inductor":
         raise ValueError(f"apex backend: mode={mode!r} applies to inner='inductor' only (inner={inner!r})")
     if inner == "eager":

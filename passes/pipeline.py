@@ -6,18 +6,23 @@ import torch.fx as fx
 from passes.fuse_rmsnorm import fuse_rmsnorm
 from passes.fuse_swiglu import fuse_swiglu
 from passes.overlap import overlap_attention
+from passes.pack_linear import pack_linear as pack_linears
 from passes.partition_attention import describe_dense, partition_attention
 from passes.report import PassReport
 
 ATTENTION_MODES = ("sdpa", "paged")
 
 
-def run_pipeline(gm: fx.GraphModule, attention: str = "sdpa", overlap: bool = False) -> PassReport:
+def run_pipeline(gm: fx.GraphModule, attention: str = "sdpa", overlap: bool = False, fuse: bool = True,
+                 pack_linear: bool = False) -> PassReport:
     """Rewrites `gm` in place and returns the report of what was rewritten.
 
     attention="sdpa": attention stays dense SDPA; only the fusions apply, and a graph without any fusable
     pattern passes through unchanged with a warning. attention="paged": every SDPA becomes `apex.attention`
     (raises `PatternError` if any does not match); overlap=True then splits them into launch/device/wait.
+    fuse=False leaves RMSNorm and the MLP as traced (the engine on a CPU, where the fused ops' CPU
+    implementations are the same aten ops behind one more dispatch). pack_linear=True runs fp32 CPU linears
+    on oneDNN packed weights (`passes.pack_linear`; for graphs executed eagerly on a CPU).
     """
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
@@ -30,10 +35,13 @@ def run_pipeline(gm: fx.GraphModule, attention: str = "sdpa", overlap: bool = Fa
             overlap_attention(gm, report)
     else:
         describe_dense(gm, report)
-    fuse_rmsnorm(gm, report)
-    fuse_swiglu(gm, report)
+    if fuse:
+        fuse_rmsnorm(gm, report)
+        fuse_swiglu(gm, report)
+    if pack_linear:
+        pack_linears(gm, report)
     gm.graph.lint()
-    if not report.rewrites:
+    if fuse and not report.rewrites and not report.packed_linears:
         warnings.warn(
             "apex backend: no RMSNorm or SwiGLU pattern was found in this graph "
             f"({len(report.misses)} candidates rejected); it is compiled unchanged", stacklevel=2)

@@ -55,6 +55,7 @@ class PassReport:
         self.rewrites: List[Rewrite] = []
         self.misses: List[Miss] = []
         self.attention_sites: List[AttentionSite] = []
+        self.packed_linears = 0  # linear layers on oneDNN packed weights (pack_linear, CPU)
 
     def rewritten(self, kind: str, node: fx.Node, detail: str = "") -> None:
         """Records a rewrite of `kind` (one of KINDS) located at `node`."""
@@ -106,6 +107,8 @@ class PassReport:
                line(header), "-+-".join("-" * w for w in widths)]
         out += [line(row) for row in rows]
         out.append("total: " + ", ".join(f"{kind} {n}" for kind, n in self.counts.items()))
+        if self.packed_linears:
+            out.append(f"linear layers on oneDNN packed weights: {self.packed_linears}")
         if self.misses:
             out.append("not rewritten:")
             out += [f"  [{m.pass_name}] {m.module or 'graph'}: {m.reason}" for m in self.misses]

@@ -128,6 +128,10 @@ RECOMPILE_LIMIT = 64  # graphs per step code object: 0/1-size specialisations x 
 def _compiled_step(model: torch.nn.Module, overlap: bool, inner: Optional[str]):
     """(compiled step, list receiving its pass reports) for `model` with these apex backend options.
 
+    On a CPU the fusions stay off: the fused ops' CPU implementations are the aten ops HF runs, behind a custom-op
+    call that costs more than it saves (~60 such calls per step for a 30-layer model); an eagerly run graph's
+    fp32 linears use oneDNN packed weights instead (`passes.pack_linear`).
+
     Kept on the model (a private attribute) and shared by every engine of that model: compiling costs far more
     than a step, and the graph reads no engine state (the runner comes from the context).
     """
@@ -137,7 +141,9 @@ def _compiled_step(model: torch.nn.Module, overlap: bool, inner: Optional[str]):
         from apex_compile.backend import apex_backend
 
         reports: list = []
-        options = {"attention": "paged", "overlap": overlap, "on_report": reports.append}
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        options = {"attention": "paged", "overlap": overlap, "fuse": not on_cpu,
+                   "pack_linear": on_cpu and inner in (None, "eager"), "on_report": reports.append}
         if inner is not None:
             options["inner"] = inner
         compiled = torch.compile(_model_step(model), backend=apex_backend, dynamic=True, options=options)
@@ -306,6 +312,12 @@ class Engine:
             return None
         return self.graphs.size_for(len(chunks))
 
+    def _logits_rows(self, count: int) -> int:
+        """Rows of the LM-head GEMM for `count` wanted rows (repeated rows are computed and dropped): on CUDA at
+        least two, since dynamo specialises size-0/1 dimensions and each specialisation would compile the whole
+        model again (on a CPU the graph runs eagerly and a recompile is cheap)."""
+        return max(count, 2) if self.device.type == "cuda" else max(count, 1)
+
     def _run_model(self, parts, num_rows: int, num_logits: int) -> torch.Tensor:
         """The compiled step over the buffers' first `num_rows` rows, attention served by the runner."""
         self.runner.set_parts(parts, num_rows)
@@ -331,9 +343,7 @@ class Engine:
         if size is not None and not self.graphs.ready:
             self.capture_graphs()
         num_logits = len(logit_rows)
-        # At least two logits rows (a repeated row is computed and dropped): dynamo specialises size-0 and
-        # size-1 dimensions, and each specialisation would compile the whole model again.
-        logit_rows = (logit_rows + [sum(c.num_tokens for c in chunks) - 1] * 2)[:max(num_logits, 2)]
+        logit_rows = (logit_rows + [sum(c.num_tokens for c in chunks) - 1] * 4)[:self._logits_rows(num_logits)]
         parts, num_rows = self.buffers.fill(chunks, logit_rows, pad_to=size)
         self.buffers.copy_to_device()
         start = time.perf_counter()

@@ -97,8 +97,9 @@ class StepBuffers:
         self.width = -(-max_model_len // kv.block_size)
         on_cuda = device.type == "cuda"
         arena = _Arena()
-        for name in ("input_ids", "positions", "logits_indices"):
-            arena.add(name, torch.int64, (max_tokens,))
+        arena.add("input_ids", torch.int64, (max_tokens,))
+        arena.add("positions", torch.int64, (max_tokens,))
+        arena.add("logits_indices", torch.int64, (max_tokens,))
         arena.add("d_slot", torch.int64, (max_tokens,))
         arena.add("d_ctx", torch.int32, (max_tokens,))
         arena.add("d_tables", torch.int32, (max_tokens, self.width))  # last: a step copies the rows it uses
