@@ -100,7 +100,12 @@ def run_hf(model, tokenizer, rows: List[List[int]], max_new_tokens: int, eos: Li
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Runs the main job; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.batch_size < 1:
+        parser.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     from apex_compile.config import ApexConfig
     from apex_compile.model import optimize
     from apex_compile.runtime.loader import load_model
@@ -109,7 +114,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device == "cuda" else torch.float32)
     start = time.perf_counter()
-    model, tokenizer = load_model(args.model, dtype=dtype, device=device)
+    try:
+        model, tokenizer = load_model(args.model, dtype=dtype, device=device)
+    except (OSError, ValueError, RuntimeError) as error:
+        print(f"error: cannot load the model: {error}", file=sys.stderr)
+        return 2
     print(f"loaded {type(model).__name__} ({sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, {dtype}) "
           f"on {device} in {time.perf_counter() - start:.1f}s")
     mib = 1 << 20
@@ -121,23 +130,30 @@ def main(argv: Optional[List[str]] = None) -> int:
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens,
                               eos_token_ids=apex.engine.default_sampling().eos_token_ids)
 
+    print("compiling the apex step and warming it up (once per process; later processes reuse the compile cache)",
+          flush=True)
     start = time.perf_counter()
     apex.engine.warmup()
     warmup = time.perf_counter() - start
-    print(f"compiled the apex step in {warmup:.1f}s (once per process)")
+    print(f"compiled the apex step in {warmup:.1f}s", flush=True)
     stats_before = apex.engine.stats.requests_per_pool.copy()
-    start = time.perf_counter()
-    completions = apex.engine.generate(rows, sampling)
-    apex_seconds = time.perf_counter() - start
-    apex_tokens = sum(len(c.token_ids) for c in completions)
-    per_pool = [a - b for a, b in zip(apex.engine.stats.requests_per_pool, stats_before)]
-
     prompts = [args.prompt[i % len(args.prompt)] if args.prompt else DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)]
                for i in range(len(rows))]
-    for i, (prompt, completion) in enumerate(zip(prompts, completions)):
-        where = "host (CPU attention)" if completion.steps_per_pool["host"] else "device"
-        print(f"\n[{i}] {prompt}\n    -> {completion.text.strip()}\n    ({len(completion.token_ids)} tokens, "
-              f"{completion.finish_reason}, KV in the {where} pool)")
+    texts, tokens, first_token = [""] * len(rows), [[] for _ in rows], None
+    start = time.perf_counter()
+    for event in apex.engine.stream(rows, sampling):  # each answer is printed as soon as it is complete
+        if first_token is None:
+            first_token = time.perf_counter() - start
+            print(f"first token after {first_token:.2f}s; answers follow as they finish", flush=True)
+        texts[event.index] += event.text
+        tokens[event.index].append(event.token_id)
+        if event.finish_reason is not None:
+            i = event.index
+            print(f"\n[{i}] {prompts[i]}\n    -> {texts[i].strip()}\n    ({len(tokens[i])} tokens, "
+                  f"{event.finish_reason}, {time.perf_counter() - start:.1f}s)", flush=True)
+    apex_seconds = time.perf_counter() - start
+    apex_tokens = sum(len(t) for t in tokens)
+    per_pool = [a - b for a, b in zip(apex.engine.stats.requests_per_pool, stats_before)]
     apex_rate = apex_tokens / apex_seconds
     print(f"\napex: {apex_tokens} tokens in {apex_seconds:.2f}s = {apex_rate:.1f} tokens/s; requests attended on "
           f"the device: {per_pool[0]}, on the CPU (host pool): {per_pool[1]} (offload={args.offload!r})")
@@ -145,10 +161,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         apex.explain()
     if args.no_hf:
         return 0
+    print("running HF generate on the same batch for comparison", flush=True)
     hf_rows, hf_seconds = run_hf(model, tokenizer, rows, args.max_new_tokens, list(sampling.eos_token_ids))
     hf_tokens = sum(len(r) for r in hf_rows)
     hf_rate = hf_tokens / hf_seconds
-    same = sum(a == c.token_ids for a, c in zip(hf_rows, completions))
+    same = sum(a == b for a, b in zip(hf_rows, tokens))
     print(f"HF generate: {hf_tokens} tokens in {hf_seconds:.2f}s = {hf_rate:.1f} tokens/s")
     print(f"speed ratio apex / HF: {apex_rate / hf_rate:.2f}x; identical answers: {same}/{len(rows)}"
           + ("" if dtype == torch.float32 else " (reduced precision: small differences are expected)"))

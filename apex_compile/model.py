@@ -9,9 +9,8 @@ from apex_compile.runtime.kv_manager import POOL_NAMES
 from apex_compile.runtime.request import SamplingParams
 
 # generate() keyword arguments accepted when they ask for HF's default behaviour (anything else raises).
-_DEFAULT_ONLY = {"num_beams": 1, "num_return_sequences": 1, "return_dict_in_generate": False,
-                 "output_scores": False, "output_logits": False, "output_attentions": False,
-                 "output_hidden_states": False, "repetition_penalty": 1.0, "min_new_tokens": 0, "min_length": 0}
+_DEFAULT_ONLY = {"num_beams": 1, "num_return_sequences": 1, "output_scores": False, "output_logits": False,
+                 "output_attentions": False, "output_hidden_states": False, "min_length": 0}
 
 
 def optimize(hf_model: torch.nn.Module, config: Optional[ApexConfig] = None, tokenizer=None) -> "ApexModel":
@@ -21,6 +20,12 @@ def optimize(hf_model: torch.nn.Module, config: Optional[ApexConfig] = None, tok
     `ApexModel.engine`.
     """
     return ApexModel(hf_model, config, tokenizer)
+
+
+def _as_strings(value) -> tuple:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 def _as_list(value) -> List[int]:
@@ -38,13 +43,33 @@ class ApexModel:
 
     def __init__(self, hf_model: torch.nn.Module, config: Optional[ApexConfig] = None, tokenizer=None):
         self.hf_model = hf_model
-        self.config = config or ApexConfig()
-        self.engine = Engine(hf_model, self.config, tokenizer)
+        self.apex_config = config or ApexConfig()
+        self.engine = Engine(hf_model, self.apex_config, tokenizer)
+
+    @property
+    def config(self):
+        """The HF model's config (`apex_config` holds the engine's settings)."""
+        return self.hf_model.config
+
+    @property
+    def generation_config(self):
+        """The HF model's generation config: the defaults of `generate`."""
+        return self.hf_model.generation_config
 
     @property
     def device(self) -> torch.device:
         """The model's device."""
         return self.engine.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's dtype."""
+        return self.engine.dtype
+
+    def eval(self) -> "ApexModel":
+        """Inference is all the engine does: a no-op that returns self, as `nn.Module.eval` does."""
+        self.hf_model.eval()
+        return self
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, **kwargs):
         """Logits of every position, as the HF model's forward returns them (`.logits` [B, L, vocab]).
@@ -71,6 +96,8 @@ class ApexModel:
         """Unpadded token lists of a left-padded batch (errors for right padding or empty rows)."""
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
             raise ValueError("input_ids must be a 2-D LongTensor [batch, length]")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must hold integer token ids (a LongTensor), got {input_ids.dtype}")
         if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
             raise ValueError(f"empty input: input_ids has shape {tuple(input_ids.shape)}")
         if attention_mask is None:
@@ -97,13 +124,19 @@ class ApexModel:
                  max_new_tokens: Optional[int] = None, do_sample: Optional[bool] = None,
                  temperature: Optional[float] = None, top_k: Optional[int] = None, top_p: Optional[float] = None,
                  eos_token_id: Union[None, int, Sequence[int]] = None, pad_token_id: Optional[int] = None,
-                 max_length: Optional[int] = None, generation_config=None, **kwargs) -> torch.LongTensor:
+                 max_length: Optional[int] = None, generation_config=None, streamer=None,
+                 stop_strings: Union[None, str, Sequence[str]] = None, tokenizer=None,
+                 repetition_penalty: Optional[float] = None, min_new_tokens: Optional[int] = None,
+                 return_dict_in_generate: Optional[bool] = None, **kwargs):
         """Same call and result as HF `generate` for greedy / sampled decoding.
 
         Returns [batch, prompt_len + new_len] (LongTensor): the (left-padded) prompt, then each row's tokens;
-        a row that emitted EOS is padded with pad_token_id up to the longest row, as HF does. Unset arguments
-        come from `generation_config` (default: the model's). Sampling draws from torch's global RNG
-        (`torch.manual_seed` makes it reproducible).
+        a row that emitted EOS is padded with pad_token_id up to the longest row, as HF does; with
+        `return_dict_in_generate=True`, HF's output object with `.sequences`. Unset arguments come from
+        `generation_config` (default: the model's). Sampling draws from torch's global RNG (`torch.manual_seed`
+        makes it reproducible). Also as HF: `streamer` (TextStreamer / TextIteratorStreamer: `put` gets the
+        prompt, then each new token; batch size 1, as HF's streamers require), `stop_strings` with `tokenizer`,
+        `repetition_penalty`, `min_new_tokens`. Anything else that changes the result raises ValueError.
         """
         gen = generation_config or self.hf_model.generation_config
         for name, value in kwargs.items():
@@ -126,19 +159,54 @@ class ApexModel:
         if max_new_tokens < 1:
             raise ValueError(f"nothing to generate: max_new_tokens={max_new_tokens} (prompt length {length})")
         do_sample = bool(gen.do_sample) if do_sample is None else bool(do_sample)
+        filters = {}
+        if do_sample:  # greedy decoding ignores them, as HF's does
+            filters = dict(temperature=(temperature if temperature is not None else (gen.temperature or 1.0)),
+                           top_k=(top_k if top_k is not None else (gen.top_k or 0)),
+                           top_p=(top_p if top_p is not None else (gen.top_p or 1.0)))
+        stops = _as_strings(stop_strings if stop_strings is not None else getattr(gen, "stop_strings", None))
+        if stops and tokenizer is None and self.engine.tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer: pass tokenizer= to generate (as HF's generate needs) "
+                             "or to apex_compile.optimize")
+        penalty = repetition_penalty if repetition_penalty is not None else (gen.repetition_penalty or 1.0)
         sampling = SamplingParams(
-            max_new_tokens=max_new_tokens, do_sample=do_sample,
-            temperature=(temperature if temperature is not None else (gen.temperature or 1.0)),
-            top_k=(top_k if top_k is not None else (gen.top_k or 0)),
-            top_p=(top_p if top_p is not None else (gen.top_p or 1.0)),
-            eos_token_ids=tuple(eos))
-        completions = self.engine.generate(rows, sampling)
-        new_len = max(len(c.token_ids) for c in completions)
+            max_new_tokens=max_new_tokens, do_sample=do_sample, eos_token_ids=tuple(eos), stop_strings=stops,
+            repetition_penalty=penalty,
+            min_new_tokens=min_new_tokens if min_new_tokens is not None else (gen.min_new_tokens or 0), **filters)
+        outputs = self._run(rows, sampling, streamer, input_ids, tokenizer)
+        new_len = max(len(tokens) for tokens in outputs)
         out = torch.full((len(rows), length + new_len), pad, dtype=torch.long)
         out[:, :length] = input_ids.cpu()
-        for i, completion in enumerate(completions):
-            out[i, length:length + len(completion.token_ids)] = torch.tensor(completion.token_ids)
-        return out.to(input_ids.device)
+        for i, tokens in enumerate(outputs):
+            out[i, length:length + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        out = out.to(input_ids.device)
+        return_dict = return_dict_in_generate if return_dict_in_generate is not None else \
+            getattr(gen, "return_dict_in_generate", False)
+        if return_dict:
+            from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+            return GenerateDecoderOnlyOutput(sequences=out)
+        return out
+
+    def _run(self, rows: List[List[int]], sampling: SamplingParams, streamer, input_ids: torch.Tensor,
+             tokenizer) -> List[List[int]]:
+        """New tokens of every row; feeds `streamer` as HF does (prompt first, then each token, then end())."""
+        engine = self.engine
+        previous = engine.tokenizer
+        if tokenizer is not None:
+            engine.tokenizer = tokenizer
+        try:
+            if streamer is None:
+                return [c.token_ids for c in engine.generate(rows, sampling)]
+            streamer.put(input_ids.cpu())  # HF's streamers raise here for a batch of more than one row
+            outputs: List[List[int]] = [[] for _ in rows]
+            for event in engine.stream(rows, sampling):
+                outputs[event.index].append(event.token_id)
+                streamer.put(torch.tensor([event.token_id]))
+            streamer.end()
+            return outputs
+        finally:
+            engine.tokenizer = previous
 
     @staticmethod
     def _infer_mask(input_ids: torch.Tensor, pad: int, eos: List[int]) -> Optional[torch.Tensor]:
@@ -159,9 +227,9 @@ class ApexModel:
             lines.append(f"  {pool.name} pool: {pool.num_blocks} blocks of {kv.block_size} tokens "
                          f"({tokens} tokens, {mib:.1f} MiB) on {pool.device}")
         lines.append("  offload: " + self.offload_decision())
-        lines.append(f"  batching: max_num_seqs={self.config.max_num_seqs}, max_num_batched_tokens="
-                     f"{self.config.max_num_batched_tokens} (chunked prefill), preemption={self.config.preemption}")
-        if not self.config.compile:
+        lines.append(f"  batching: max_num_seqs={self.apex_config.max_num_seqs}, max_num_batched_tokens="
+                     f"{self.apex_config.max_num_batched_tokens} (chunked prefill), preemption={self.apex_config.preemption}")
+        if not self.apex_config.compile:
             lines.append("  compile: off (eager HF modules, attention routed to the paged runner)")
         elif not engine.reports:
             lines.append("  compile: apex backend (no graph compiled yet: run generate() first)")
@@ -186,7 +254,7 @@ class ApexModel:
 
     def offload_decision(self) -> str:
         """One line saying where requests run and why."""
-        mode = self.config.offload
+        mode = self.apex_config.offload
         if mode == "auto":
             return ("auto -> never: no measured performance model exists yet, so 'auto' keeps every request in "
                     "the device pool (offloading is never allowed to make a run slower than not offloading)")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The README's test command: set up, then run the test-suite (CUDA tests skip without a GPU).
+# The README's test command: set up (.venv), then run the test-suite (CUDA tests skip without a GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-python3 -m pytest -q -ra tests
+.venv/bin/python -m pytest -q -ra tests

@@ -186,3 +186,37 @@ def test_unsupported_model_is_refused():
         optimize(gpt2)
     with pytest.raises(TypeError, match="HuggingFace causal LM"):
         optimize(torch.nn.Linear(2, 2))
+
+
+def test_hf_generate_options_give_hf_tokens(smol, batch):
+    """repetition_penalty, min_new_tokens, stop_strings with tokenizer=, return_dict_in_generate: same tokens as HF."""
+    model, tokenizer = smol
+    apex = optimize(model, ApexConfig(offload=0.5, gpu_cache_size=64 * MB, cpu_cache_size=64 * MB))
+    input_ids, mask = batch[0][:4], batch[1][:4]
+    for options in (dict(repetition_penalty=1.3), dict(min_new_tokens=20, max_new_tokens=24),
+                    dict(stop_strings=["."], tokenizer=tokenizer), dict(repetition_penalty=0.8, min_new_tokens=5)):
+        options = {"max_new_tokens": 24, **options}
+        with torch.no_grad():
+            ref = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, **options)
+        out = apex.generate(input_ids, attention_mask=mask, do_sample=False, **options)
+        assert torch.equal(out, ref), options
+    result = apex.generate(input_ids, attention_mask=mask, max_new_tokens=4, return_dict_in_generate=True)
+    assert torch.equal(result.sequences, model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=4,
+                                                        do_sample=False))
+    assert_blocks_returned(apex)
+
+
+def test_streamer_and_model_attributes(smol, batch):
+    from transformers import TextIteratorStreamer
+
+    model, tokenizer = smol
+    apex = optimize(model, ApexConfig(gpu_cache_size=64 * MB, cpu_cache_size=64 * MB)).eval()
+    assert apex.config is model.config and apex.generation_config is model.generation_config
+    assert apex.device == model.device and apex.dtype == torch.float32
+    row, row_mask = batch[0][3:4], batch[1][3:4]
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    out = apex.generate(row, attention_mask=row_mask, max_new_tokens=16, streamer=streamer)
+    new_tokens = out[0, row.shape[1]:]
+    assert "".join(streamer) == tokenizer.decode(new_tokens, skip_special_tokens=True)
+    with pytest.raises(ValueError, match="num_beams"):
+        apex.generate(row, attention_mask=row_mask, max_new_tokens=4, num_beams=2)

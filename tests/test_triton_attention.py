@@ -190,6 +190,27 @@ def test_cache_append_rejects_bad_inputs(device):
             cache_append_gpu(key, key, key_cache, value_cache, torch.tensor([0, 1, 32], device=device))
 
 
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("bad_id", [-1, 4, 1000])
+def test_public_attention_ops_reject_out_of_range_block_ids(device, bad_id):
+    """A block id a sequence reads must lie in [0, num_blocks): IndexError, never a read out of bounds; ids past
+    what a sequence reads are not looked at."""
+    key_cache, value_cache = allocate_kv_cache_gpu(4, 2, 16, 16, torch.float32, device)
+    key_cache.zero_()
+    value_cache.zero_()
+    query = torch.randn(2, 4, 16, device=device)
+    context_lens = torch.tensor([20, 5], dtype=torch.int32, device=device)
+    good = torch.tensor([[0, 1, 2], [3, 7777, -5]], dtype=torch.int32, device=device)  # row 1 reads one block
+    paged_attention_gpu(query, key_cache, value_cache, good, context_lens)
+    bad = good.clone()
+    bad[0, 1] = bad_id
+    with pytest.raises(IndexError, match="block id"):
+        paged_attention_gpu(query, key_cache, value_cache, bad, context_lens)
+    starts = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+    with pytest.raises(IndexError, match="block id"):
+        paged_prefill_attention_gpu(query, key_cache, value_cache, bad, starts, context_lens, max_query_len=1)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # decode
 

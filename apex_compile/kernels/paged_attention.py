@@ -356,6 +356,23 @@ def check_attention_inputs(query, key_cache, value_cache, block_tables, context_
     return num_kv_heads, query.shape[1] // num_kv_heads, block_size, head_dim
 
 
+def check_block_ids(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
+    """Raises IndexError unless every block id a sequence reads (the first cdiv(context_len, block_size) entries
+    of its row) is in [0, num_blocks). One min/max reduction, so one device synchronisation on CUDA: the public
+    ops call it; the engine, which builds its own tables, calls the ops unchecked."""
+    if block_tables.numel() == 0 or context_lens.numel() == 0:
+        return
+    used = (context_lens.to(torch.int64).clamp(min=0) + block_size - 1) // block_size
+    read = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < used[:, None]
+    lowest = torch.where(read, block_tables, 0).min()
+    highest = torch.where(read, block_tables, 0).max()
+    lowest, highest = torch.stack([lowest, highest]).tolist()
+    if lowest < 0 or highest >= num_blocks:
+        bad = lowest if lowest < 0 else highest
+        raise IndexError(f"block_tables holds block id {bad} where the sequence reads it: ids must be in "
+                         f"[0, {num_blocks}) for a cache of {num_blocks} blocks")
+
+
 def decode_split_plan(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device,
                       block_t: int = DECODE_BLOCK_T, programs_per_sm: int = PROGRAMS_PER_SM) -> tuple[int, int]:
     """(num_splits, tokens_per_split) for a decode launch, from shapes only (no device synchronisation).
@@ -470,7 +487,9 @@ def paged_attention_gpu(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     tokens: block_tables int32 [num_seqs, max_blocks], context_lens int32 [num_seqs] (>= 1, counting the
     current token). Returns [num_seqs, num_heads, head_dim] in the query's (= the cache's) dtype; scale defaults
     to head_dim ** -0.5. `max_context_len`, a host-side upper bound of context_lens, only tunes the split-K
-    choice (default: the block-table capacity); results never depend on it.
+    choice (default: the block-table capacity); results never depend on it. Block ids a sequence reads outside
+    [0, num_blocks) raise IndexError (checked with one device synchronisation).
     """
+    check_block_ids(block_tables, context_lens, key_cache.shape[0], key_cache.shape[2])
     return torch.ops.apex.paged_attention_gpu(query, key_cache, value_cache, block_tables, context_lens, scale,
                                               max_context_len)

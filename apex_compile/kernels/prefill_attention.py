@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from apex_compile.kernels._common import INTERPRET, UPCAST_DOT_OPERANDS, cdiv, dot_precision, next_pow2
-from apex_compile.kernels.paged_attention import LOG2E, attend_chunk, check_attention_inputs
+from apex_compile.kernels.paged_attention import LOG2E, attend_chunk, check_attention_inputs, check_block_ids
 
 
 @triton.jit(do_not_specialize=["stride_block_tables", "max_blocks_per_seq", "num_q_blocks"])
@@ -198,7 +198,8 @@ def paged_prefill_attention_gpu(query: torch.Tensor, key_cache: torch.Tensor, va
     context_lens int32 [num_seqs] count every cached token including this chunk (append K/V first); each
     chunk is the last tokens of its context. Returns [T, num_heads, head_dim] in the query's dtype.
     `max_query_len` (host int, >= the longest chunk) avoids a device sync; computed from query_start_loc if
-    omitted.
+    omitted. Block ids a sequence reads outside [0, num_blocks) raise IndexError (one device synchronisation).
     """
+    check_block_ids(block_tables, context_lens, key_cache.shape[0], key_cache.shape[2])
     return torch.ops.apex.paged_prefill_attention_gpu(query, key_cache, value_cache, block_tables,
                                                       query_start_loc, context_lens, scale, max_query_len)

@@ -44,7 +44,7 @@ class PagedAttentionRunner:
 
     def __init__(self, kv: KVManager, device: torch.device):
         from apex_compile.kernels._common import INTERPRET
-        from apex_compile.kernels.paged_attention import cache_append_gpu, paged_attention_gpu
+        from apex_compile.kernels.paged_attention import cache_append_gpu
         from apex_compile.ops import cache_append_cpu, paged_attention_cpu
 
         self.kv = kv
@@ -54,7 +54,7 @@ class PagedAttentionRunner:
         self._device_is_cpu = device.type == "cpu" and not INTERPRET
         self._append = {DEVICE_POOL: cache_append_cpu if self._device_is_cpu else cache_append_gpu,
                         HOST_POOL: cache_append_cpu}
-        self._paged_gpu = paged_attention_gpu
+        self._paged_gpu = torch.ops.apex.paged_attention_gpu  # unchecked: the engine builds valid tables
         self._paged_cpu = paged_attention_cpu
         self.parts: List[PoolPart] = []
         self.num_rows = 0

@@ -77,9 +77,13 @@ def check_supported(hf_model: torch.nn.Module) -> None:
     """Raises a clear error unless `hf_model` is a decoder-only LLaMA-family HF causal LM the engine handles."""
     config = getattr(hf_model, "config", None)
     model_type = getattr(config, "model_type", None)
-    if config is None or not hasattr(hf_model, "generation_config"):
+    if config is None:
         raise TypeError(f"apex_compile.optimize expects a HuggingFace causal LM (PreTrainedModel), got "
                         f"{type(hf_model).__name__}")
+    get_head = getattr(hf_model, "get_output_embeddings", None)
+    if get_head is None or get_head() is None or not hasattr(hf_model, "generation_config"):
+        raise TypeError(f"{type(hf_model).__name__} has no language-model head: apex_compile.optimize needs the "
+                        f"causal LM (e.g. LlamaForCausalLM), not the bare decoder")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported model type {model_type!r} ({type(hf_model).__name__}): apex_compile "
                          f"supports the LLaMA-family decoders {SUPPORTED_MODEL_TYPES}")
@@ -187,7 +191,7 @@ class Engine:
         device_bytes, host_bytes = self._pool_bytes()
         block_bytes = self.shape.block_bytes
         self.kv = KVManager(self.shape, device_bytes // block_bytes, host_bytes // block_bytes, self.device)
-        self.scheduler = Scheduler(self.config, self.kv)
+        self.scheduler = Scheduler(self.config, self.kv, self.max_model_len)
         self.runner = PagedAttentionRunner(self.kv, self.device)
         max_rows = max(self.config.max_num_batched_tokens, self.config.max_num_seqs, 2)
         self.buffers = StepBuffers(self.kv, max_rows, self.max_model_len, self.device)
@@ -252,7 +256,14 @@ class Engine:
 
     def add_request(self, prompt_token_ids: Sequence[int], sampling: Optional[SamplingParams] = None) -> Request:
         """Validates and queues one prompt; raises before any work if it is empty, too long or cannot fit."""
-        sampling = sampling or SamplingParams()
+        request = self._new_request(prompt_token_ids, sampling or SamplingParams())
+        self.scheduler.add(request)
+        self._next_id += 1
+        self.stats.prompt_tokens += len(request.prompt_token_ids)
+        return request
+
+    def _new_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> Request:
+        """A validated Request with the next id (not queued); raises on an empty, too long or unfitting prompt."""
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
             raise ValueError("empty prompt: a request needs at least one prompt token")
@@ -265,9 +276,7 @@ class Engine:
         if sampling.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: pass one to apex_compile.optimize(..., tokenizer=...)")
         request = Request(self._next_id, prompt, sampling)
-        self.scheduler.add(request)
-        self._next_id += 1
-        self.stats.prompt_tokens += len(prompt)
+        self.scheduler.check_fits(request)
         return request
 
     def has_unfinished(self) -> bool:
@@ -387,7 +396,7 @@ class Engine:
 
     def score(self, token_lists: Sequence[Sequence[int]]) -> List[torch.Tensor]:
         """Logits [len(tokens), vocab] of every position of each token list (a prefill only, nothing sampled)."""
-        requests = self._submit(token_lists, SamplingParams(max_new_tokens=1))
+        requests = self._queue(self._prepare(token_lists, SamplingParams(max_new_tokens=1)))
         pieces: dict = {r.request_id: {} for r in requests}  # start -> logits (a recomputed chunk overwrites)
         try:
             while self.has_unfinished():
@@ -401,7 +410,7 @@ class Engine:
                     if chunk.samples:
                         self.scheduler.finish(chunk.request, "length")
         finally:
-            self.scheduler.abort_all()
+            self.scheduler.abort(r.request_id for r in requests)
         return [torch.cat([piece for _, piece in sorted(pieces[r.request_id].items())]) for r in requests]
 
     # ----------------------------------------------------------------------------------------------------
@@ -421,13 +430,27 @@ class Engine:
         """Generates for every prompt (strings or token-id lists), yielding each token as it is produced.
 
         sampling: one SamplingParams for all prompts or one per prompt (default: greedy, 64 new tokens, the
-        model's EOS). Every prompt is validated here, before any work. progress: a tqdm bar (default: on a
-        terminal when the run may generate many tokens).
+        model's EOS). Every prompt is validated here, before any work; the requests are queued when iteration
+        starts, and closing the stream (`close()`, garbage collection, an error) at any point drops its
+        unfinished requests and returns their blocks. progress: a tqdm bar (default: on a terminal when the run
+        may generate many tokens).
         """
-        return self._events(self._submit(prompts, sampling), progress)
+        return self._events(self._prepare(prompts, sampling), progress, [])
 
-    def _events(self, requests: List[Request], progress: Optional[bool]) -> Iterator[TokenEvent]:
-        """Steps until `requests` finish, yielding their tokens; on any error every request is dropped."""
+    def abort(self, request_ids: Optional[Sequence[int]] = None) -> int:
+        """Cancels the unfinished requests with these ids (every one when None), returning their blocks; an
+        open stream over them then ends. Returns how many were cancelled."""
+        dropped = self.scheduler.abort(request_ids)
+        for request in dropped:
+            self.sampler.forget(request.request_id)
+        return len(dropped)
+
+    def _events(self, prepared: List[Request], progress: Optional[bool], queued: List[Request]
+                ) -> Iterator[TokenEvent]:
+        """Queues `prepared` (into `queued` too), steps until they finish and yields their tokens; when the
+        generator ends in any way, its unfinished requests are dropped."""
+        requests = self._queue(prepared)
+        queued.extend(requests)
         index_of = {r.request_id: i for i, r in enumerate(requests)}
         decoded = {r.request_id: "" for r in requests}
         total = sum(r.sampling.max_new_tokens for r in requests)
@@ -453,12 +476,12 @@ class Engine:
                     yield TokenEvent(index_of[request.request_id], request.output_token_ids[-1], text,
                                      request.finish_reason)
         finally:
-            self.scheduler.abort_all()  # no-op after a normal end; returns every block after an error / close
+            self.abort([r.request_id for r in requests])  # none left after a normal end
             if bar is not None:
                 bar.close()
 
-    def _submit(self, prompts, sampling) -> List[Request]:
-        """Validates every prompt, then queues them all (nothing is queued if one is invalid)."""
+    def _prepare(self, prompts, sampling) -> List[Request]:
+        """Validates every prompt and builds its Request (nothing is queued; raises on the first bad one)."""
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
             raise ValueError("prompts must be a non-empty list of strings or token-id lists")
         token_lists = [self._encode(p) for p in prompts]
@@ -468,14 +491,19 @@ class Engine:
             params = list(sampling)
             if len(params) != len(token_lists):
                 raise ValueError(f"{len(params)} SamplingParams for {len(token_lists)} prompts")
+        return [self._new_request(tokens, param) for tokens, param in zip(token_lists, params)]
+
+    def _queue(self, prepared: List[Request]) -> List[Request]:
+        """Queues prepared requests under fresh ids; raises if the engine is busy with other requests."""
         if self.has_unfinished():
-            raise RuntimeError("the engine is already running requests (generate/stream calls do not nest)")
+            raise RuntimeError("the engine is already running requests (generate/stream calls do not nest; a "
+                               "stream still open holds its requests: close it, or call engine.abort())")
         requests = []
         try:
-            for tokens, param in zip(token_lists, params):
-                requests.append(self.add_request(tokens, param))
+            for request in prepared:
+                requests.append(self.add_request(request.prompt_token_ids, request.sampling))
         except BaseException:
-            self.scheduler.abort_all()
+            self.abort([r.request_id for r in requests])
             raise
         return requests
 
@@ -489,8 +517,8 @@ class Engine:
                  sampling: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
                  progress: Optional[bool] = None) -> List[Completion]:
         """Generates for every prompt and returns one Completion per prompt, in order (see `stream`)."""
-        requests = self._submit(prompts, sampling)
-        for _ in self._events(requests, progress):
+        requests: List[Request] = []
+        for _ in self._events(self._prepare(prompts, sampling), progress, requests):
             pass
         return [self._completion(i, r) for i, r in enumerate(requests)]
 
@@ -513,6 +541,7 @@ class Engine:
         if self.graphs is None:
             self.generate([prompt], SamplingParams(max_new_tokens=2))  # a lone decode row: size-1 specialisation
         self.capture_graphs()
+        self.stats = EngineStats()  # counters describe the user's runs, not the warm-up
 
     def blocks_in_use(self) -> dict:
         """Blocks held by requests in each pool (all zero when idle)."""

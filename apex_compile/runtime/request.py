@@ -13,6 +13,9 @@ class SamplingParams:
     eos_token_ids: generation stops after emitting one of them (it is kept in the output).
     stop_strings: generation stops once the decoded output contains one (needs a tokenizer; the text is cut
         before it).
+    repetition_penalty: HF's: the logit of every token already in the prompt or output is divided by it (multiplied
+        when negative), before temperature and the filters; 1.0 is off.
+    min_new_tokens: the EOS tokens cannot be chosen before this many new tokens (HF's MinNewTokens processor).
     """
 
     max_new_tokens: int = 64
@@ -23,19 +26,24 @@ class SamplingParams:
     seed: Optional[int] = None
     eos_token_ids: Tuple[int, ...] = ()
     stop_strings: Tuple[str, ...] = ()
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
 
     def __post_init__(self):
         self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
         self.stop_strings = tuple(self.stop_strings)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.do_sample:
-            if not self.temperature > 0:
-                raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
-            if self.top_k < 0:
-                raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-            if not 0.0 < self.top_p <= 1.0:
-                raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not self.temperature > 0:  # checked for greedy requests too: a bad value is a mistake either way
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
 
 
 class RequestStatus(enum.Enum):

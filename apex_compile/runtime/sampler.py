@@ -53,6 +53,31 @@ def seeded_uniform(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> t
     return ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
+def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """HF's logits processors that the requests ask for, in HF's order: repetition penalty over prompt + output
+    tokens, then EOS masked until min_new_tokens. Returns `logits` itself when none applies (else a copy)."""
+    penalised = [i for i, r in enumerate(requests) if r.sampling.repetition_penalty != 1.0]
+    early = [i for i, r in enumerate(requests)
+             if r.sampling.eos_token_ids and len(r.output_token_ids) < r.sampling.min_new_tokens]
+    if not penalised and not early:
+        return logits
+    logits = logits.clone()
+    device = logits.device
+    if penalised:
+        seen = [requests[i].prompt_token_ids + requests[i].output_token_ids for i in penalised]
+        width = max(len(tokens) for tokens in seen)
+        ids = torch.tensor([tokens + tokens[-1:] * (width - len(tokens)) for tokens in seen], device=device)
+        rows = torch.tensor(penalised, device=device)
+        penalty = torch.tensor([requests[i].sampling.repetition_penalty for i in penalised], device=device,
+                               dtype=logits.dtype)[:, None]
+        picked = logits[rows].gather(1, ids)
+        picked = torch.where(picked < 0, picked * penalty, picked / penalty)
+        logits[rows] = logits[rows].scatter(1, ids, picked)
+    for i in early:
+        logits[i, list(requests[i].sampling.eos_token_ids)] = float("-inf")
+    return logits
+
+
 class Sampler:
     """Chooses one token per logits row with batched ops on the logits' device and one copy to the host.
 
@@ -71,6 +96,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> List[int]:
         """Next token of each request from its logits row (logits [len(requests), vocab])."""
         params: List[SamplingParams] = [r.sampling for r in requests]
+        logits = process_logits(logits, requests)
         greedy = logits.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if p.do_sample]
         if not sampled_rows:

@@ -46,9 +46,10 @@ class SchedulerOutput:
 class Scheduler:
     """Decides, step by step, which tokens of which requests run and where their KV lives."""
 
-    def __init__(self, config: ApexConfig, kv: KVManager):
+    def __init__(self, config: ApexConfig, kv: KVManager, max_model_len: Optional[int] = None):
         self.config = config
         self.kv = kv
+        self.max_model_len = max_model_len or config.max_model_len
         self.host_fraction = config.host_fraction()
         if self.host_fraction == 0.0:
             self.run_pools: Tuple[int, ...] = (DEVICE_POOL,)
@@ -75,16 +76,25 @@ class Scheduler:
         """Tokens the largest pool that runs requests can hold (the longest request that can ever run)."""
         return max(self.kv.pools[p].num_blocks for p in self.run_pools) * self.kv.block_size
 
+    def max_tokens(self, request: Request) -> int:
+        """The most tokens (prompt + generated) the request can reach: max_new_tokens capped by max_model_len."""
+        total = len(request.prompt_token_ids) + request.sampling.max_new_tokens
+        return total if self.max_model_len is None else min(total, self.max_model_len)
+
     def add(self, request: Request) -> None:
         """Queues a request; raises if it could never fit in a pool, so no work starts for it."""
-        total = len(request.prompt_token_ids) + request.sampling.max_new_tokens
+        self.check_fits(request)
+        self.waiting.append(request)
+
+    def check_fits(self, request: Request) -> None:
+        """Raises ValueError if the request could never fit in a pool that runs requests."""
+        total = self.max_tokens(request)
         if total > self.capacity_tokens():
             raise ValueError(
                 f"request {request.request_id} needs KV for {total} tokens (prompt {len(request.prompt_token_ids)}"
                 f" + max_new_tokens {request.sampling.max_new_tokens}) but the largest pool that runs requests "
                 f"under offload={self.config.offload!r} holds {self.capacity_tokens()} tokens: raise "
                 f"ApexConfig.gpu_cache_size / cpu_cache_size or lower max_new_tokens")
-        self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting, running or parked."""
@@ -99,13 +109,22 @@ class Scheduler:
 
     def abort_all(self) -> None:
         """Drops every unfinished request and returns all their blocks (after an error mid-run)."""
-        for request in list(self.waiting) + self.running + list(self.parked):
+        self.abort(None)
+
+    def abort(self, request_ids=None) -> List[Request]:
+        """Drops the unfinished requests with these ids (all when None), returns their blocks, and returns them."""
+        ids = None if request_ids is None else set(request_ids)
+        dropped = [r for r in list(self.waiting) + self.running + list(self.parked)
+                   if ids is None or r.request_id in ids]
+        for request in dropped:
             self.kv.free(request.request_id)
             request.status = RequestStatus.FINISHED
             request.finish_reason = "abort"
-        self.waiting.clear()
-        self.running.clear()
-        self.parked.clear()
+        keep = [r for r in self.waiting if r.status is not RequestStatus.FINISHED]
+        self.waiting = collections.deque(keep)
+        self.running = [r for r in self.running if r.status is not RequestStatus.FINISHED]
+        self.parked = collections.deque(r for r in self.parked if r.status is not RequestStatus.FINISHED)
+        return dropped
 
     def schedule(self) -> SchedulerOutput:
         """Picks this step's chunks, evicting requests where pools are full."""
@@ -171,7 +190,7 @@ class Scheduler:
         """Frees the request's blocks in its pool; True if it stays running (moved to the other running pool)."""
         pool = self.kv.pool_of(request.request_id)
         other = 1 - pool
-        total = len(request.prompt_token_ids) + request.sampling.max_new_tokens
+        total = self.max_tokens(request)
         room_needed = self.kv.blocks_for(request.num_tokens)  # every chunk it may run this step
         if (other in self.run_pools and self.kv.num_free(other) >= room_needed
                 and self.kv.pools[other].num_blocks * self.kv.block_size >= total):
@@ -200,7 +219,7 @@ class Scheduler:
         full the request waits rather than tipping the share (a pool too small for the whole request is never
         picked).
         """
-        total = len(request.prompt_token_ids) + request.sampling.max_new_tokens
+        total = self.max_tokens(request)
         fitting = [p for p in self.run_pools if self.kv.pools[p].num_blocks * self.kv.block_size >= total]
         pool = fitting[0]
         if len(fitting) == 2:
