@@ -8,6 +8,7 @@ from apex_compile.config import ApexConfig, compile_cache_dir
 compile_cache_dir()  # before any compile: dynamo reads its profiles from inductor's cache dir when it starts
 from apex_compile import ops  # noqa: F401,E402
 from apex_compile.model import ApexModel, optimize  # noqa: E402
+from apex_compile.runtime.request import SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["ApexConfig", "ApexModel", "compile_cache_dir", "ops", "optimize"]
+__all__ = ["ApexConfig", "ApexModel", "SamplingParams", "compile_cache_dir", "ops", "optimize"]
