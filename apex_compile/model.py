@@ -227,8 +227,9 @@ class ApexModel:
             lines.append(f"  {pool.name} pool: {pool.num_blocks} blocks of {kv.block_size} tokens "
                          f"({tokens} tokens, {mib:.1f} MiB) on {pool.device}")
         lines.append("  offload: " + self.offload_decision())
-        lines.append(f"  batching: max_num_seqs={self.apex_config.max_num_seqs}, max_num_batched_tokens="
-                     f"{self.apex_config.max_num_batched_tokens} (chunked prefill), preemption={self.apex_config.preemption}")
+        config = self.apex_config
+        lines.append(f"  batching: max_num_seqs={config.max_num_seqs}, max_num_batched_tokens="
+                     f"{config.max_num_batched_tokens} (chunked prefill), preemption={config.preemption}")
         if not self.apex_config.compile:
             lines.append("  compile: off (eager HF modules, attention routed to the paged runner)")
         elif not engine.reports:

@@ -120,3 +120,19 @@ def test_main_job_reports_bad_arguments_in_one_line(args, message):
     assert done.returncode == 2
     assert message in done.stderr and "Traceback" not in done.stderr
     assert "loaded" not in done.stdout  # rejected before any model is loaded (--batch-size) or loading failed
+
+
+def test_sampling_params_at_top_level():
+    import apex_compile
+
+    assert apex_compile.SamplingParams is SamplingParams
+
+
+def test_main_job_shows_progress_and_streams_answers():
+    done = subprocess.run([sys.executable, "-m", "apex_compile", "--no-hf", "--batch-size", "2", "--max-new-tokens",
+                           "3"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    order = [out.index(s) for s in ("compiling the apex step", "compiled the apex step", "first token after", "[0]",
+                                    "apex: ")]
+    assert order == sorted(order)

@@ -1,5 +1,5 @@
 """GPU paged KV cache ops: allocate_kv_cache_gpu, apex::cache_append_gpu, apex::paged_attention_gpu (decode)
-and apex::paged_prefill_attention_gpu, against float64 references that decode the layout of notes/HELPERS.md
+and apex::paged_prefill_attention_gpu, against float64 references that decode the layout of notes/CONVENTIONS.md
 independently of the kernels.
 
 The "cpu" device runs the torch/C++ CPU path in a normal session and the Triton interpreter when

@@ -1,6 +1,6 @@
 """GPU paged KV cache: allocation, `apex::cache_append_gpu` and decode attention `apex::paged_attention_gpu`.
 
-Cache layout (notes/HELPERS.md, identical to the CPU pool): key_cache and value_cache are contiguous
+Cache layout (notes/CONVENTIONS.md, identical to the CPU pool): key_cache and value_cache are contiguous
 `[num_blocks, num_kv_heads, block_size, head_dim]`; V is stored as that shape; inside each (block, kv_head)
 slab K element (token t, dim d) is at `((t // 16) * head_dim + d) * 16 + t % 16` (16-token panels,
 dim-major), so a `[head_dim, 16*k]` tile of K^T from one block is contiguous memory.
@@ -47,8 +47,7 @@ DECODE_BLOCK_T = 64
 """Tokens per inner-loop chunk of the decode kernel when the grid has many programs (and the fallback)."""
 DECODE_BLOCK_T_SMALL_GRID = 128
 """Chunk for grids of fewer than LARGE_GRID_PROGRAMS_PER_SM programs per SM, when its K/V tiles are at most
-SMALL_GRID_TILE_BYTES: fewer, larger loads per program; measured 5-15% faster there (benchmarks/triton_sweep.py,
-2026-11-30), 7% slower on a full grid of short contexts."""
+SMALL_GRID_TILE_BYTES: fewer, larger loads per program where the grid leaves SMs free (notes item 8)."""
 SMALL_GRID_TILE_BYTES = 32 * 1024
 DECODE_NUM_STAGES = 2
 MIN_TOKENS_PER_SPLIT = 256

@@ -6,16 +6,13 @@
 The product with the weight follows torch type promotion (bf16 x and bf16 weight give bf16; an fp32 weight
 gives fp32), exactly like `LlamaRMSNorm.forward`.
 
-Kernel: one program per row; inputs are loaded and outputs stored as streaming data (evict-first loads,
-".cs" stores: 2-4% more bandwidth at 4096 tokens on the H200; a decode step's next GEMM reads at most a few MB
-of them). Rows up to `MAX_SINGLE_PASS_HIDDEN` elements are held in registers (one read of
+Kernel: one program per row; inputs are loaded and outputs stored as streaming data (evict-first loads, ".cs"
+stores: a decode step's next GEMM reads at most a few MB of them; notes item 13). Rows up to `MAX_SINGLE_PASS_HIDDEN` elements are held in registers (one read of
 x and residual, one write of y and residual_out); wider rows take a two-pass loop that re-reads the inputs.
 
 On Hopper and newer GPUs the kernel is launched with programmatic dependent launch (PDL): each program first
 releases its dependents (`gdc_launch_dependents`) and then waits for its predecessors (`gdc_wait`) before
-touching memory, so consecutive launches overlap their start-up. Measured on the H200 (rows "without PDL" in
-benchmarks/results/triton_kernels_2026-11-30_h200_s4run2.txt): 1.6 -> 1.1 us for one token, 2.9 -> 2.3 us for
-256, one point of HBM bandwidth at 4096 x 2048.
+touching memory, so consecutive launches overlap their start-up (notes item 14).
 """
 from typing import Optional
 
@@ -104,9 +101,8 @@ def _check_inputs(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torc
 
 def rms_norm_num_warps(block_h: int) -> int:
     """Warps of the single-pass kernel for rows of `block_h` (a power of two) elements: 2 for 2048-8192
-    (32-128 elements per thread), otherwise one warp per 512 elements (at most 16). Measured on the H200 by
-    benchmarks/triton_sweep.py (rms_norm, rms_order): at 2048 x 4096 tokens 2 warps beat 4 by 1.5-2.3 points of
-    HBM bandwidth on each of three GPUs (results/triton_sweep_2026-12-01_h200_*); equal at 16384 tokens."""
+    (32-128 elements per thread), otherwise one warp per 512 elements (at most 16); chosen by
+    benchmarks/triton_sweep.py (notes item 11)."""
     if 2048 <= block_h <= 8192:
         return 2
     return max(1, min(16, block_h // 512))

@@ -2,7 +2,7 @@
 
 The schemas are defined here (namespace ``apex``), with fake implementations so the ops trace under
 torch.compile; the C++ library, loaded at import, registers the CPU kernels. KV cache layout: see
-``apex_compile.ops.kv_layout`` and notes/HELPERS.md ("KV cache contract").
+``apex_compile.ops.kv_layout`` and notes/CONVENTIONS.md ("KV cache contract").
 
 Conventions:
 - ``context_lens`` count the current token, already appended; a context of 0 is an error (every decode row

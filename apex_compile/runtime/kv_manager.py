@@ -1,7 +1,7 @@
 """Paged KV memory: a device pool and a host pool of KV blocks, per-request block tables, swaps between pools.
 
 A request's KV lives in exactly one pool at a time. The cache layout is the same in both pools (see
-notes/HELPERS.md), so moving a request between pools is a plain copy of its blocks, layer by layer.
+notes/CONVENTIONS.md), so moving a request between pools is a plain copy of its blocks, layer by layer.
 """
 import dataclasses
 from typing import Dict, List, Optional

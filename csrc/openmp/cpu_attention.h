@@ -4,7 +4,7 @@
 // torch's inline functions and templates out of them means no ISA-specific copy of a shared (ODR) symbol can
 // leak into the rest of the library.
 //
-// KV cache layout (shared with the GPU pool, see notes/HELPERS.md): key_cache and value_cache are contiguous
+// KV cache layout (shared with the GPU pool, see notes/CONVENTIONS.md): key_cache and value_cache are contiguous
 // with logical shape [num_blocks, num_kv_heads, block_size, head_dim]. V is stored as its logical shape
 // (token-major rows of head_dim). K is stored inside each (block, kv_head) slab of block_size * head_dim
 // elements in 16-token panels, transposed: element (token t, dim d) lives at ((t / 16) * head_dim + d) * 16 +

@@ -12,8 +12,7 @@ namespace apex_cpu {
 
 namespace {
 
-// Defaults measured on the GPU machine's 16-core host (benchmarks/cpu_attention_sweep.py; on 2026-11-30 the
-// guided split with 1 piece per thread per step beat equal pieces, 4-16 per thread, by up to 17% at batch 1).
+// Defaults chosen by benchmarks/cpu_attention_sweep.py on the GPU machine's 16-core host (notes item 7).
 std::atomic<int64_t> g_items_per_thread{1};
 std::atomic<int64_t> g_min_item_bytes{128 * 1024};
 std::atomic<int64_t> g_min_thread_bytes{64 * 1024};
