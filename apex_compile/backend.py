@@ -4,7 +4,7 @@ Registered through the `torch_dynamo_backends` entry point, so `torch.compile(mo
 in a fresh interpreter. Options (`torch.compile(..., options={...})`):
 
 - "attention": "sdpa" (default; attention stays dense SDPA, only the fusions apply) or "paged" (every SDPA
-  becomes `apex.attention`, served by the engine's AttentionRunner; raises `passes.PatternError` when the
+  becomes `apex.attention`, served by the engine's AttentionRunner; raises `apex_compile.passes.PatternError` when the
   graph does not match).
 - "overlap": bool, default False; with "paged", splits attention into offload launch / device / wait.
 - "fuse": bool, default True: RMSNorm and SwiGLU become the fused apex ops (False keeps them as traced).
@@ -12,7 +12,7 @@ in a fresh interpreter. Options (`torch.compile(..., options={...})`):
 - "inner": "inductor", "eager" or "aot_eager". Default: "inductor" when the graph's tensors are on CUDA,
   "eager" otherwise: on CPU the heavy ops are the apex kernels and ATen GEMMs, and inductor's C++
   compile of a whole decoder costs minutes on small CI machines for little gain.
-- "on_report": callable receiving the `passes.PassReport` of each compiled graph.
+- "on_report": callable receiving the `apex_compile.passes.PassReport` of each compiled graph.
 - "mode": inductor's mode ("reduce-overhead", "max-autotune", ...), for torch versions whose torch.compile
   refuses `mode` and `options` together (2.11 does); torch.compile's own `mode` argument works the same.
 The mode is applied to inductor only; with "paged", inductor's graph partition keeps the cudagraph-unsafe
@@ -28,8 +28,8 @@ import apex_compile.kernels.rms_norm  # noqa: F401  (registers apex::rms_norm)
 import apex_compile.kernels.swiglu  # noqa: F401  (registers apex::swiglu, apex::silu_mul)
 import apex_compile.ops.attention  # noqa: F401  (registers the apex attention ops)
 from apex_compile.config import compile_cache_dir
-from passes.pipeline import ATTENTION_MODES, run_pipeline
-from passes.report import PassReport
+from apex_compile.passes.pipeline import ATTENTION_MODES, run_pipeline
+from apex_compile.passes.report import PassReport
 
 INNER_COMPILERS = ("inductor", "eager", "aot_eager")
 

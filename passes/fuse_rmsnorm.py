@@ -13,10 +13,10 @@ from typing import Optional
 
 import torch.fx as fx
 
-from passes.graph_utils import (KERNEL_DTYPES, apex_op, arg, constant_scalar, dtype_of, eliminate_dead_code,
+from apex_compile.passes.graph_utils import (KERNEL_DTYPES, apex_op, arg, constant_scalar, dtype_of, eliminate_dead_code,
                                 insert_call, is_op, latest, node_order, only_user, other_arg, same_shape, same_size,
                                 static_shape)
-from passes.report import PassReport
+from apex_compile.passes.report import PassReport
 
 PASS = "fuse_rmsnorm"
 

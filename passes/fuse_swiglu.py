@@ -8,9 +8,9 @@ The down projection after the product stays a plain linear (it is one GEMM eithe
 """
 import torch.fx as fx
 
-from passes.graph_utils import (KERNEL_DTYPES, apex_op, arg, dtype_of, eliminate_dead_code, insert_call, is_op,
+from apex_compile.passes.graph_utils import (KERNEL_DTYPES, apex_op, arg, dtype_of, eliminate_dead_code, insert_call, is_op,
                                 only_user, static_shape)
-from passes.report import PassReport
+from apex_compile.passes.report import PassReport
 
 PASS = "fuse_swiglu"
 

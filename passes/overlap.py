@@ -13,8 +13,8 @@ data dependencies (inductor does) keeps it.
 import torch
 import torch.fx as fx
 
-from passes.graph_utils import insert_call, latest, node_order
-from passes.report import PassReport
+from apex_compile.passes.graph_utils import insert_call, latest, node_order
+from apex_compile.passes.report import PassReport
 
 SPLIT_FORM = "launch/device/wait"
 

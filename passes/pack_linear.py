@@ -12,8 +12,8 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.fx as fx
 
-from passes.graph_utils import arg, fake, is_op
-from passes.report import PassReport
+from apex_compile.passes.graph_utils import arg, fake, is_op
+from apex_compile.passes.report import PassReport
 
 PACK_ROWS_HINT = 8  # the row count oneDNN lays the packed weight out for (any row count works)
 _packed: Dict[int, Tuple[weakref.ref, int, torch.Tensor]] = {}  # id(weight) -> (weight, its version, packed)

@@ -17,9 +17,9 @@ from typing import List, Union
 import torch
 import torch.fx as fx
 
-from passes.graph_utils import (PatternError, arg, constant_scalar, eliminate_dead_code, insert_call, is_op,
+from apex_compile.passes.graph_utils import (PatternError, arg, constant_scalar, eliminate_dead_code, insert_call, is_op,
                                 layer_of, module_path, same_size, static_shape)
-from passes.report import AttentionSite, PassReport
+from apex_compile.passes.report import AttentionSite, PassReport
 
 PASS = "partition_attention"
 

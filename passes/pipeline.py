@@ -3,12 +3,12 @@ import warnings
 
 import torch.fx as fx
 
-from passes.fuse_rmsnorm import fuse_rmsnorm
-from passes.fuse_swiglu import fuse_swiglu
-from passes.overlap import overlap_attention
-from passes.pack_linear import pack_linear as pack_linears
-from passes.partition_attention import describe_dense, partition_attention
-from passes.report import PassReport
+from apex_compile.passes.fuse_rmsnorm import fuse_rmsnorm
+from apex_compile.passes.fuse_swiglu import fuse_swiglu
+from apex_compile.passes.overlap import overlap_attention
+from apex_compile.passes.pack_linear import pack_linear as pack_linears
+from apex_compile.passes.partition_attention import describe_dense, partition_attention
+from apex_compile.passes.report import PassReport
 
 ATTENTION_MODES = ("sdpa", "paged")
 

@@ -4,7 +4,7 @@ from typing import Dict, List, Optional
 
 import torch.fx as fx
 
-from passes.graph_utils import layer_of, module_path
+from apex_compile.passes.graph_utils import layer_of, module_path
 
 # Kinds of rewrites, in table order: fused RMSNorm, fused gate/up SwiGLU, fused silu*mul on a gate_up
 # tensor, SDPA -> apex.attention, apex.attention -> launch/device/wait.

@@ -26,7 +26,7 @@ def compile_with(fn, rewrite, dynamic=False):
 
     Returns (compiled fn, records) where records collects (graph module, PassReport) per compiled graph.
     """
-    from passes import PassReport
+    from apex_compile.passes import PassReport
 
     records = []
 

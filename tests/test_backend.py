@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_leaves
 
 from apex_compile.backend import BackendOptions, apex_backend
 from apex_compile.runtime.context import attention_runner
-from passes import run_pipeline
+from apex_compile.passes import run_pipeline
 from passes_helpers import engine_step, rel_err, runner_for, tiny_model
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -158,7 +158,7 @@ def test_paged_step_is_symbolic_in_tokens_and_matches_eager(overlap):
 
 
 def test_paged_graph_without_attention_names_what_is_missing():
-    from passes import PatternError
+    from apex_compile.passes import PatternError
 
     compiled, _ = _compile(lambda x: torch.tanh(x) * 2, attention="paged")
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="no scaled_dot_product_attention") as error:

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from apex_compile.backend import apex_backend
-from passes import pack_linear as pl
+from apex_compile.passes import pack_linear as pl
 
 pytestmark = pytest.mark.skipif(not pl.available(), reason="torch built without oneDNN")
 

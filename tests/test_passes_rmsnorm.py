@@ -3,9 +3,9 @@ import pytest
 import torch
 
 import apex_compile.kernels.rms_norm  # noqa: F401  (registers apex::rms_norm)
-import passes.fuse_rmsnorm
-from passes import PassReport
-from passes.fuse_rmsnorm import fuse_rmsnorm
+import apex_compile.passes.fuse_rmsnorm
+from apex_compile.passes import PassReport
+from apex_compile.passes.fuse_rmsnorm import fuse_rmsnorm
 from passes_helpers import capture, compile_with, count_calls, engine_step, rel_err, tiny_model
 
 RMS_NORM = torch.ops.apex.rms_norm.default
@@ -141,7 +141,7 @@ def test_variance_with_another_user_is_not_fused():
 
 
 def test_unregistered_op_is_reported(monkeypatch):
-    monkeypatch.setattr(passes.fuse_rmsnorm, "apex_op", lambda name: None)
+    monkeypatch.setattr(apex_compile.passes.fuse_rmsnorm, "apex_op", lambda name: None)
     (reason,) = _misses(hf_rms_norm, *_inputs())
     assert "not registered" in reason
 

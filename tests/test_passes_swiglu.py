@@ -4,9 +4,9 @@ import torch
 import torch.nn.functional as F
 
 import apex_compile.kernels.swiglu  # noqa: F401  (registers apex::swiglu, apex::silu_mul)
-import passes.fuse_swiglu
-from passes import PassReport
-from passes.fuse_swiglu import fuse_swiglu
+import apex_compile.passes.fuse_swiglu
+from apex_compile.passes import PassReport
+from apex_compile.passes.fuse_swiglu import fuse_swiglu
 from passes_helpers import capture, compile_with, count_calls, engine_step, rel_err, tiny_model
 
 SWIGLU = torch.ops.apex.swiglu.default
@@ -111,7 +111,7 @@ def test_gate_with_another_user_is_not_fused():
 
 
 def test_unregistered_op_is_reported(monkeypatch):
-    monkeypatch.setattr(passes.fuse_swiglu, "apex_op", lambda name: None)
+    monkeypatch.setattr(apex_compile.passes.fuse_swiglu, "apex_op", lambda name: None)
     (reason,) = _misses(gate_first, torch.randn(4, 32), *_weights())
     assert "not registered" in reason
 

@@ -134,7 +134,7 @@ def _compiled_step(model: torch.nn.Module, overlap: bool, inner: Optional[str]):
 
     On a CPU the fusions stay off: the fused ops' CPU implementations are the aten ops HF runs, behind a custom-op
     call that costs more than it saves (~60 such calls per step for a 30-layer model); an eagerly run graph's
-    fp32 linears use oneDNN packed weights instead (`passes.pack_linear`).
+    fp32 linears use oneDNN packed weights instead (`apex_compile.passes.pack_linear`).
 
     Kept on the model (a private attribute) and shared by every engine of that model: compiling costs far more
     than a step, and the graph reads no engine state (the runner comes from the context).
