@@ -32,11 +32,11 @@ if [[ " $PARTS " == *" triton_sweep "* ]]; then
     > "$OUT/triton_sweep.log" 2>&1; tail -40 "$OUT/triton_sweep.log"
 fi
 if [[ " $PARTS " == *" tests "* ]]; then  # the end-to-end CUDA tests are in device_e2e.sh
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_triton_rms_norm.py tests/test_triton_swiglu.py \
-    tests/test_triton_attention.py 2>&1 | tail -40 > "$OUT/cuda_tests.log"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests/kernels/test_triton_rms_norm.py tests/kernels/test_triton_swiglu.py \
+    tests/kernels/test_triton_attention.py 2>&1 | tail -40 > "$OUT/cuda_tests.log"
   tail -5 "$OUT/cuda_tests.log"
   # All CPU-op tests too: the GPU machine's torch differs from CI's (torch 2.11 once crashed on an error path).
-  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/test_cpu_attention.py 2>&1 | tail -20 > "$OUT/cpu_tests.log"
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_cpu_attention.py 2>&1 | tail -20 > "$OUT/cpu_tests.log"
   tail -2 "$OUT/cpu_tests.log"
   pkill -f torch/_inductor/compile_worker 2>/dev/null
 fi

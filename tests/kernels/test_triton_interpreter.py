@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KERNEL_TEST_FILES = ["test_triton_rms_norm.py", "test_triton_swiglu.py", "test_triton_attention.py"]
 
 
@@ -20,7 +20,7 @@ def test_kernels_under_triton_interpreter(test_file):
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
-         os.path.join("tests", test_file)],
+         os.path.join("tests", "kernels", test_file)],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""

@@ -14,14 +14,9 @@ from apex_compile.runtime.request import SamplingParams
 MB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
-                                        max_position_embeddings=64)).eval()
+@pytest.fixture()
+def tiny(tiny_llama):
+    return tiny_llama
 
 
 @pytest.fixture()

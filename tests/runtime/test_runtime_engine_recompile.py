@@ -4,7 +4,7 @@ import torch
 
 import apex_compile
 from apex_compile.runtime import engine as engine_module
-from passes_helpers import tiny_model
+from tests.helpers import tiny_model
 
 
 def _generate(model, prompt_len):

@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from apex_compile.ops import cache_append_cpu
 from apex_compile.runtime.attention_runner import PagedAttentionRunner, order_chunks
 from apex_compile.runtime.context import attention_runner, get_attention_runner
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, CacheShape, KVManager
@@ -44,8 +45,8 @@ def build_step(seed, specs, block_size=16):
         part = runner.parts[0]
         for layer in range(LAYERS):
             k, v = history[chunk.request.request_id][layer]
-            runner._append[chunk.pool](k.float(), v.float(), part.pool.key_caches[layer],
-                                       part.pool.value_caches[layer], part.slot_mapping)
+            cache_append_cpu(k.float(), v.float(), part.pool.key_caches[layer], part.pool.value_caches[layer],
+                             part.slot_mapping)
     ordered = order_chunks(chunks)
     total = sum(c.num_tokens for c in ordered)
     new = [(torch.randn(total, HQ, D, dtype=torch.float64), torch.randn(total, HKV, D, dtype=torch.float64),

@@ -3,10 +3,9 @@ and apex::paged_prefill_attention_gpu, against float64 references that decode th
 independently of the kernels.
 
 The "cpu" device runs the torch/C++ CPU path in a normal session and the Triton interpreter when
-TRITON_INTERPRET=1 (tests/test_triton_interpreter.py runs this file that way in a subprocess).
+TRITON_INTERPRET=1 (tests/kernels/test_triton_interpreter.py runs this file that way in a subprocess).
 Caches are filled with NaN before any append, so a kernel that reads an unwritten slot fails.
 """
-import os
 
 import pytest
 import torch
@@ -24,19 +23,7 @@ from apex_compile.kernels.paged_attention import (
 )
 from apex_compile.kernels.prefill_attention import paged_prefill_attention_gpu, paged_prefill_launch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-HAS_CUDA = torch.cuda.is_available()
-DEVICES = [
-    pytest.param("cpu", id="cpu"),
-    pytest.param("cuda", id="cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-        not HAS_CUDA or INTERPRET, reason="needs CUDA (and no interpreter)")]),
-]
-TRITON_DEVICES = [
-    pytest.param("cpu", id="interpret", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
-    DEVICES[1],
-]
-CUDA_ONLY = [DEVICES[1]]
-not_interpreted = pytest.mark.skipif(INTERPRET, reason="CPU op path only (not under the interpreter)")
+from tests.devices import CUDA_ONLY, DEVICES, HAS_CUDA, INTERPRET, TRITON_DEVICES, not_interpreted  # noqa: F401
 
 
 def tolerance(dtype, device):

@@ -7,7 +7,7 @@ import apex_compile.ops.attention  # noqa: F401  (registers the apex attention o
 from apex_compile.runtime.context import attention_runner
 from apex_compile.passes.overlap import overlap_attention
 from apex_compile.passes.partition_attention import partition_attention
-from passes_helpers import DenseCausalRunner, compile_with, engine_step, rel_err, runner_for, tiny_model
+from tests.helpers import DenseCausalRunner, compile_with, engine_step, rel_err, runner_for, tiny_model
 
 OPS = torch.ops.apex
 

@@ -6,7 +6,7 @@ import apex_compile.kernels.rms_norm  # noqa: F401  (registers apex::rms_norm)
 import apex_compile.passes.fuse_rmsnorm
 from apex_compile.passes import PassReport
 from apex_compile.passes.fuse_rmsnorm import fuse_rmsnorm
-from passes_helpers import capture, compile_with, count_calls, engine_step, rel_err, tiny_model
+from tests.helpers import capture, compile_with, count_calls, engine_step, rel_err, tiny_model
 
 RMS_NORM = torch.ops.apex.rms_norm.default
 

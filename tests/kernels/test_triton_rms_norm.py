@@ -1,27 +1,15 @@
 """apex::rms_norm: Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1) and the torch CPU path.
 
 The "cpu" device runs the torch implementation in a normal session and the Triton interpreter when
-TRITON_INTERPRET=1 (tests/test_triton_interpreter.py runs this file that way in a subprocess).
+TRITON_INTERPRET=1 (tests/kernels/test_triton_interpreter.py runs this file that way in a subprocess).
 """
-import os
 
 import pytest
 import torch
 
 from apex_compile.kernels.rms_norm import MAX_SINGLE_PASS_HIDDEN, rms_norm, rms_norm_launch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-HAS_CUDA = torch.cuda.is_available()
-DEVICES = [
-    pytest.param("cpu", id="cpu"),
-    pytest.param("cuda", id="cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
-        not HAS_CUDA or INTERPRET, reason="needs CUDA (and no interpreter)")]),
-]
-TRITON_DEVICES = [
-    pytest.param("cpu", id="interpret", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1")),
-    DEVICES[1],
-]
-not_interpreted = pytest.mark.skipif(INTERPRET, reason="torch CPU path only (not under the interpreter)")
+from tests.devices import CUDA_ONLY, DEVICES, HAS_CUDA, INTERPRET, TRITON_DEVICES, not_interpreted  # noqa: F401
 
 
 def bf16_tolerance(device):

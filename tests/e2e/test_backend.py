@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves
 from apex_compile.backend import BackendOptions, apex_backend
 from apex_compile.runtime.context import attention_runner
 from apex_compile.passes import run_pipeline
-from passes_helpers import engine_step, rel_err, runner_for, tiny_model
+from tests.helpers import engine_step, rel_err, runner_for, tiny_model
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -7,7 +7,7 @@ import apex_compile.kernels.swiglu  # noqa: F401  (registers apex::swiglu, apex:
 import apex_compile.passes.fuse_swiglu
 from apex_compile.passes import PassReport
 from apex_compile.passes.fuse_swiglu import fuse_swiglu
-from passes_helpers import capture, compile_with, count_calls, engine_step, rel_err, tiny_model
+from tests.helpers import capture, compile_with, count_calls, engine_step, rel_err, tiny_model
 
 SWIGLU = torch.ops.apex.swiglu.default
 SILU_MUL = torch.ops.apex.silu_mul.default

@@ -7,7 +7,7 @@ import apex_compile.ops.attention  # noqa: F401  (registers the apex attention o
 from apex_compile.runtime.context import attention_runner
 from apex_compile.passes import PassReport, PatternError
 from apex_compile.passes.partition_attention import partition_attention
-from passes_helpers import (DenseCausalRunner, capture, compile_with, count_calls, engine_step, rel_err,
+from tests.helpers import (DenseCausalRunner, capture, compile_with, count_calls, engine_step, rel_err,
                             runner_for, tiny_model)
 
 ATTENTION = torch.ops.apex.attention.default

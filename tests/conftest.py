@@ -1,0 +1,15 @@
+"""Shared fixtures: a tiny random Llama (CPU, fp32) for runtime and end-to-end tests."""
+import pytest
+import torch
+
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=100, max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    """A randomly initialised 2-layer LlamaForCausalLM (seed 0) of TINY_LLAMA's shape, in eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).eval()
