@@ -5,8 +5,9 @@ the "paged" tokens (decode tokens, and chunks that continue a prompt whose earli
 the "fresh" chunks (the first chunk of a prompt, with no earlier context). Per layer:
 
 - new K/V of each pool's tokens are appended to that pool's cache;
-- paged tokens attend with the pool's paged decode op, one row per token with its own context length (for a
-  continued prompt chunk that is exactly causal attention over cache + chunk);
+- paged tokens attend over the pool's cache: on the CPU kernels one decode row per token with its own context
+  length (for a continued prompt chunk that is exactly causal attention over cache + chunk); on the GPU pool
+  the decode kernel when every chunk is one token, else the paged prefill kernel over whole chunks;
 - a fresh chunk attends to itself with causal SDPA on the model's device (for host-pool requests too).
 
 On CUDA, host-pool work runs on a CPU worker thread between `offload_launch` and `offload_wait` (pinned,
@@ -14,12 +15,12 @@ double-buffered staging; CUDA events order copies against the compute stream), s
 device-pool attention. On a CPU-only machine both pools are host memory and everything runs synchronously.
 """
 import concurrent.futures
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, KVManager, KVPool
+from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, KVManager
 from apex_compile.runtime.scheduler import ScheduledChunk
 from apex_compile.runtime.step_buffers import PoolPart
 
@@ -45,6 +46,7 @@ class PagedAttentionRunner:
     def __init__(self, kv: KVManager, device: torch.device):
         from apex_compile.kernels._common import INTERPRET
         from apex_compile.kernels.paged_attention import cache_append_gpu
+        from apex_compile.kernels import prefill_attention  # noqa: F401  (registers the prefill op)
         from apex_compile.ops import cache_append_cpu, paged_attention_cpu
 
         self.kv = kv
@@ -54,7 +56,9 @@ class PagedAttentionRunner:
         self._device_is_cpu = device.type == "cpu" and not INTERPRET
         self._append = {DEVICE_POOL: cache_append_cpu if self._device_is_cpu else cache_append_gpu,
                         HOST_POOL: cache_append_cpu}
-        self._paged_gpu = torch.ops.apex.paged_attention_gpu  # unchecked: the engine builds valid tables
+        # Unchecked op entries: the engine builds valid tables (the public wrappers check them, with a sync).
+        self._paged_gpu = torch.ops.apex.paged_attention_gpu
+        self._prefill_gpu = torch.ops.apex.paged_prefill_attention_gpu
         self._paged_cpu = paged_attention_cpu
         self.parts: List[PoolPart] = []
         self.num_rows = 0
@@ -63,43 +67,16 @@ class PagedAttentionRunner:
         self._stash: dict = {}  # layer -> host rows' output (synchronous offload on a CPU-only machine)
 
     def prepare(self, chunks: Sequence[ScheduledChunk]) -> None:
-        """Builds the step's metadata; `chunks` must be in `order_chunks` order."""
-        block_size = self.kv.block_size
-        self.parts = []
-        row = 0
-        for pool_index in (DEVICE_POOL, HOST_POOL):
-            pool_chunks = [c for c in chunks if c.pool == pool_index]
-            if not pool_chunks:
-                continue
-            pool = self.kv.pools[pool_index]
-            start = row
-            slots: List[int] = []
-            tables: List[List[int]] = []
-            context_lens: List[int] = []
-            fresh: List[Tuple[int, int]] = []
-            paged_end = start
-            for chunk in pool_chunks:
-                block_ids = self.kv.tables[chunk.request.request_id].block_ids
-                positions = range(chunk.start, chunk.start + chunk.num_tokens)
-                slots.extend(block_ids[p // block_size] * block_size + p % block_size for p in positions)
-                if chunk.start == 0:
-                    fresh.append((row, row + chunk.num_tokens))
-                else:
-                    tables.extend([block_ids] * chunk.num_tokens)
-                    context_lens.extend(p + 1 for p in positions)
-                    paged_end = row + chunk.num_tokens
-                row += chunk.num_tokens
-            dev = pool.device
-            block_tables = lens = None
-            if tables:
-                width = max(len(t) for t in tables)
-                padded = [t + [0] * (width - len(t)) for t in tables]
-                block_tables = torch.tensor(padded, dtype=torch.int32).to(dev, non_blocking=True)
-                lens = torch.tensor(context_lens, dtype=torch.int32).to(dev, non_blocking=True)
-            self.parts.append(PoolPart(pool, start, row, paged_end,
-                                       torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
-                                       block_tables, lens, max(context_lens, default=0), fresh))
-        self.set_parts(self.parts, row)
+        """Builds the step's metadata in buffers sized for this step (standalone use; the engine fills its own
+        persistent StepBuffers and calls `set_parts`); `chunks` must be in `order_chunks` order."""
+        from apex_compile.runtime.step_buffers import StepBuffers
+
+        num_rows = sum(c.num_tokens for c in chunks)
+        longest = max((c.start + c.num_tokens for c in chunks), default=1)
+        self._own_buffers = StepBuffers(self.kv, max(num_rows, 2), longest, self.device)
+        parts, rows = self._own_buffers.fill(list(chunks), [max(num_rows - 1, 0)])
+        self._own_buffers.copy_to_device()
+        self.set_parts(parts, rows)
 
     def set_parts(self, parts: List[PoolPart], num_rows: int) -> None:
         """Uses metadata built elsewhere (the engine's persistent StepBuffers) for the next step."""
@@ -113,6 +90,10 @@ class PagedAttentionRunner:
         """Paged attention of the part's paged rows (query holds exactly those rows)."""
         pool = part.pool
         if pool.index == DEVICE_POOL and not self._device_is_cpu:
+            if part.query_start_loc is not None:  # chunks of several tokens: causal over cache + chunk
+                return self._prefill_gpu(query, pool.key_caches[layer_idx], pool.value_caches[layer_idx],
+                                         part.block_tables, part.query_start_loc, part.context_lens, scale,
+                                         part.max_query_len)
             return self._paged_gpu(query, pool.key_caches[layer_idx], pool.value_caches[layer_idx],
                                    part.block_tables, part.context_lens, scale, part.max_context_len)
         return self._paged_cpu(query, pool.key_caches[layer_idx], pool.value_caches[layer_idx], part.block_tables,

@@ -50,8 +50,10 @@ class _Arena:
 class PoolPart:
     """The rows of one pool in a step and the metadata its ops need (tensors on the pool's device).
 
-    Paged rows (decode tokens, tokens of a chunk continuing a cached prompt) come first, one row per token with
-    its own block-table row and context length; fresh chunks (a prompt's first chunk) follow.
+    Paged rows (decode tokens, tokens of a chunk continuing a cached prompt) come first, fresh chunks (a prompt's
+    first chunk) follow. Block-table rows and context lengths are per token for the CPU kernels (a decode row
+    each), per chunk for the GPU pool's kernels (decode kernel, or the paged prefill kernel when a chunk has
+    several tokens).
     """
 
     pool: KVPool
@@ -63,17 +65,24 @@ class PoolPart:
     context_lens: Optional[torch.Tensor]  # int32 [paged rows]
     max_context_len: Optional[int]  # host-side bound of context_lens (tunes split-K); None: the table's capacity
     fresh: List[Tuple[int, int]]  # (start, end) rows of each fresh chunk
+    # Sequence layout (the device pool's Triton kernels): one table row and context length per paged chunk, and
+    # query_start_loc [chunks + 1] (rows relative to `start`) when a chunk has several tokens (prefill kernel).
+    query_start_loc: Optional[torch.Tensor] = None
+    max_query_len: int = 1
 
 
 class _PoolRows:
     """A pool's metadata rows in a host arena (and, for the device pool on CUDA, its device twin)."""
 
-    def __init__(self, views: dict, dev_views: dict, prefix: str):
+    def __init__(self, views: dict, dev_views: dict, prefix: str, per_chunk: bool):
+        self.per_chunk = per_chunk  # table rows per chunk (GPU kernels) rather than per token (CPU kernels)
         self.slot = views[prefix + "slot"].numpy()
         self.ctx = views[prefix + "ctx"].numpy()
+        self.qstart = views[prefix + "qstart"].numpy()
         self.tables = views[prefix + "tables"].numpy()
         self.dev_slot = dev_views[prefix + "slot"]
         self.dev_ctx = dev_views[prefix + "ctx"]
+        self.dev_qstart = dev_views[prefix + "qstart"]
         self.dev_tables = dev_views[prefix + "tables"]
         self.row_table: List[Optional[BlockTable]] = [None] * self.tables.shape[0]
         self.row_len = [0] * self.tables.shape[0]
@@ -90,7 +99,10 @@ class _PoolRows:
 class StepBuffers:
     """The engine's persistent step inputs (see the module docstring)."""
 
-    def __init__(self, kv: KVManager, max_tokens: int, max_model_len: int, device: torch.device):
+    def __init__(self, kv: KVManager, max_tokens: int, max_model_len: int, device: torch.device,
+                 per_chunk: Optional[bool] = None):
+        """per_chunk: the device pool's table layout (None: per chunk where it runs the Triton kernels, on CUDA
+        or under TRITON_INTERPRET; per token where the CPU kernels serve it)."""
         self.kv = kv
         self.device = device
         self.max_tokens = max_tokens
@@ -102,6 +114,7 @@ class StepBuffers:
         arena.add("logits_indices", torch.int64, (max_tokens,))
         arena.add("d_slot", torch.int64, (max_tokens,))
         arena.add("d_ctx", torch.int32, (max_tokens,))
+        arena.add("d_qstart", torch.int32, (max_tokens + 1,))
         arena.add("d_tables", torch.int32, (max_tokens, self.width))  # last: a step copies the rows it uses
         self._tables_offset = arena.offset("d_tables")
         self.host_buf, host = arena.allocate(torch.device("cpu"), pin=on_cuda)
@@ -112,13 +125,19 @@ class StepBuffers:
         host_arena = _Arena()  # host-pool rows: read on the CPU, never copied
         host_arena.add("h_slot", torch.int64, (max_tokens,))
         host_arena.add("h_ctx", torch.int32, (max_tokens,))
+        host_arena.add("h_qstart", torch.int32, (max_tokens + 1,))
         host_arena.add("h_tables", torch.int32, (max_tokens, self.width))
         _, host_pool = host_arena.allocate(torch.device("cpu"))
         self.ids, self.positions = host["input_ids"].numpy(), host["positions"].numpy()
         self.logits_indices = host["logits_indices"].numpy()
         self.dev_ids, self.dev_positions = dev["input_ids"], dev["positions"]
         self.dev_logits_indices = dev["logits_indices"]
-        self.rows = {DEVICE_POOL: _PoolRows(host, dev, "d_"), HOST_POOL: _PoolRows(host_pool, host_pool, "h_")}
+        from apex_compile.kernels._common import INTERPRET
+
+        if per_chunk is None:
+            per_chunk = on_cuda or INTERPRET  # the device pool then runs the Triton kernels
+        self.rows = {DEVICE_POOL: _PoolRows(host, dev, "d_", per_chunk),
+                     HOST_POOL: _PoolRows(host_pool, host_pool, "h_", False)}
         self._copy_bytes = 0
         self._copied: Optional[torch.cuda.Event] = None  # the last copy; the mirror is not rewritten before it
 
@@ -141,8 +160,8 @@ class StepBuffers:
             if not pool_chunks and not padded:
                 continue
             part = self._fill_pool(pool_index, pool_chunks, row, pad_to if padded else None)
-            if pool_index == DEVICE_POOL:
-                used_table_rows = part.paged_end - part.start
+            if pool_index == DEVICE_POOL and part.block_tables is not None:
+                used_table_rows = part.block_tables.shape[0]
             parts.append(part)
             row = part.end
         count = len(logit_rows) if pad_to is None else pad_to
@@ -155,34 +174,45 @@ class StepBuffers:
         """Writes one pool's rows from `start` (paged chunks first, then fresh ones) and returns its part."""
         kv, bs = self.kv, self.kv.block_size
         ids, positions, rows = self.ids, self.positions, self.rows[pool_index]
-        row, paged, max_ctx, fresh = start, 0, 0, []
+        row, entries, max_ctx, max_q, fresh = start, 0, 0, 1, []  # entries: table rows written
         for chunk in chunks:
             request, first, n = chunk.request, chunk.start, chunk.num_tokens
             table = kv.tables[request.request_id]
             block_ids, prompt = table.block_ids, request.prompt_token_ids
             n_prompt = len(prompt)
+            if first and rows.per_chunk:
+                rows.write_table(entries, table)
+                rows.ctx[entries], rows.qstart[entries] = first + n, row - start
+                entries += 1
+                max_q = max(max_q, n)
             for p in range(first, first + n):
                 ids[row] = prompt[p] if p < n_prompt else request.output_token_ids[p - n_prompt]
                 positions[row] = p
                 rows.slot[row - start] = block_ids[p // bs] * bs + p % bs
-                if first:
-                    rows.write_table(paged, table)
-                    rows.ctx[paged] = p + 1
-                    paged += 1
+                if first and not rows.per_chunk:
+                    rows.write_table(entries, table)
+                    rows.ctx[entries] = p + 1
+                    entries += 1
                 row += 1
             if first:
                 max_ctx = max(max_ctx, first + n)
             else:
                 fresh.append((row - n, row))
+        paged_end = fresh[0][0] if fresh else row
         if pad_to is not None:
             end = start + pad_to
             ids[row:end], positions[row:end] = 0, 0
             rows.slot[row - start:pad_to] = -1
-            rows.ctx[paged:pad_to] = 1
-            paged, row = pad_to, end
-        return PoolPart(kv.pools[pool_index], start, row, start + paged, rows.dev_slot[:row - start],
-                        rows.dev_tables[:paged] if paged else None, rows.dev_ctx[:paged] if paged else None,
-                        None if pad_to is not None else max_ctx, fresh)
+            rows.ctx[entries:pad_to] = 1
+            entries, row = pad_to, end
+            paged_end = row
+        qstart = None
+        if max_q > 1:
+            rows.qstart[entries] = paged_end - start
+            qstart = rows.dev_qstart[:entries + 1]
+        return PoolPart(kv.pools[pool_index], start, row, paged_end, rows.dev_slot[:row - start],
+                        rows.dev_tables[:entries] if entries else None, rows.dev_ctx[:entries] if entries else None,
+                        None if pad_to is not None else max_ctx, fresh, qstart, max_q)
 
     def copy_to_device(self) -> None:
         """The step's one host-to-device copy (the used prefix of the arena); no-op on a CPU-only run."""

@@ -23,7 +23,7 @@ from apex_compile.kernels.paged_attention import (
 )
 from apex_compile.kernels.prefill_attention import paged_prefill_attention_gpu, paged_prefill_launch
 
-from tests.devices import CUDA_ONLY, DEVICES, HAS_CUDA, INTERPRET, TRITON_DEVICES, not_interpreted  # noqa: F401
+from tests.devices import CUDA_ONLY, DEVICES, INTERPRET, TRITON_DEVICES, not_interpreted
 
 
 def tolerance(dtype, device):

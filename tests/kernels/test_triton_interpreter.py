@@ -10,7 +10,8 @@ import sys
 import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-KERNEL_TEST_FILES = ["test_triton_rms_norm.py", "test_triton_swiglu.py", "test_triton_attention.py"]
+KERNEL_TEST_FILES = ["kernels/test_triton_rms_norm.py", "kernels/test_triton_swiglu.py", "kernels/test_triton_attention.py",
+                     "runtime/test_runtime_attention_runner.py"]  # the runner: the GPU pool's kernels and layout
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="already running under the interpreter")
@@ -20,7 +21,7 @@ def test_kernels_under_triton_interpreter(test_file):
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore::RuntimeWarning",
-         os.path.join("tests", "kernels", test_file)],
+         os.path.join("tests", test_file)],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""

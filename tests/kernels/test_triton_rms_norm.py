@@ -9,7 +9,7 @@ import torch
 
 from apex_compile.kernels.rms_norm import MAX_SINGLE_PASS_HIDDEN, rms_norm, rms_norm_launch
 
-from tests.devices import CUDA_ONLY, DEVICES, HAS_CUDA, INTERPRET, TRITON_DEVICES, not_interpreted  # noqa: F401
+from tests.devices import DEVICES, HAS_CUDA, INTERPRET, TRITON_DEVICES, not_interpreted
 
 
 def bf16_tolerance(device):

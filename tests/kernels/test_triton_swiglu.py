@@ -21,7 +21,7 @@ from apex_compile.kernels.swiglu import (
     swiglu_triton,
 )
 
-from tests.devices import CUDA_ONLY, DEVICES, HAS_CUDA, INTERPRET, TRITON_DEVICES, not_interpreted  # noqa: F401
+from tests.devices import DEVICES, INTERPRET, TRITON_DEVICES, not_interpreted
 
 
 def tolerance(dtype, device):

@@ -11,9 +11,9 @@ from apex_compile.runtime.step_buffers import StepBuffers
 BS = 16
 
 
-def setup(max_tokens=32, max_model_len=256):
+def setup(max_tokens=32, max_model_len=256, per_chunk=False):
     kv = KVManager(CacheShape(2, 2, 16, BS, torch.float32), 64, 64, torch.device("cpu"))
-    return kv, StepBuffers(kv, max_tokens, max_model_len, torch.device("cpu"))
+    return kv, StepBuffers(kv, max_tokens, max_model_len, torch.device("cpu"), per_chunk=per_chunk)
 
 
 def decode_request(kv, request_id, prompt_len, generated, pool=DEVICE_POOL):
@@ -120,3 +120,26 @@ def test_padding_rows_of_a_captured_size():
     assert buffers.inputs(8, 8)[2].tolist() == list(range(8))
     assert part.max_context_len is None  # split-K planned for the table's capacity
     assert 0 <= int(part.block_tables.min()) and int(part.block_tables.max()) < kv.pools[0].num_blocks
+
+
+def test_gpu_layout_has_one_table_row_per_chunk_and_query_starts():
+    """The device pool's GPU kernels take one table row per paged chunk, its full context length and the chunk's
+    first row (query_start_loc); decode-only steps keep one row per token and no query starts."""
+    kv, buffers = setup(max_tokens=64, per_chunk=True)
+    decode = decode_request(kv, 0, 12, 4)
+    continuing = Request(1, list(range(200, 240)), SamplingParams())
+    continuing.num_computed = 16
+    assert kv.grow(1, DEVICE_POOL, 30)
+    fresh = Request(2, list(range(300, 310)), SamplingParams())
+    assert kv.grow(2, DEVICE_POOL, 10)
+    chunks = order_chunks([ScheduledChunk(fresh, 0, 10, DEVICE_POOL), ScheduledChunk(decode, decode.num_computed, 1, 0),
+                           ScheduledChunk(continuing, 16, 14, DEVICE_POOL)])
+    [part], rows = buffers.fill(chunks, [0])
+    assert rows == 25 and (part.paged_end, part.fresh) == (15, [(15, 25)])
+    assert part.context_lens.tolist() == [decode.num_tokens, 30]
+    assert part.query_start_loc.tolist() == [0, 1, 15] and part.max_query_len == 14
+    for row, request_id in enumerate((0, 1)):
+        blocks = kv.tables[request_id].block_ids
+        assert part.block_tables[row, :len(blocks)].tolist() == blocks
+    [part], _ = buffers.fill([ScheduledChunk(decode, decode.num_computed, 1, DEVICE_POOL)], [0])
+    assert part.query_start_loc is None and part.context_lens.tolist() == [decode.num_tokens]
