@@ -13,9 +13,9 @@ from typing import Optional
 
 import torch.fx as fx
 
-from apex_compile.passes.graph_utils import (KERNEL_DTYPES, apex_op, arg, constant_scalar, dtype_of, eliminate_dead_code,
-                                insert_call, is_op, latest, node_order, only_user, other_arg, same_shape, same_size,
-                                static_shape)
+from apex_compile.passes.graph_utils import (
+    KERNEL_DTYPES, apex_op, arg, constant_scalar, dtype_of, eliminate_dead_code, insert_call, is_op, latest,
+    node_order, only_user, other_arg, same_shape, same_size, static_shape)
 from apex_compile.passes.report import PassReport
 
 PASS = "fuse_rmsnorm"

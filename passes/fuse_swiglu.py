@@ -8,8 +8,8 @@ The down projection after the product stays a plain linear (it is one GEMM eithe
 """
 import torch.fx as fx
 
-from apex_compile.passes.graph_utils import (KERNEL_DTYPES, apex_op, arg, dtype_of, eliminate_dead_code, insert_call, is_op,
-                                only_user, static_shape)
+from apex_compile.passes.graph_utils import (
+    KERNEL_DTYPES, apex_op, arg, dtype_of, eliminate_dead_code, insert_call, is_op, only_user, static_shape)
 from apex_compile.passes.report import PassReport
 
 PASS = "fuse_swiglu"

@@ -17,8 +17,9 @@ from typing import List, Union
 import torch
 import torch.fx as fx
 
-from apex_compile.passes.graph_utils import (PatternError, arg, constant_scalar, eliminate_dead_code, insert_call, is_op,
-                                layer_of, module_path, same_size, static_shape)
+from apex_compile.passes.graph_utils import (
+    PatternError, arg, constant_scalar, eliminate_dead_code, insert_call, is_op, layer_of, module_path, same_size,
+    static_shape)
 from apex_compile.passes.report import AttentionSite, PassReport
 
 PASS = "partition_attention"

@@ -7,8 +7,9 @@ The product with the weight follows torch type promotion (bf16 x and bf16 weight
 gives fp32), exactly like `LlamaRMSNorm.forward`.
 
 Kernel: one program per row; inputs are loaded and outputs stored as streaming data (evict-first loads, ".cs"
-stores: a decode step's next GEMM reads at most a few MB of them; notes item 13). Rows up to `MAX_SINGLE_PASS_HIDDEN` elements are held in registers (one read of
-x and residual, one write of y and residual_out); wider rows take a two-pass loop that re-reads the inputs.
+stores: a decode step's next GEMM reads at most a few MB of them; notes item 11). Rows up to
+`MAX_SINGLE_PASS_HIDDEN` elements are held in registers (one read of x and residual, one write of y and
+residual_out); wider rows take a two-pass loop that re-reads the inputs.
 
 On Hopper and newer GPUs the kernel is launched with programmatic dependent launch (PDL): each program first
 releases its dependents (`gdc_launch_dependents`) and then waits for its predecessors (`gdc_wait`) before

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-KERNEL_TEST_FILES = ["kernels/test_triton_rms_norm.py", "kernels/test_triton_swiglu.py", "kernels/test_triton_attention.py",
+KERNEL_TEST_FILES = ["kernels/test_triton_rms_norm.py", "kernels/test_triton_swiglu.py",
+                     "kernels/test_triton_attention.py",
                      "runtime/test_runtime_attention_runner.py"]  # the runner: the GPU pool's kernels and layout
 
 
