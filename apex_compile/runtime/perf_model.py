@@ -1,0 +1,196 @@
+"""The performance model that decides how many requests attend on the CPU (APEX's scheduling question).
+
+A `Profile` holds what was measured once per (GPU, CPU, model shape, dtype): the time of all linear layers of a
+step against its token count, the GPU's and the CPU's attention time of a step against the context tokens they
+read, the CPU attention's fixed cost per step, and the PCIe rate of the staging copies. `PerfModel` predicts a
+decode step per plan from it and picks the plan and host share with the most tokens per second, never one
+predicted slower than GPU-only:
+
+- "never": every request in the device pool: T_lin(n) + T_gatt(ctx_g).
+- "overlap": one batch; per layer the host rows' CPU attention (and its copies) overlaps only the device rows'
+  attention: T_lin(n_g + n_c) + max(T_gatt(ctx_g), T_catt(ctx_c) + T_copy).
+- "pipeline": the CPU attends a sub-batch while the GPU runs the whole step of the other (NEO-style asymmetric
+  pipelining): max(T_lin(n_g + n_c) + T_gatt(ctx_g), T_catt(ctx_c) + T_copy).
+
+`ideal_gain` is the physics bound every result is judged against: the tokens/s the CPU's attention bandwidth
+can add, B_cpu / (KV bytes a host request reads per step).
+"""
+import bisect
+import dataclasses
+import json
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+PLANS = ("never", "overlap", "pipeline")
+
+
+def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear y(x) through the measured points (xs ascending), extended linearly past both ends and
+    never below zero."""
+    if len(xs) == 1:
+        return max(ys[0] * x / xs[0] if xs[0] else ys[0], 0.0)
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
+
+
+@dataclasses.dataclass
+class Profile:
+    """Measured costs of one machine and model shape (seconds per decode step, all layers)."""
+
+    key: str  # GPU, CPU, model shape and dtype, for the on-disk cache
+    linear_tokens: List[int]
+    linear_s: List[float]
+    gpu_attention_ctx: List[int]  # context tokens read by a step's GPU attention (sum over its requests)
+    gpu_attention_s: List[float]
+    cpu_attention_ctx: List[int]
+    cpu_attention_s: List[float]
+    kv_bytes_per_token: int  # K + V over all layers
+    copy_bytes_per_token: int  # q, k, v to the host and the output back, all layers, per host row
+    copy_bytes_per_s: float
+
+    def save(self, path: str) -> None:
+        """Writes the profile as JSON (the directory is created)."""
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(dataclasses.asdict(self), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "Profile":
+        """Reads a profile written by `save`."""
+        with open(path) as f:
+            return cls(**json.load(f))
+
+
+@dataclasses.dataclass
+class Prediction:
+    """One plan's predicted decode step for a batch."""
+
+    plan: str
+    gpu_requests: int
+    cpu_requests: int
+    step_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return (self.gpu_requests + self.cpu_requests) / self.step_s
+
+
+class PerfModel:
+    """Predicts decode steps per plan from a Profile and chooses where requests attend."""
+
+    def __init__(self, profile: Profile):
+        self.profile = profile
+
+    def linear_s(self, tokens: int) -> float:
+        p = self.profile
+        return interpolate(p.linear_tokens, p.linear_s, tokens)
+
+    def gpu_attention_s(self, context_tokens: int) -> float:
+        p = self.profile
+        return interpolate(p.gpu_attention_ctx, p.gpu_attention_s, context_tokens) if context_tokens else 0.0
+
+    def cpu_attention_s(self, context_tokens: int) -> float:
+        p = self.profile
+        return interpolate(p.cpu_attention_ctx, p.cpu_attention_s, context_tokens) if context_tokens else 0.0
+
+    def copy_s(self, cpu_requests: int) -> float:
+        p = self.profile
+        return cpu_requests * p.copy_bytes_per_token / p.copy_bytes_per_s
+
+    def predict(self, plan: str, gpu_requests: int, cpu_requests: int, context: float) -> Prediction:
+        """The step of `plan` with that many requests per pool, each reading `context` tokens of KV."""
+        if plan not in PLANS:
+            raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
+        if plan == "never" and cpu_requests:
+            raise ValueError("plan 'never' runs no request on the CPU")
+        if not cpu_requests:
+            step = self.linear_s(gpu_requests) + self.gpu_attention_s(int(gpu_requests * context))
+            return Prediction("never", gpu_requests, 0, step)
+        n = gpu_requests + cpu_requests
+        gpu_attention = self.gpu_attention_s(int(gpu_requests * context))
+        cpu = self.cpu_attention_s(int(cpu_requests * context)) + self.copy_s(cpu_requests)
+        if plan == "overlap":
+            step = self.linear_s(n) + max(gpu_attention, cpu)
+        else:
+            step = max(self.linear_s(n) + gpu_attention, cpu)
+        return Prediction(plan, gpu_requests, cpu_requests, step)
+
+    def choose(self, gpu_capacity: int, cpu_capacity: int, context: float) -> Prediction:
+        """The plan and host share with the most tokens/s when the device pool holds `gpu_capacity` requests and
+        the host pool `cpu_capacity` more; GPU-only ("never") unless a plan is predicted faster."""
+        best = self.predict("never", gpu_capacity, 0, context)
+        for plan in PLANS[1:]:
+            for cpu_requests in range(1, cpu_capacity + 1):
+                candidate = self.predict(plan, gpu_capacity, cpu_requests, context)
+                if candidate.tokens_per_s > best.tokens_per_s * (1 + 1e-9):
+                    best = candidate
+        return best
+
+    def cpu_bandwidth(self) -> float:
+        """Bytes/s the CPU attention reads at the largest profiled context."""
+        p = self.profile
+        return p.cpu_attention_ctx[-1] * p.kv_bytes_per_token / p.cpu_attention_s[-1]
+
+    def gpu_bandwidth(self) -> float:
+        """Bytes/s the GPU attention reads at the largest profiled context."""
+        p = self.profile
+        return p.gpu_attention_ctx[-1] * p.kv_bytes_per_token / p.gpu_attention_s[-1]
+
+    def ideal_gain(self, context: float) -> float:
+        """Tokens/s the CPU's attention bandwidth can add: B_cpu / KV bytes a host request reads per step."""
+        return self.cpu_bandwidth() / (self.profile.kv_bytes_per_token * context)
+
+    def explain(self, gpu_capacity: int, cpu_capacity: int, context: float) -> List[str]:
+        """The model's inputs and verdict in APEX's terms, one line each."""
+        never = self.predict("never", gpu_capacity, 0, context)
+        t_lin = self.linear_s(gpu_capacity)
+        t_att = self.gpu_attention_s(int(gpu_capacity * context))
+        choice = self.choose(gpu_capacity, cpu_capacity, context)
+        lhs, rhs, holds = apex_pipeline_inequality(choice.gpu_requests, max(choice.cpu_requests, 1), t_lin, t_att)
+        gain = choice.tokens_per_s - never.tokens_per_s
+        cpu_gbps, gpu_gbps = self.cpu_bandwidth() / 1e9, self.gpu_bandwidth() / 1e9
+        return [
+            f"CPU/GPU attention bandwidth ratio: {cpu_gbps / gpu_gbps:.3f} ({cpu_gbps:.1f} vs {gpu_gbps:.1f} GB/s)",
+            f"attention share of a GPU-only step: {t_att / max(never.step_s, 1e-12):.1%} (T_lin {t_lin * 1e3:.2f} ms, "
+            f"T_att {t_att * 1e3:.2f} ms at {gpu_capacity} requests x {context:.0f} tokens)",
+            f"APEX pipelining condition N_G/N_C < 2*T_lin/T_att + 3 + T_att/T_lin: {lhs:.2f} < {rhs:.2f} -> "
+            f"{'holds' if holds else 'fails'}",
+            f"verdict: {choice.plan} with {choice.cpu_requests} request(s) on the CPU, predicted "
+            f"{choice.tokens_per_s:.0f} vs {never.tokens_per_s:.0f} tokens/s GPU-only (gain {gain:+.0f} tokens/s; "
+            f"ideal_gain {self.ideal_gain(context):.0f} tokens/s)",
+        ]
+
+
+def apex_pipeline_inequality(gpu_requests: int, cpu_requests: int, t_linear: float, t_attention: float
+                             ) -> Tuple[float, float, bool]:
+    """APEX's condition for asymmetric pipelining to pay: (N_G / N_C, 2 T_lin/T_att + 3 + T_att/T_lin, holds)."""
+    lhs = gpu_requests / cpu_requests
+    if t_attention <= 0 or t_linear <= 0:
+        return lhs, float("inf"), True
+    rhs = 2 * t_linear / t_attention + 3 + t_attention / t_linear
+    return lhs, rhs, lhs < rhs
+
+
+def profile_path(key: str, root: Optional[str] = None) -> str:
+    """Where the profile of `key` is cached: <compile cache dir>/perf_model/<key>.json."""
+    from apex_compile.config import compile_cache_dir
+
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in key)
+    return os.path.join(root or compile_cache_dir(), "perf_model", safe + ".json")
+
+
+def cached_profile(key: str, measure, root: Optional[str] = None) -> Profile:
+    """The cached profile of `key`, or `measure()`'s result saved for the next process."""
+    path = profile_path(key, root)
+    if os.path.exists(path):
+        return Profile.load(path)
+    profile = measure()
+    profile.save(path)
+    return profile
+
+
+def summarize(profile: Profile) -> Dict[str, float]:
+    """A few headline numbers of a profile (bandwidths in GB/s)."""
+    model = PerfModel(profile)
+    return {"cpu_attention_GBps": model.cpu_bandwidth() / 1e9, "gpu_attention_GBps": model.gpu_bandwidth() / 1e9}

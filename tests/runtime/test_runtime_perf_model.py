@@ -1,0 +1,90 @@
+"""The performance model on synthetic profiles: interpolation, each plan's step, the choice (GPU-only when the
+CPU is too slow, hybrid when the bound is large, never a plan predicted slower than GPU-only), ideal_gain,
+APEX's inequality, explain(), and the on-disk profile cache."""
+import pytest
+
+from apex_compile.runtime.perf_model import (PLANS, PerfModel, Profile, apex_pipeline_inequality, cached_profile,
+                                             interpolate, profile_path)
+
+KV_PER_TOKEN = 128 * 1024  # Llama-3-8B bf16: 2 * 32 layers * 8 kv heads * 128 dims * 2 bytes
+
+
+def profile(cpu_gbps: float, gpu_gbps: float = 3000.0, linear_ms: float = 4.6) -> Profile:
+    """A memory-bound machine: linear layers nearly flat in tokens, attention = KV bytes / bandwidth."""
+    ctx = [1024, 65536, 1048576]
+    return Profile("synthetic", [1, 64, 256], [linear_ms / 1e3, linear_ms * 1.04 / 1e3, linear_ms * 1.2 / 1e3],
+                   ctx, [c * KV_PER_TOKEN / (gpu_gbps * 1e9) for c in ctx],
+                   ctx, [c * KV_PER_TOKEN / (cpu_gbps * 1e9) for c in ctx],
+                   KV_PER_TOKEN, 2 * 32 * 4096 * 2 * 2, 50e9)
+
+
+def test_interpolation_is_piecewise_linear_and_extends():
+    assert interpolate([1, 3], [10, 30], 2) == pytest.approx(20)
+    assert interpolate([1, 3], [10, 30], 5) == pytest.approx(50)
+    assert interpolate([1, 3], [10, 30], 0) == pytest.approx(0)
+    assert interpolate([4], [8], 2) == pytest.approx(4)
+
+
+def test_plans_predict_the_documented_formulas():
+    model = PerfModel(profile(cpu_gbps=90))
+    never = model.predict("never", 16, 0, 1024)
+    assert never.step_s == pytest.approx(model.linear_s(16) + model.gpu_attention_s(16 * 1024))
+    cpu = model.cpu_attention_s(8 * 1024) + model.copy_s(8)
+    overlap = model.predict("overlap", 16, 8, 1024)
+    assert overlap.step_s == pytest.approx(model.linear_s(24) + max(model.gpu_attention_s(16 * 1024), cpu))
+    pipeline = model.predict("pipeline", 16, 8, 1024)
+    assert pipeline.step_s == pytest.approx(max(model.linear_s(24) + model.gpu_attention_s(16 * 1024), cpu))
+    assert pipeline.step_s <= overlap.step_s
+    with pytest.raises(ValueError):
+        model.predict("never", 16, 1, 1024)
+    with pytest.raises(ValueError):
+        model.predict("sometimes", 16, 1, 1024)
+
+
+def test_a_slow_cpu_keeps_everything_on_the_gpu():
+    model = PerfModel(profile(cpu_gbps=0.5))
+    assert model.choose(gpu_capacity=16, cpu_capacity=32, context=1024).plan == "never"
+
+
+def test_a_large_bound_is_taken_and_never_exceeds_ideal_gain():
+    model = PerfModel(profile(cpu_gbps=90))
+    context = 1024
+    never = model.predict("never", 8, 0, context)
+    choice = model.choose(gpu_capacity=8, cpu_capacity=64, context=context)
+    assert choice.plan == "pipeline" and choice.cpu_requests > 0
+    gain = choice.tokens_per_s - never.tokens_per_s
+    assert 0 < gain <= model.ideal_gain(context) * 1.001
+    assert model.ideal_gain(context) == pytest.approx(90e9 / (KV_PER_TOKEN * context), rel=1e-6)
+
+
+@pytest.mark.parametrize("cpu_gbps", [0.1, 5, 20, 90, 400])
+def test_the_choice_is_never_predicted_slower_than_gpu_only(cpu_gbps):
+    model = PerfModel(profile(cpu_gbps))
+    for capacity in (1, 8, 64):
+        never = model.predict("never", capacity, 0, 2048)
+        assert model.choose(capacity, 32, 2048).tokens_per_s >= never.tokens_per_s
+        assert all(model.predict(p, capacity, 0, 2048).step_s == never.step_s for p in PLANS)
+
+
+def test_apex_inequality_and_explain():
+    lhs, rhs, holds = apex_pipeline_inequality(8, 2, t_linear=4.0, t_attention=1.0)
+    assert (lhs, rhs, holds) == (4.0, 2 * 4 + 3 + 0.25, True)
+    assert not apex_pipeline_inequality(100, 1, 4.0, 1.0)[2]
+    lines = PerfModel(profile(cpu_gbps=90)).explain(8, 64, 1024)
+    text = "\n".join(lines)
+    for phrase in ("bandwidth ratio", "attention share", "N_G/N_C < 2*T_lin/T_att + 3 + T_att/T_lin", "ideal_gain",
+                   "verdict: pipeline"):
+        assert phrase in text
+
+
+def test_profiles_are_cached_on_disk(tmp_path):
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return profile(cpu_gbps=42)
+
+    first = cached_profile("H200/Xeon/llama3-8b/bf16", measure, root=str(tmp_path))
+    second = cached_profile("H200/Xeon/llama3-8b/bf16", measure, root=str(tmp_path))
+    assert calls == [1] and first == second
+    assert profile_path("H200/Xeon/llama3-8b/bf16", str(tmp_path)).startswith(str(tmp_path / "perf_model"))
