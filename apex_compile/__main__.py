@@ -149,7 +149,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         tokens[event.index].append(event.token_id)
         if event.finish_reason is not None:
             i = event.index
-            print(f"\n[{i}] {prompts[i]}\n    -> {texts[i].strip()}\n    ({len(tokens[i])} tokens, "
+            answer = texts[i] if event.finish_reason == "stop" else tokenizer.decode(tokens[i], skip_special_tokens=True)
+            print(f"\n[{i}] {prompts[i]}\n    -> {answer.strip()}\n    ({len(tokens[i])} tokens, "
                   f"{event.finish_reason}, {time.perf_counter() - start:.1f}s)", flush=True)
     apex_seconds = time.perf_counter() - start
     apex_tokens = sum(len(t) for t in tokens)
