@@ -130,7 +130,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens,
                               eos_token_ids=apex.engine.default_sampling().eos_token_ids)
 
-    print("compiling the apex step and warming it up (once per process; later processes reuse the compile cache)",
+    print("compiling the apex step and warming it up (once per process; on CUDA later processes reuse the "
+          "compile cache)",
           flush=True)
     start = time.perf_counter()
     apex.engine.warmup()

@@ -6,9 +6,10 @@
     apex::offload_wait(Tensor token, Tensor device_out, int layer_idx) -> Tensor
 
 q: [T, Hq, D], k/v: [T, Hkv, D] for the step's T flattened tokens (RoPE applied); outputs [T, Hq, D].
-The ops take no cache or metadata arguments: they delegate to the `AttentionRunner` installed for the
-current step (`apex_compile.runtime.context`). So the KV caches never enter a graph, functionalization
-has nothing to clone, and the ops are functional as far as the compiler can see. The token of
+The ops take no cache or metadata arguments: they delegate to the `AttentionRunner` the runtime installed for
+the current step in `apex_compile.ops.runner_slot` (the ops import nothing of the runtime). So the KV caches
+never enter a graph, functionalization has nothing to clone, and the ops are functional as far as the
+compiler can see. The token of
 `offload_launch` (a 1-element tensor of q's dtype on q's device) orders launch -> device part -> wait by
 data dependency alone.
 
@@ -17,7 +18,7 @@ per-step runner state and touch the CPU, so inductor keeps them out of CUDA grap
 """
 import torch
 
-from apex_compile.runtime.context import get_attention_runner
+from apex_compile.ops.runner_slot import current as get_attention_runner
 
 _LIB = torch.library.Library("apex", "FRAGMENT")
 _TAGS = tuple(tag for tag in (getattr(torch.Tag, "cudagraph_unsafe", None),) if tag is not None)

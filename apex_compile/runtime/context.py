@@ -6,9 +6,11 @@ for the current step. The caches therefore never pass through the graph, so func
 clone them, and one compiled graph serves every step whatever its batch composition.
 """
 import contextlib
-from typing import Iterator, Optional, Protocol
+from typing import Iterator, Protocol
 
 import torch
+
+from apex_compile.ops import runner_slot
 
 
 class AttentionRunner(Protocol):
@@ -34,26 +36,16 @@ class AttentionRunner(Protocol):
         """Waits for the host part started by `offload_launch` and returns device_out with its rows filled in."""
 
 
-_current_runner: Optional[AttentionRunner] = None
-
-
 @contextlib.contextmanager
 def attention_runner(runner: AttentionRunner) -> Iterator[AttentionRunner]:
     """Installs `runner` for the forward steps run inside the `with` block."""
-    global _current_runner
-    previous, _current_runner = _current_runner, runner
+    previous = runner_slot.install(runner)
     try:
         yield runner
     finally:
-        _current_runner = previous
+        runner_slot.install(previous)
 
 
 def get_attention_runner() -> AttentionRunner:
     """The runner of the step in progress; a clear error when a paged graph runs outside an engine step."""
-    if _current_runner is None:
-        raise RuntimeError(
-            "apex attention op called outside an engine step: graphs rewritten by partition_attention need the "
-            "paged KV cache of an ApexModel (use apex_compile.optimize(model)); a plain "
-            "torch.compile(model, backend='apex') keeps dense attention"
-        )
-    return _current_runner
+    return runner_slot.current()
