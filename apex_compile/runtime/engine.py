@@ -405,7 +405,8 @@ class Engine:
                 logits = self._forward_chunks(chunks, logit_rows)
                 row = 0
                 for chunk in chunks:
-                    pieces[chunk.request.request_id][chunk.start] = logits[row:row + chunk.num_tokens]
+                    # a copy: a replayed CUDA graph rewrites its logits buffer on the next step
+                    pieces[chunk.request.request_id][chunk.start] = logits[row:row + chunk.num_tokens].clone()
                     row += chunk.num_tokens
                     if chunk.samples:
                         self.scheduler.finish(chunk.request, "length")
