@@ -88,10 +88,11 @@ def test_bf16_logits_within_tolerance():
     assert float((ours - ref).abs().max()) < BF16_LOGITS_ATOL
 
 
-@pytest.mark.parametrize("offload", ["never", 0.5])
-def test_cuda_graph_replay_equals_uncaptured_steps(fp32_model, offload):
+@pytest.mark.parametrize("offload, max_num_seqs", [("never", 64), (0.5, 64), ("never", 4)])
+def test_cuda_graph_replay_equals_uncaptured_steps(fp32_model, offload, max_num_seqs):
     """Requests of different lengths finish one by one, so decode batches shrink through every capture size
-    (with padding rows); graph replays must give the tokens of the uncaptured compiled step."""
+    (with padding rows), and with max_num_seqs=4 waiting requests join running ones; graph replays must give the
+    tokens of the uncaptured compiled step."""
     from apex_compile.runtime.request import SamplingParams
 
     torch.manual_seed(1)
@@ -100,7 +101,8 @@ def test_cuda_graph_replay_equals_uncaptured_steps(fp32_model, offload):
     outputs = []
     for graphs in (True, False):
         apex = optimize(fp32_model, ApexConfig(offload=offload, gpu_cache_size=32 * MB, cpu_cache_size=32 * MB,
-                                               cuda_graphs=graphs, capture_sizes=(1, 2, 4, 8)))
+                                               cuda_graphs=graphs, capture_sizes=(1, 2, 4, 8),
+                                               max_num_seqs=max_num_seqs))
         outputs.append([c.token_ids for c in apex.engine.generate(prompts, sampling)])
         if graphs and offload == "never":
             assert apex.engine.graphs.ready and apex.engine.graphs.replays > 10
