@@ -24,6 +24,23 @@ def decode_request(kv, request_id, prompt_len, generated, pool=DEVICE_POOL):
     return request
 
 
+def device_pool_mix(kv):
+    """A decoding request, one whose prompt continues after 16 cached tokens, and a fresh 10-token prompt."""
+    decode = decode_request(kv, 0, 12, 4)
+    continuing = Request(1, list(range(200, 240)), SamplingParams())
+    continuing.num_computed = 16
+    assert kv.grow(1, DEVICE_POOL, 30)
+    fresh = Request(2, list(range(300, 310)), SamplingParams())
+    assert kv.grow(2, DEVICE_POOL, 10)
+    return decode, continuing, fresh
+
+
+def mix_chunks(decode, continuing, fresh):
+    """One step's chunks of `device_pool_mix`: the fresh prompt, a decode token, 14 tokens of the continuation."""
+    return [ScheduledChunk(fresh, 0, 10, DEVICE_POOL), ScheduledChunk(decode, decode.num_computed, 1, DEVICE_POOL),
+            ScheduledChunk(continuing, 16, 14, DEVICE_POOL)]
+
+
 def expected_rows(kv, chunks):
     """(ids, positions, slots, tables, ctx) a step of `chunks` must hold, computed from the requests."""
     ids, positions, slots, tables, ctx = [], [], [], [], []
@@ -84,16 +101,10 @@ def test_rows_rewritten_when_requests_finish_and_others_shift():
 
 def test_mixed_step_with_prefill_chunks_and_host_rows():
     kv, buffers = setup(max_tokens=64)
-    decode = decode_request(kv, 0, 12, 4)
-    continuing = Request(1, list(range(200, 240)), SamplingParams())
-    continuing.num_computed = 16
-    assert kv.grow(1, DEVICE_POOL, 30)
-    fresh = Request(2, list(range(300, 310)), SamplingParams())
-    assert kv.grow(2, DEVICE_POOL, 10)
+    decode, continuing, fresh = device_pool_mix(kv)
     host = decode_request(kv, 3, 25, 2, pool=HOST_POOL)
-    chunks = order_chunks([ScheduledChunk(fresh, 0, 10, DEVICE_POOL), ScheduledChunk(decode, decode.num_computed, 1, 0),
-                           ScheduledChunk(continuing, 16, 14, DEVICE_POOL),
-                           ScheduledChunk(host, host.num_computed, 1, HOST_POOL)])
+    host_chunk = ScheduledChunk(host, host.num_computed, 1, HOST_POOL)
+    chunks = order_chunks(mix_chunks(decode, continuing, fresh) + [host_chunk])
     parts, rows = buffers.fill(chunks, [0, 25])
     assert rows == 26
     device, host_part = parts
@@ -126,14 +137,8 @@ def test_gpu_layout_has_one_table_row_per_chunk_and_query_starts():
     """The device pool's GPU kernels take one table row per paged chunk, its full context length and the chunk's
     first row (query_start_loc); decode-only steps keep one row per token and no query starts."""
     kv, buffers = setup(max_tokens=64, per_chunk=True)
-    decode = decode_request(kv, 0, 12, 4)
-    continuing = Request(1, list(range(200, 240)), SamplingParams())
-    continuing.num_computed = 16
-    assert kv.grow(1, DEVICE_POOL, 30)
-    fresh = Request(2, list(range(300, 310)), SamplingParams())
-    assert kv.grow(2, DEVICE_POOL, 10)
-    chunks = order_chunks([ScheduledChunk(fresh, 0, 10, DEVICE_POOL), ScheduledChunk(decode, decode.num_computed, 1, 0),
-                           ScheduledChunk(continuing, 16, 14, DEVICE_POOL)])
+    decode, continuing, fresh = device_pool_mix(kv)
+    chunks = order_chunks(mix_chunks(decode, continuing, fresh))
     [part], rows = buffers.fill(chunks, [0])
     assert rows == 25 and (part.paged_end, part.fresh) == (15, [(15, 25)])
     assert part.context_lens.tolist() == [decode.num_tokens, 30]
