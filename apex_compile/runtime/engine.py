@@ -256,7 +256,11 @@ class Engine:
 
     def add_request(self, prompt_token_ids: Sequence[int], sampling: Optional[SamplingParams] = None) -> Request:
         """Validates and queues one prompt; raises before any work if it is empty, too long or cannot fit."""
-        request = self._new_request(prompt_token_ids, sampling or SamplingParams())
+        return self._enqueue(self._new_request(prompt_token_ids, sampling or SamplingParams()))
+
+    def _enqueue(self, request: Request) -> Request:
+        """Queues a validated request under the next id."""
+        request.request_id = self._next_id
         self.scheduler.add(request)
         self._next_id += 1
         self.stats.prompt_tokens += len(request.prompt_token_ids)
@@ -502,7 +506,7 @@ class Engine:
         requests = []
         try:
             for request in prepared:
-                requests.append(self.add_request(request.prompt_token_ids, request.sampling))
+                requests.append(self._enqueue(request))
         except BaseException:
             self.abort([r.request_id for r in requests])
             raise

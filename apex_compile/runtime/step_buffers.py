@@ -25,25 +25,28 @@ class _Arena:
     """Typed views carved out of one byte buffer; `like(device)` repeats the layout on another device."""
 
     def __init__(self):
-        self.layout: List[Tuple[str, int, torch.dtype, tuple]] = []
+        self.layout: List[Tuple[str, int, int, torch.dtype, tuple]] = []  # name, offset, bytes, dtype, shape
         self.nbytes = 0
 
     def add(self, name: str, dtype: torch.dtype, shape: tuple) -> None:
         size = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-        self.layout.append((name, self.nbytes, dtype, shape))
+        self.layout.append((name, self.nbytes, size, dtype, shape))
         self.nbytes += -(-size // _ALIGN) * _ALIGN
 
+    def add_pool_rows(self, prefix: str, max_tokens: int, width: int) -> None:
+        """One pool's metadata rows: slots, context lengths, query starts, block tables (last)."""
+        self.add(prefix + "slot", torch.int64, (max_tokens,))
+        self.add(prefix + "ctx", torch.int32, (max_tokens,))
+        self.add(prefix + "qstart", torch.int32, (max_tokens + 1,))
+        self.add(prefix + "tables", torch.int32, (max_tokens, width))
+
     def offset(self, name: str) -> int:
-        return next(off for n, off, _, _ in self.layout if n == name)
+        return next(off for n, off, _, _, _ in self.layout if n == name)
 
     def allocate(self, device: torch.device, pin: bool = False) -> Tuple[torch.Tensor, dict]:
         """(byte buffer, {name: typed view}) of this layout on `device` (zero-filled)."""
         buf = torch.zeros(max(self.nbytes, _ALIGN), dtype=torch.uint8, device=device, pin_memory=pin)
-        views = {}
-        for name, off, dtype, shape in self.layout:
-            size = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-            views[name] = buf[off:off + size].view(dtype).view(shape)
-        return buf, views
+        return buf, {name: buf[off:off + size].view(dtype).view(shape) for name, off, size, dtype, shape in self.layout}
 
 
 @dataclasses.dataclass
@@ -104,18 +107,13 @@ class StepBuffers:
         """per_chunk: the device pool's table layout (None: per chunk where it runs the Triton kernels, on CUDA
         or under TRITON_INTERPRET; per token where the CPU kernels serve it)."""
         self.kv = kv
-        self.device = device
-        self.max_tokens = max_tokens
         self.width = -(-max_model_len // kv.block_size)
         on_cuda = device.type == "cuda"
         arena = _Arena()
         arena.add("input_ids", torch.int64, (max_tokens,))
         arena.add("positions", torch.int64, (max_tokens,))
         arena.add("logits_indices", torch.int64, (max_tokens,))
-        arena.add("d_slot", torch.int64, (max_tokens,))
-        arena.add("d_ctx", torch.int32, (max_tokens,))
-        arena.add("d_qstart", torch.int32, (max_tokens + 1,))
-        arena.add("d_tables", torch.int32, (max_tokens, self.width))  # last: a step copies the rows it uses
+        arena.add_pool_rows("d_", max_tokens, self.width)  # tables last: a step copies the rows it uses
         self._tables_offset = arena.offset("d_tables")
         self.host_buf, host = arena.allocate(torch.device("cpu"), pin=on_cuda)
         if on_cuda:
@@ -123,10 +121,7 @@ class StepBuffers:
         else:
             self.dev_buf, dev = self.host_buf, host
         host_arena = _Arena()  # host-pool rows: read on the CPU, never copied
-        host_arena.add("h_slot", torch.int64, (max_tokens,))
-        host_arena.add("h_ctx", torch.int32, (max_tokens,))
-        host_arena.add("h_qstart", torch.int32, (max_tokens + 1,))
-        host_arena.add("h_tables", torch.int32, (max_tokens, self.width))
+        host_arena.add_pool_rows("h_", max_tokens, self.width)
         _, host_pool = host_arena.allocate(torch.device("cpu"))
         self.ids, self.positions = host["input_ids"].numpy(), host["positions"].numpy()
         self.logits_indices = host["logits_indices"].numpy()
