@@ -99,9 +99,9 @@ class HostTimer:
         for name, obj, attr in (("schedule", engine, "_schedule"), ("fill+copy", engine.buffers, "fill"),
                                 ("forward", engine, "_run_model"), ("sample+sync", engine.sampler, "sample")):
             setattr(obj, attr, self._wrap(name, getattr(obj, attr)))
-        graphs = engine.graphs
-        if graphs is not None:
-            graphs.replay = self._wrap("forward", graphs.replay)
+        for graphs in (engine.graphs, engine.pieces):
+            if graphs is not None:
+                graphs.replay = self._wrap("forward", graphs.replay)
 
     def _wrap(self, name, fn):
         def timed(*args, **kwargs):

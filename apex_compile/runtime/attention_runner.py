@@ -8,7 +8,9 @@ the "fresh" chunks (the first chunk of a prompt, with no earlier context). Per l
 - paged tokens attend over the pool's cache: on the CPU kernels one decode row per token with its own context
   length (for a continued prompt chunk that is exactly causal attention over cache + chunk); on the GPU pool
   the decode kernel when every chunk is one token, else the paged prefill kernel over whole chunks;
-- a fresh chunk attends to itself with causal SDPA on the model's device (for host-pool requests too).
+- a fresh chunk attends to itself with causal SDPA on the model's device (for host-pool requests too);
+- rows past the last pool's (padding of a captured step) are left unset: no pool holds them and nothing
+  reads their outputs.
 
 On CUDA, host-pool work runs on a CPU worker thread between `offload_launch` and `offload_wait` (pinned,
 double-buffered staging; CUDA events order copies against the compute stream), so it overlaps the GPU's
@@ -82,7 +84,7 @@ class PagedAttentionRunner:
         """Uses metadata built elsewhere (the engine's persistent StepBuffers) for the next step."""
         self.parts = parts
         self.num_rows = num_rows
-        only = parts[0] if len(parts) == 1 else None
+        only = parts[0] if len(parts) == 1 and parts[0].start == 0 and parts[0].end == num_rows else None
         self._whole_paged = only if only is not None and only.paged_end == only.end else None
         self._stash.clear()
 

@@ -7,8 +7,10 @@ compiled step once per size first (outside the capture), so compilation and Trit
 capture; sizes are captured largest first into one memory pool, which the smaller graphs then reuse.
 """
 import bisect
+import dataclasses
 import sys
 import time
+import warnings
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -44,11 +46,12 @@ class DecodeGraphs:
         return self.sizes[index] if index < len(self.sizes) else None
 
     def capture(self, prepare: Callable[[int], None], forward: Callable[[int], torch.Tensor],
-                progress: bool = True) -> None:
+                progress: bool = True, pool=None) -> None:
         """Captures every size: `prepare(size)` writes and copies a padded step's inputs (outside the graph),
-        `forward(size)` runs the model on them and returns its logits (captured)."""
+        `forward(size)` runs the model on them and returns its logits (captured). pool: the memory pool
+        (shared with the engine's other graphs; None: a new one)."""
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
+        pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         order = sorted(self.sizes, reverse=True)
         for done, size in enumerate(order, 1):
             if progress:
@@ -71,5 +74,168 @@ class DecodeGraphs:
         """Replays the graph of `size` rows and returns its logits [size, vocab] (valid until the next replay)."""
         graph, out = self.graphs[size]
         graph.replay()
+        self.replays += 1
+        return out
+
+
+# Steps above this many tokens run uncaptured: their GPU time outgrows the host's launch time, and the buffers
+# between pieces grow with it (e2e_piecewise benchmark).
+PIECEWISE_MAX_TOKENS = 512
+
+
+def piecewise_sizes(max_rows: int) -> List[int]:
+    """Token counts of piecewise-captured steps: the decode sizes up to 64 rows, then every 32 up to 256, every
+    64 beyond, and `max_rows` itself (a step is padded to the next size; at most ~12% padding above 64 rows)."""
+    max_rows = max(max_rows, 2)
+    sizes = capture_sizes(min(max_rows, 64)) + list(range(96, min(max_rows, 256) + 1, 32))
+    sizes += list(range(320, max_rows + 1, 64)) + [max_rows]
+    return sorted(set(s for s in sizes if s <= max_rows))
+
+
+def weak_ref(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor over `tensor`'s memory that does not keep that memory allocated (as vLLM's piecewise graphs
+    keep a captured step's intermediates: the memory pool may reuse it for later pieces, which replay in the
+    same order)."""
+    storage = tensor.untyped_storage()
+    alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), tensor.device, storage.nbytes())
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+        alias, tensor.storage_offset(), tensor.shape, tensor.stride())
+
+
+# Runner methods whose tensor arguments must stay allocated until the step ends: they start work on another
+# stream or thread that reads them after the call returns (the host rows' device-to-host copy).
+_ASYNC_READERS = ("offload_launch",)
+RUNNER_METHODS = ("attention", "offload_launch", "device_attention", "offload_wait")
+
+
+@dataclasses.dataclass
+class _Call:
+    """One attention-op call between two captured pieces: re-run eagerly at every replay, into `out`."""
+
+    method: str
+    args: tuple
+    out: torch.Tensor
+
+    def run(self, runner) -> None:
+        self.out.copy_(getattr(runner, self.method)(*self.args))
+
+
+class _Recorder:
+    """Stands in for the runner while a step is captured: at each attention-op call it ends the piece being
+    captured, runs the call eagerly on the real runner, copies the result into a persistent buffer (the address
+    the next piece is captured reading) and starts the next piece."""
+
+    def __init__(self, runner, owner: "PiecewiseGraphs"):
+        self.runner, self.owner = runner, owner
+        self.graphs: List[torch.cuda.CUDAGraph] = []
+        self.calls: List[_Call] = []
+        self.capturing = False
+
+    def begin(self) -> None:
+        graph = self.owner.new_graph()
+        graph.capture_begin(pool=self.owner.pool, capture_error_mode="thread_local")
+        self.graphs.append(graph)
+        self.capturing = True
+
+    def end(self) -> None:
+        self.capturing = False
+        self.graphs[-1].capture_end()
+
+    def call(self, method: str, *args):
+        self.end()
+        result = getattr(self.runner, method)(*args)
+        layer = args[0]
+        out = self.owner.persistent(method, layer, result)
+        out.copy_(result)
+        keep = method in _ASYNC_READERS
+        self.calls.append(_Call(method, tuple(a if keep or not isinstance(a, torch.Tensor) else weak_ref(a)
+                                              for a in args), out))
+        self.begin()
+        return out
+
+    def __getattr__(self, name):
+        if name in RUNNER_METHODS:
+            return lambda *args: self.call(name, *args)
+        raise AttributeError(name)
+
+
+class PiecewiseGraphs:
+    """Every step no whole graph serves (prompt chunks, host-pool rows, mixed steps), captured in pieces.
+
+    The compiled step is captured as it runs, one CUDA graph per stretch between two attention-op calls (the
+    graph split at the apex attention ops, as vLLM's piecewise compilation splits it, but at run time: the
+    compiled code stays one graph); the calls themselves run eagerly between the pieces at every replay, with
+    the step's own metadata, and write into persistent buffers that the next piece reads. Keyed by (padded
+    token count, padded logits rows); the rows past the step's own are padding rows of no pool (their outputs
+    are never read). Captured lazily, the first time a key is met.
+    """
+
+    def __init__(self, sizes: List[int], max_rows: int, pool=None, new_graph: Callable = None):
+        self.sizes = sorted(sizes)
+        self.max_rows = max_rows
+        self.pool = pool
+        self.new_graph = new_graph or torch.cuda.CUDAGraph
+        self.pieces: Dict[Tuple[int, int], Tuple[List, List[_Call], torch.Tensor]] = {}
+        self.buffers: Dict[tuple, torch.Tensor] = {}
+        self.stream: Optional[torch.cuda.Stream] = None  # captures run on a side stream (CUDA's rule)
+        self.capture_seconds = 0.0
+        self.replays = 0
+
+    def key_for(self, rows: int, num_logits: int) -> Optional[Tuple[int, int]]:
+        """(padded rows, padded logits rows) of a step, or None when it has more rows than every size."""
+        index = bisect.bisect_left(self.sizes, rows)
+        if index == len(self.sizes):
+            return None
+        size = self.sizes[index]
+        return size, self.sizes[bisect.bisect_left(self.sizes, max(num_logits, 2))]
+
+    def persistent(self, method: str, layer: int, like: torch.Tensor) -> torch.Tensor:
+        """The buffer a call's result is copied into: one per (method, layer), shared by every key."""
+        key = (method, layer, tuple(like.shape[1:]), like.dtype, like.device)
+        buf = self.buffers.get(key)
+        if buf is None:
+            buf = torch.empty((max(self.max_rows, like.shape[0]),) + tuple(like.shape[1:]), dtype=like.dtype,
+                              device=like.device)
+            self.buffers[key] = buf
+        return buf[:like.shape[0]]
+
+    def capture(self, key: Tuple[int, int], runner, forward: Callable) -> None:
+        """Captures `key`: `forward(runner)` runs the compiled step (inputs already written) with `runner`
+        serving its attention ops; it runs once uncaptured first (compiles this shape's kernels)."""
+        start = time.perf_counter()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        forward(runner)
+        torch.cuda.synchronize()
+        recorder = _Recorder(runner, self)
+        stream = self.stream = self.stream or torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), warnings.catch_warnings():
+            # two adjacent calls (offload launch, then device attention) leave an empty piece between them
+            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+            recorder.begin()
+            try:
+                out = forward(recorder)
+                recorder.end()
+            except BaseException:
+                if recorder.capturing:
+                    try:
+                        recorder.end()
+                    except Exception:  # noqa: BLE001  (the first error is the one to report)
+                        pass
+                raise
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        self.pieces[key] = (recorder.graphs, recorder.calls, out)
+        self.capture_seconds += time.perf_counter() - start
+
+    def replay(self, key: Tuple[int, int], runner) -> torch.Tensor:
+        """Replays `key`'s pieces with `runner` serving the calls between them; returns the logits
+        [padded logits rows, vocab] (valid until the next replay)."""
+        graphs, calls, out = self.pieces[key]
+        for graph, call in zip(graphs, calls):
+            graph.replay()
+            call.run(runner)
+        graphs[-1].replay()
         self.replays += 1
         return out

@@ -18,7 +18,8 @@ import torch
 from apex_compile.config import GiB, ApexConfig
 from apex_compile.runtime.attention_runner import PagedAttentionRunner, order_chunks
 from apex_compile.runtime.context import attention_runner
-from apex_compile.runtime.cuda_graphs import DecodeGraphs, capture_sizes
+from apex_compile.runtime.cuda_graphs import (PIECEWISE_MAX_TOKENS, DecodeGraphs, PiecewiseGraphs, capture_sizes,
+                                              piecewise_sizes)
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, POOL_NAMES, CacheShape, KVManager
 from apex_compile.runtime.request import Request, SamplingParams
 from apex_compile.runtime.sampler import Sampler
@@ -196,10 +197,13 @@ class Engine:
         max_rows = max(self.config.max_num_batched_tokens, self.config.max_num_seqs, 2)
         self.buffers = StepBuffers(self.kv, max_rows, self.max_model_len, self.device)
         self.graphs: Optional[DecodeGraphs] = None
+        self.pieces: Optional[PiecewiseGraphs] = None
         if self.device.type == "cuda" and self.config.cuda_graphs and self.config.compile:
             sizes = self.config.capture_sizes or capture_sizes(min(self.config.max_num_seqs,
                                                                    self.config.max_num_batched_tokens))
             self.graphs = DecodeGraphs([n for n in sizes if n <= max_rows])
+            pieces_rows = min(max_rows, PIECEWISE_MAX_TOKENS)
+            self.pieces = PiecewiseGraphs(piecewise_sizes(pieces_rows), pieces_rows, torch.cuda.graph_pool_handle())
         self.sampler = Sampler()
         self.reports: list = []  # pass reports of the compiled step's graphs
         self.stats = EngineStats()
@@ -331,11 +335,12 @@ class Engine:
         model again (on a CPU the graph runs eagerly and a recompile is cheap)."""
         return max(count, 2) if self.device.type == "cuda" else max(count, 1)
 
-    def _run_model(self, parts, num_rows: int, num_logits: int) -> torch.Tensor:
-        """The compiled step over the buffers' first `num_rows` rows, attention served by the runner."""
+    def _run_model(self, parts, num_rows: int, num_logits: int, runner=None) -> torch.Tensor:
+        """The compiled step over the buffers' first `num_rows` rows, attention served by `runner` (default: the
+        engine's runner, given the step's parts)."""
         self.runner.set_parts(parts, num_rows)
         input_ids, position_ids, indices = self.buffers.inputs(num_rows, num_logits)
-        with attention_runner(self.runner), torch.inference_mode():
+        with attention_runner(runner or self.runner), torch.inference_mode():
             return self._step_fn(input_ids, position_ids, indices)
 
     def capture_graphs(self, progress: bool = True) -> None:
@@ -348,16 +353,30 @@ class Engine:
             padded[size] = self.buffers.fill([], [], pad_to=size)
             self.buffers.copy_to_device()
 
-        self.graphs.capture(prepare, lambda size: self._run_model(*padded[size], size), progress)
+        self.graphs.capture(prepare, lambda size: self._run_model(*padded[size], size), progress, self.pieces.pool)
+
+    def _capture_pieces(self, key) -> None:
+        """Captures the piecewise graphs of (rows, logits rows) `key` over a step of padding rows only."""
+        rows, num_logits = key
+        parts, _ = self.buffers.fill([], [], pad_to=rows)
+        self.buffers.copy_to_device()
+        with torch.inference_mode():
+            self.pieces.capture(key, self.runner, lambda runner: self._run_model(parts, rows, num_logits, runner))
 
     def _forward_chunks(self, chunks: List[ScheduledChunk], logit_rows: List[int]) -> torch.Tensor:
-        """Runs the model on the chunks (flattened in order) and returns the logits of `logit_rows`."""
+        """Runs the model on the chunks (flattened in order) and returns the logits of `logit_rows`: a whole
+        decode graph, piecewise graphs, or (without CUDA graphs) the compiled step itself."""
         size = self._graph_size(chunks)
         if size is not None and not self.graphs.ready:
             self.capture_graphs()
+        num_tokens = sum(c.num_tokens for c in chunks)
+        key = self.pieces.key_for(num_tokens, len(logit_rows)) if size is None and self.pieces else None
+        if key is not None and key not in self.pieces.pieces:
+            self._capture_pieces(key)
         num_logits = len(logit_rows)
-        logit_rows = (logit_rows + [sum(c.num_tokens for c in chunks) - 1] * 4)[:self._logits_rows(num_logits)]
-        parts, num_rows = self.buffers.fill(chunks, logit_rows, pad_to=size)
+        padded_logits = key[1] if key is not None else self._logits_rows(num_logits)
+        logit_rows = (logit_rows + [num_tokens - 1] * padded_logits)[:padded_logits]
+        parts, num_rows = self.buffers.fill(chunks, logit_rows, pad_to=size, total_rows=key and key[0])
         self.buffers.copy_to_device()
         start = time.perf_counter()
         if size is not None:
@@ -367,6 +386,10 @@ class Engine:
                 logits = logits[:num_logits]
             else:
                 logits = logits[torch.tensor(logit_rows, device=logits.device)]
+        elif key is not None:
+            self.runner.set_parts(parts, num_rows)
+            with torch.inference_mode():
+                logits = self.pieces.replay(key, self.runner)[:num_logits]
         else:
             logits = self._run_model(parts, num_rows, len(logit_rows))[:num_logits]
         self.stats.forward_seconds += time.perf_counter() - start

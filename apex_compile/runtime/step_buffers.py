@@ -136,14 +136,16 @@ class StepBuffers:
         self._copy_bytes = 0
         self._copied: Optional[torch.cuda.Event] = None  # the last copy; the mirror is not rewritten before it
 
-    def fill(self, chunks: List[ScheduledChunk], logit_rows: List[int], pad_to: Optional[int] = None
-             ) -> Tuple[List[PoolPart], int]:
+    def fill(self, chunks: List[ScheduledChunk], logit_rows: List[int], pad_to: Optional[int] = None,
+             total_rows: Optional[int] = None) -> Tuple[List[PoolPart], int]:
         """Writes the step's inputs (chunks in `order_chunks` order) and returns (pool parts, rows).
 
         pad_to: pad a decode-only step of the device pool to that many rows (slot -1, context length 1, input
-        id 0; no chunks at all gives a step of padding only): the rows of a captured graph. Its part then
-        covers the padded rows, and its split-K is planned for the table's capacity. Call `copy_to_device`
-        once before the step runs.
+        id 0; no chunks at all gives a step of padding only): the rows of a whole-forward graph. Its part then
+        covers the padded rows, and its split-K is planned for the table's capacity.
+        total_rows: pad any step to that many rows with rows of no pool after the last part (input id 0,
+        position 0; no attention reads or writes them): the rows of a piecewise-captured step.
+        Call `copy_to_device` once before the step runs.
         """
         if self._copied is not None:
             self._copied.synchronize()
@@ -159,6 +161,9 @@ class StepBuffers:
                 used_table_rows = part.block_tables.shape[0]
             parts.append(part)
             row = part.end
+        if total_rows is not None and total_rows > row:
+            self.ids[row:total_rows], self.positions[row:total_rows] = 0, 0
+            row = total_rows
         count = len(logit_rows) if pad_to is None else pad_to
         self.logits_indices[:count] = logit_rows if pad_to is None else np.arange(pad_to)
         self._copy_bytes = self._tables_offset + used_table_rows * self.width * 4

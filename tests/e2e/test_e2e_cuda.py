@@ -88,11 +88,14 @@ def test_bf16_logits_within_tolerance():
     assert float((ours - ref).abs().max()) < BF16_LOGITS_ATOL
 
 
-@pytest.mark.parametrize("offload, max_num_seqs", [("never", 64), (0.5, 64), ("never", 4)])
-def test_cuda_graph_replay_equals_uncaptured_steps(fp32_model, offload, max_num_seqs):
+@pytest.mark.parametrize("offload, max_num_seqs, max_tokens", [("never", 64, 512), (0.5, 64, 512),
+                                                               ("never", 4, 512), (0.5, 4, 16)])
+def test_cuda_graph_replay_equals_uncaptured_steps(fp32_model, offload, max_num_seqs, max_tokens):
     """Requests of different lengths finish one by one, so decode batches shrink through every capture size
-    (with padding rows), and with max_num_seqs=4 waiting requests join running ones; graph replays must give the
-    tokens of the uncaptured compiled step."""
+    (with padding rows); with max_num_seqs=4 waiting requests join running ones (mixed prompt + decode steps),
+    and with 16-token steps prompts continue over several chunks (the paged prefill kernel). Whole decode graphs
+    and piecewise graphs (prompt chunks, host-pool rows, mixed steps) must give the tokens of the uncaptured
+    compiled step."""
     from apex_compile.runtime.request import SamplingParams
 
     torch.manual_seed(1)
@@ -102,8 +105,11 @@ def test_cuda_graph_replay_equals_uncaptured_steps(fp32_model, offload, max_num_
     for graphs in (True, False):
         apex = optimize(fp32_model, ApexConfig(offload=offload, gpu_cache_size=32 * MB, cpu_cache_size=32 * MB,
                                                cuda_graphs=graphs, capture_sizes=(1, 2, 4, 8),
-                                               max_num_seqs=max_num_seqs))
+                                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens))
         outputs.append([c.token_ids for c in apex.engine.generate(prompts, sampling)])
+        if graphs:
+            assert apex.engine.pieces.replays > 0
+            assert apex.engine.stats.steps == apex.engine.pieces.replays + apex.engine.graphs.replays
         if graphs and offload == "never":
             assert apex.engine.graphs.ready and apex.engine.graphs.replays > 10
         assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}

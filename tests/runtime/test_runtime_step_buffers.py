@@ -148,3 +148,20 @@ def test_gpu_layout_has_one_table_row_per_chunk_and_query_starts():
         assert part.block_tables[row, :len(blocks)].tolist() == blocks
     [part], _ = buffers.fill([ScheduledChunk(decode, decode.num_computed, 1, DEVICE_POOL)], [0])
     assert part.query_start_loc is None and part.context_lens.tolist() == [decode.num_tokens]
+
+
+def test_tail_padding_rows_of_a_piecewise_step_belong_to_no_pool():
+    """total_rows pads any step (here a mixed device + host step) with rows after the last part: id 0,
+    position 0, and no part's slots, tables or rows cover them."""
+    kv, buffers = setup()
+    decode, continuing, fresh = device_pool_mix(kv)
+    host = decode_request(kv, 3, 7, 2, pool=HOST_POOL)
+    chunks = order_chunks(mix_chunks(decode, continuing, fresh) + [ScheduledChunk(host, host.num_computed, 1,
+                                                                                   HOST_POOL)])
+    parts, rows = buffers.fill(chunks, [0, 1], total_rows=32)
+    assert rows == 32 and parts[-1].end == 26
+    assert [p.end - p.start for p in parts] == [25, 1]
+    ids, positions, _ = buffers.inputs(rows, 2)
+    assert ids[0, 26:].tolist() == [0] * 6 and positions[0, 26:].tolist() == [0] * 6
+    unpadded, _ = buffers.fill(chunks, [0, 1])
+    assert [p.slot_mapping.tolist() for p in unpadded] == [p.slot_mapping.tolist() for p in parts]
