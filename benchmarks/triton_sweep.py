@@ -3,9 +3,9 @@
     python benchmarks/triton_sweep.py --out sweep.json [--sections timing,rms_norm,rms_copy,rms_store,rms_order,decode]
 
 Sections:
-  timing    a few rows timed both ways: steady-state CUDA-graph replay (what benchmarks/triton_kernels.py
-            reports) and do_bench with its L2-clearing write before every replay (what runs before
-            2026-11-30 reported), to show the size of the difference.
+  timing    a few rows timed both ways: steady-state CUDA-graph replay (what benchmarks/triton_kernels.py and
+            its family scripts report) and do_bench with its L2-clearing write before every replay (what runs
+            before 2026-11-30 reported), to show the size of the difference.
   rms_norm  num_warps of `apex::rms_norm` (bf16, +residual) -> `rms_norm_num_warps`.
   rms_copy  at 4096 tokens, the rms_norm kernel beside a copy of the same bytes in the same kernel shape (x ->
             y, residual -> residual_out, no math), per num_warps, each twice: the speed of light of this
@@ -35,11 +35,11 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from triton_kernels import (  # noqa: E402
-    ATTENTION_LAYOUTS, DEVICE, EPS, Bench, check_close, copy_rows_calls, decode_kv_bytes, decode_sets, rms_calls,
-    rms_norm_sets,
-    interleaved_medians, memcpy_calls, sdpa_function, torch_rms_norm,
+from kernel_bench import (  # noqa: E402
+    ATTENTION_LAYOUTS, DEVICE, Bench, check_close, interleaved_medians, sdpa_function,
 )
+from triton_decode import decode_kv_bytes, decode_sets  # noqa: E402
+from triton_rms_norm import EPS, copy_rows_calls, memcpy_calls, rms_calls, rms_norm_sets, torch_rms_norm  # noqa: E402
 
 from apex_compile.kernels._common import next_pow2, pdl_available  # noqa: E402
 from apex_compile.kernels.paged_attention import decode_split_plan, paged_decode_launch  # noqa: E402
