@@ -187,6 +187,17 @@ def run_hf(model, batch, prompt_len, prompts):
     return {"tokens_per_s": batch * 128 / t128, "decode_step_s": (t192 - t64) / 128, "compile_s": compile_s}
 
 
+def compile_phases() -> str:
+    """Seconds per phase of the compilations so far: dynamo's trace, the backend (apex passes + inductor)."""
+    from torch._dynamo.utils import compile_times
+
+    headers, values = compile_times(repr="csv", aggregate=True)
+    times = dict(zip(headers, map(float, values)))
+    names = {"_compile.compile_inner": "dynamo total", "bytecode_tracing": "trace",
+             "OutputGraph.call_user_compiler": "backend", "compile_fx": "inductor", "build_guards": "guards"}
+    return ", ".join(f"{label} {times[name]:.1f}" for name, label in names.items() if name in times)
+
+
 def warmup_only(args):
     """Prints the warm-up seconds of a fresh engine per shape (compile, then graph capture)."""
     for shape_name in args.shapes.split(","):
@@ -198,9 +209,11 @@ def warmup_only(args):
         start = time.perf_counter()
         apex.engine.warmup()
         total = time.perf_counter() - start
-        capture = apex.engine.graphs.capture_seconds
+        capture = apex.engine.graphs.capture_seconds + apex.engine.pieces.capture_seconds
         print(f"warm-up {shape_name} batch {batch}: {total:.1f} s ({total - capture:.1f} s compile, {capture:.1f} s "
-              f"capture of {len(apex.engine.graphs.sizes)} graphs)", flush=True)
+              f"capture of {len(apex.engine.graphs.sizes)} graphs and {len(apex.engine.pieces.pieces)} piecewise "
+              f"keys)", flush=True)
+        print("  compile phases (s): " + compile_phases(), flush=True)
         del apex, model
         gc.collect()
         torch.cuda.empty_cache()
