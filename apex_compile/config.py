@@ -20,7 +20,10 @@ class ApexConfig:
     block_size: tokens per KV block (a power of two in 16..256).
     offload: where running requests keep their KV and attend: "never" (device pool), "all" (host pool),
         a float in [0, 1] (that fraction of running requests in the host pool, for tests and experiments), or
-        "auto" (a measured performance model decides; until one exists it behaves as "never").
+        "auto": on CUDA a performance model measured once per machine and model shape (cached under the compile
+        cache dir) admits a request to the host pool only when the device pool is full and it predicts more
+        tokens/s; where it predicts no gain for typical loads the host pool only parks swapped-out requests.
+        On a CPU-only run "auto" is "never".
     max_num_seqs: most requests in one step.
     max_num_batched_tokens: most tokens in one step (the chunked-prefill budget).
     max_model_len: longest prompt + generation; None: the model's max_position_embeddings.
@@ -84,7 +87,7 @@ class ApexConfig:
             raise ValueError(f"ApexConfig.inner must be one of {INNER_COMPILERS} or None, got {self.inner!r}")
 
     def host_fraction(self) -> float:
-        """The fraction of running requests placed in the host pool ("auto" behaves as "never" for now)."""
+        """The fixed fraction of running requests placed in the host pool ("auto" has none: its model decides)."""
         if self.offload in ("auto", "never"):
             return 0.0
         if self.offload == "all":

@@ -256,9 +256,17 @@ class ApexModel:
     def offload_decision(self) -> str:
         """One line saying where requests run and why."""
         mode = self.apex_config.offload
+        engine = self.engine
+        if mode == "auto" and engine.auto_policy is None:
+            return ("auto -> never: on a CPU-only run both pools are host memory (nothing to offload); on CUDA "
+                    "the performance model needs a host pool (cpu_cache_size > 0) and the compiled step")
         if mode == "auto":
-            return ("auto -> never: no measured performance model exists yet, so 'auto' keeps every request in "
-                    "the device pool (offloading is never allowed to make a run slower than not offloading)")
+            tokens = [p.num_blocks * engine.kv.block_size for p in engine.kv.pools]
+            context = min(1024, engine.max_model_len)
+            verdict = "host requests admitted when the device pool is full and the model predicts a gain" if (
+                engine.scheduler.host_policy is not None) else "never: the model predicts no gain for typical loads"
+            lines = engine.auto_policy.explain(tokens[0], tokens[1], self.apex_config.max_num_seqs, context)
+            return f"auto -> {verdict}; measured model at {context}-token requests:\n    " + "\n    ".join(lines)
         if mode == "never":
             return "never: every running request in the device pool; the host pool only parks swapped-out requests"
         if mode == "all":

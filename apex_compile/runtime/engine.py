@@ -21,6 +21,7 @@ from apex_compile.runtime.context import attention_runner
 from apex_compile.runtime.cuda_graphs import (PIECEWISE_MAX_TOKENS, DecodeGraphs, PiecewiseGraphs, capture_sizes,
                                               piecewise_sizes)
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, POOL_NAMES, CacheShape, KVManager
+from apex_compile.runtime.perf_model import AutoOffload, PerfModel
 from apex_compile.runtime.request import Request, SamplingParams
 from apex_compile.runtime.sampler import Sampler
 from apex_compile.runtime.scheduler import ScheduledChunk, Scheduler
@@ -192,7 +193,13 @@ class Engine:
         device_bytes, host_bytes = self._pool_bytes()
         block_bytes = self.shape.block_bytes
         self.kv = KVManager(self.shape, device_bytes // block_bytes, host_bytes // block_bytes, self.device)
-        self.scheduler = Scheduler(self.config, self.kv, self.max_model_len)
+        self.auto_policy: Optional[AutoOffload] = None  # offload="auto"'s model (CUDA with a host pool)
+        if (self.config.offload == "auto" and self.device.type == "cuda" and self.config.compile
+                and self.kv.pools[HOST_POOL].num_blocks):
+            from apex_compile.runtime.perf_profile import engine_profile
+
+            self.auto_policy = AutoOffload(PerfModel(engine_profile(self)))
+        self.scheduler = Scheduler(self.config, self.kv, self.max_model_len, self._auto_host_policy())
         self.runner = PagedAttentionRunner(self.kv, self.device)
         max_rows = max(self.config.max_num_batched_tokens, self.config.max_num_seqs, 2)
         self.buffers = StepBuffers(self.kv, max_rows, self.max_model_len, self.device)
@@ -209,6 +216,17 @@ class Engine:
         self.stats = EngineStats()
         self._next_id = 0
         self._step_fn = self._build_step()
+
+    def _auto_host_policy(self) -> Optional[AutoOffload]:
+        """The auto policy if its model predicts that host requests pay for some typical load, else None (then
+        the host pool only parks swapped-out requests and the overlapped graph is never compiled)."""
+        policy = self.auto_policy
+        if policy is None:
+            return None
+        contexts = sorted({min(c, self.max_model_len) for c in (256, 1024, 4096)})
+        tokens = [p.num_blocks * self.kv.block_size for p in self.kv.pools]
+        return policy if policy.worth_enabling(tokens[DEVICE_POOL], tokens[HOST_POOL], self.config.max_num_seqs,
+                                               contexts) else None
 
     def _pool_bytes(self):
         """(device pool bytes, host pool bytes) from the config, defaults filled in."""
@@ -401,6 +419,19 @@ class Engine:
     def step(self) -> List[Request]:
         """Runs one forward step; returns the requests that got a new token (in scheduling order)."""
         chunks = self._schedule()
+        captured = self.pieces.capture_seconds if self.pieces is not None else 0.0
+        start = time.perf_counter()
+        sampled = self._step_chunks(chunks)
+        if (self.scheduler.host_policy is not None and chunks and all(c.num_tokens == 1 and c.start for c in chunks)
+                and (self.pieces is None or self.pieces.capture_seconds == captured)):
+            on_host = sum(1 for c in chunks if c.pool == HOST_POOL)
+            context = sum(c.start + 1 for c in chunks) / len(chunks)
+            self.scheduler.host_policy.observe(len(chunks) - on_host, on_host, context,
+                                               time.perf_counter() - start)
+        return sampled
+
+    def _step_chunks(self, chunks: List[ScheduledChunk]) -> List[Request]:
+        """Runs the chunks' forward and samples; returns the requests that got a new token."""
         logit_rows: List[int] = []
         sampled: List[Request] = []
         row = 0

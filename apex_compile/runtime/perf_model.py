@@ -9,8 +9,15 @@ predicted slower than GPU-only:
 - "never": every request in the device pool: T_lin(n) + T_gatt(ctx_g).
 - "overlap": one batch; per layer the host rows' CPU attention (and its copies) overlaps only the device rows'
   attention: T_lin(n_g + n_c) + max(T_gatt(ctx_g), T_catt(ctx_c) + T_copy).
-- "pipeline": the CPU attends a sub-batch while the GPU runs the whole step of the other (NEO-style asymmetric
-  pipelining): max(T_lin(n_g + n_c) + T_gatt(ctx_g), T_catt(ctx_c) + T_copy).
+- "pipeline": two sub-batches (NEO-style asymmetric pipelining): the CPU attends the host sub-batch's layer
+  while the GPU runs the device sub-batch's, and the reverse; each sub-batch's linear layers read every weight,
+  so the GPU sweeps the weights twice: max(T_lin(n_g) + T_lin(n_c) + T_gatt(ctx_g), T_catt(ctx_c) + T_copy).
+
+No plan overlaps the CPU's attention with the whole single-sweep GPU step: rows that share a layer's GEMMs
+must all have that layer's attention done before its output projection, so while host rows attend, the GPU
+has only the device rows' attention to do (overlap) or another sweep of the weights (pipeline). Where a step is
+its weight reads (memory-bound decode on a fast GPU), both cost more than the host rows add, and the model
+keeps everything on the GPU.
 
 `ideal_gain` is the physics bound every result is judged against: the tokens/s the CPU's attention bandwidth
 can add, B_cpu / (KV bytes a host request reads per step).
@@ -113,14 +120,16 @@ class PerfModel:
         if plan == "overlap":
             step = self.linear_s(n) + max(gpu_attention, cpu)
         else:
-            step = max(self.linear_s(n) + gpu_attention, cpu)
+            step = max(self.linear_s(gpu_requests) + self.linear_s(cpu_requests) + gpu_attention, cpu)
         return Prediction(plan, gpu_requests, cpu_requests, step)
 
-    def choose(self, gpu_capacity: int, cpu_capacity: int, context: float) -> Prediction:
-        """The plan and host share with the most tokens/s when the device pool holds `gpu_capacity` requests and
-        the host pool `cpu_capacity` more; GPU-only ("never") unless a plan is predicted faster."""
+    def choose(self, gpu_capacity: int, cpu_capacity: int, context: float,
+               plans: Sequence[str] = PLANS) -> Prediction:
+        """The plan (among `plans`) and host share with the most tokens/s when the device pool holds
+        `gpu_capacity` requests and the host pool `cpu_capacity` more; GPU-only ("never") unless a plan is
+        predicted faster."""
         best = self.predict("never", gpu_capacity, 0, context)
-        for plan in PLANS[1:]:
+        for plan in [p for p in plans if p != "never"]:
             for cpu_requests in range(1, cpu_capacity + 1):
                 candidate = self.predict(plan, gpu_capacity, cpu_requests, context)
                 if candidate.tokens_per_s > best.tokens_per_s * (1 + 1e-9):
@@ -141,12 +150,13 @@ class PerfModel:
         """Tokens/s the CPU's attention bandwidth can add: B_cpu / KV bytes a host request reads per step."""
         return self.cpu_bandwidth() / (self.profile.kv_bytes_per_token * context)
 
-    def explain(self, gpu_capacity: int, cpu_capacity: int, context: float) -> List[str]:
+    def explain(self, gpu_capacity: int, cpu_capacity: int, context: float,
+                plans: Sequence[str] = PLANS) -> List[str]:
         """The model's inputs and verdict in APEX's terms, one line each."""
         never = self.predict("never", gpu_capacity, 0, context)
         t_lin = self.linear_s(gpu_capacity)
         t_att = self.gpu_attention_s(int(gpu_capacity * context))
-        choice = self.choose(gpu_capacity, cpu_capacity, context)
+        choice = self.choose(gpu_capacity, cpu_capacity, context, plans)
         lhs, rhs, holds = apex_pipeline_inequality(choice.gpu_requests, max(choice.cpu_requests, 1), t_lin, t_att)
         gain = choice.tokens_per_s - never.tokens_per_s
         cpu_gbps, gpu_gbps = self.cpu_bandwidth() / 1e9, self.gpu_bandwidth() / 1e9
@@ -194,3 +204,61 @@ def summarize(profile: Profile) -> Dict[str, float]:
     """A few headline numbers of a profile (bandwidths in GB/s)."""
     model = PerfModel(profile)
     return {"cpu_attention_GBps": model.cpu_bandwidth() / 1e9, "gpu_attention_GBps": model.gpu_bandwidth() / 1e9}
+
+
+RUNNABLE_PLANS = ("never", "overlap")  # the plans the engine executes today
+
+
+class AutoOffload:
+    """offload="auto": the scheduler's host-pool policy. A request goes to the host pool only when the device
+    pool cannot take it and the model predicts more tokens/s with it there (by `margin`); predictions of host
+    plans are scaled by what the engine measured for them (`observe`), so a model that flatters the host stops
+    admitting host requests after a few steps."""
+
+    def __init__(self, model: PerfModel, margin: float = 0.02):
+        self.model = model
+        self.margin = margin
+        # measured / predicted decode-step time (running means) of steps with host rows and of GPU-only steps
+        self.correction = 1.0
+        self.never_correction = 1.0
+        self.observed = [0, 0]
+
+    def step_s(self, gpu_requests: int, cpu_requests: int, context: float) -> float:
+        """Predicted decode step with that many requests per pool, corrected by the measurements so far."""
+        plan = "overlap" if cpu_requests else "never"
+        step = self.model.predict(plan, max(gpu_requests, 0), cpu_requests, context).step_s
+        return step * (self.correction if cpu_requests else self.never_correction)
+
+    def admit_host(self, gpu_requests: int, cpu_requests: int, context: float) -> bool:
+        """Whether one more request on the host pool raises the predicted tokens/s."""
+        before = (gpu_requests + cpu_requests) / self.step_s(gpu_requests, cpu_requests, context)
+        after = (gpu_requests + cpu_requests + 1) / self.step_s(gpu_requests, cpu_requests + 1, context)
+        return after > before * (1 + self.margin)
+
+    def observe(self, gpu_requests: int, cpu_requests: int, context: float, measured_s: float) -> None:
+        """A decode step took `measured_s`: updates its kind's correction (mean over the last ~20 steps)."""
+        host = int(cpu_requests > 0)
+        predicted = self.model.predict("overlap" if host else "never", gpu_requests, cpu_requests, context).step_s
+        self.observed[host] += 1
+        weight = max(1.0 / self.observed[host], 0.05)
+        ratio = measured_s / max(predicted, 1e-9)
+        if host:
+            self.correction += weight * (ratio - self.correction)
+        else:
+            self.never_correction += weight * (ratio - self.never_correction)
+
+    def worth_enabling(self, gpu_tokens: int, cpu_tokens: int, max_seqs: int, contexts: Sequence[int]) -> bool:
+        """Whether any typical load (these contexts, pools as large as given) gains from host requests: if none
+        does, the engine never runs the host pool (and never compiles the overlapped graph)."""
+        for context in contexts:
+            gpu = min(max_seqs, gpu_tokens // max(context, 1))
+            cpu = min(max_seqs - gpu, cpu_tokens // max(context, 1))
+            if cpu > 0 and gpu > 0 and self.admit_host(gpu, 0, context):
+                return True
+        return False
+
+    def explain(self, gpu_tokens: int, cpu_tokens: int, max_seqs: int, context: int) -> List[str]:
+        """The model's verdict for a load of `context`-token requests filling the device pool."""
+        gpu = max(min(max_seqs, gpu_tokens // max(context, 1)), 1)
+        cpu = max(min(max_seqs - gpu, cpu_tokens // max(context, 1)), 0)
+        return self.model.explain(gpu, cpu, context, plans=RUNNABLE_PLANS)

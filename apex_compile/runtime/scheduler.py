@@ -46,13 +46,18 @@ class SchedulerOutput:
 class Scheduler:
     """Decides, step by step, which tokens of which requests run and where their KV lives."""
 
-    def __init__(self, config: ApexConfig, kv: KVManager, max_model_len: Optional[int] = None):
+    def __init__(self, config: ApexConfig, kv: KVManager, max_model_len: Optional[int] = None, host_policy=None):
+        """host_policy: offload="auto"'s `AutoOffload` when it runs requests in the host pool (None: the config's
+        fixed share decides)."""
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len or config.max_model_len
         self.host_fraction = config.host_fraction()
-        if self.host_fraction == 0.0:
-            self.run_pools: Tuple[int, ...] = (DEVICE_POOL,)
+        self.host_policy = host_policy
+        if host_policy is not None:
+            self.run_pools: Tuple[int, ...] = (DEVICE_POOL, HOST_POOL)
+        elif self.host_fraction == 0.0:
+            self.run_pools = (DEVICE_POOL,)
         elif self.host_fraction == 1.0:
             self.run_pools = (HOST_POOL,)
         else:
@@ -64,7 +69,9 @@ class Scheduler:
                     f"offload={config.offload!r} runs requests in the {POOL_NAMES[pool]} pool, but it holds no KV "
                     f"block: raise ApexConfig.{size} (one block takes {kv.shape.block_bytes} bytes)")
         self.park_pool: Optional[int] = None
-        if len(self.run_pools) == 1 and config.preemption == "swap":
+        if host_policy is not None and config.preemption == "swap":
+            self.park_pool = HOST_POOL  # evicted when the host pool does not pay: parked there, resumed on the device
+        elif len(self.run_pools) == 1 and config.preemption == "swap":
             other = 1 - self.run_pools[0]
             if kv.pools[other].num_blocks > 0:
                 self.park_pool = other
@@ -193,7 +200,8 @@ class Scheduler:
         total = self.max_tokens(request)
         room_needed = self.kv.blocks_for(request.num_tokens)  # every chunk it may run this step
         if (other in self.run_pools and self.kv.num_free(other) >= room_needed
-                and self.kv.pools[other].num_blocks * self.kv.block_size >= total):
+                and self.kv.pools[other].num_blocks * self.kv.block_size >= total
+                and (self.host_policy is None or other != HOST_POOL or self._host_pays(request))):
             self.kv.move(request.request_id, other)
             out.moved.append((request, other))
             return True
@@ -221,6 +229,8 @@ class Scheduler:
         """
         total = self.max_tokens(request)
         fitting = [p for p in self.run_pools if self.kv.pools[p].num_blocks * self.kv.block_size >= total]
+        if self.host_policy is not None:
+            return self._admit_auto(request, num_tokens, fitting)
         pool = fitting[0]
         if len(fitting) == 2:
             on_host = sum(1 for r in self.running if self.kv.pool_of(r.request_id) == HOST_POOL)
@@ -228,3 +238,21 @@ class Scheduler:
         if self.kv.grow(request.request_id, pool, request.num_computed + num_tokens):
             return pool
         return None
+
+    def _admit_auto(self, request: Request, num_tokens: int, fitting: List[int]) -> Optional[int]:
+        """offload="auto": the device pool when it has room, else the host pool if the model says it pays."""
+        end = request.num_computed + num_tokens
+        if DEVICE_POOL in fitting and self.kv.grow(request.request_id, DEVICE_POOL, end):
+            return DEVICE_POOL
+        if HOST_POOL not in fitting:
+            return None
+        if self._host_pays(request) and self.kv.grow(request.request_id, HOST_POOL, end):
+            return HOST_POOL
+        return None
+
+    def _host_pays(self, request: Request) -> bool:
+        """Whether the auto policy predicts more tokens/s with `request` (not yet counted) in the host pool."""
+        others = [r for r in self.running if r is not request]
+        on_host = sum(1 for r in others if self.kv.pool_of(r.request_id) == HOST_POOL)
+        context = sum(r.num_tokens for r in others + [request]) / (len(others) + 1)
+        return self.host_policy.admit_host(len(others) - on_host, on_host, context)

@@ -48,7 +48,7 @@ def fp32_model():
     return random_llama(torch.float32)
 
 
-@pytest.mark.parametrize("offload", ["never", "all", 0.5])
+@pytest.mark.parametrize("offload", ["never", "all", 0.5, "auto"])
 def test_greedy_equals_hf_generate_fp32(fp32_model, offload):
     ids, mask = left_padded_batch([5, 17, 33, 64, 9, 40])
     with torch.no_grad():
@@ -114,3 +114,20 @@ def test_cuda_graph_replay_equals_uncaptured_steps(fp32_model, offload, max_num_
             assert apex.engine.graphs.ready and apex.engine.graphs.replays > 10
         assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
     assert outputs[0] == outputs[1]
+
+
+def test_auto_measures_a_profile_once_and_explains_its_verdict(fp32_model, tmp_path, monkeypatch):
+    """offload="auto" on CUDA: the profile is measured by the first engine and read from disk by the next."""
+    from apex_compile.runtime import perf_profile
+
+    monkeypatch.setenv("APEX_COMPILE_CACHE_DIR", str(tmp_path))
+    calls = []
+    measure = perf_profile.measure_profile
+    monkeypatch.setattr(perf_profile, "measure_profile", lambda engine: calls.append(1) or measure(engine))
+    config = ApexConfig(offload="auto", gpu_cache_size=32 * MB, cpu_cache_size=32 * MB)
+    first = optimize(fp32_model, config)
+    second = optimize(fp32_model, config)
+    assert calls == [1] and first.engine.auto_policy.model.profile == second.engine.auto_policy.model.profile
+    profile = first.engine.auto_policy.model.profile
+    assert all(t > 0 for t in profile.linear_s + profile.gpu_attention_s + profile.cpu_attention_s)
+    assert "verdict:" in first.offload_decision() and "ideal_gain" in first.offload_decision()

@@ -1,0 +1,141 @@
+"""Hybrid decoding on one CUDA GPU: offload "auto" against "never" and fixed host shares, judged by ideal_gain.
+
+Per shape (random LLaMA-shaped bf16 model) and device KV pool size (emulating smaller GPUs), in one run, the same
+requests (twice what the device pool holds, so a host pool can raise the batch) under each mode: tokens/s of
+the whole generate call and the median decode step. Per configuration also: ideal_gain (the tokens/s the CPU's
+measured attention bandwidth could add: B_cpu / KV bytes a host request reads per step) with its inputs, auto's
+offload efficiency (auto - never) / ideal_gain, and the model's predicted decode step against the measured one.
+
+    python benchmarks/e2e_hybrid.py --out benchmarks/results/e2e_hybrid_<date>_h200.json
+"""
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e_throughput import SHAPES, kv_bytes_per_token, random_llama  # noqa: E402
+
+from apex_compile import ApexConfig, SamplingParams, optimize  # noqa: E402
+from apex_compile.runtime.kv_manager import HOST_POOL  # noqa: E402
+from apex_compile.runtime.perf_model import PerfModel  # noqa: E402
+from apex_compile.runtime.perf_profile import engine_profile  # noqa: E402
+
+GiB = 1 << 30
+
+
+def run_mode(model, offload, device_bytes, host_bytes, prompts, new_tokens, max_seqs):
+    """{tokens_per_s, decode_step_s, host_requests, steps: [(gpu rows, cpu rows, mean context, seconds)]}."""
+    config = ApexConfig(offload=offload, gpu_cache_size=device_bytes, cpu_cache_size=host_bytes,
+                        max_num_seqs=max_seqs, max_num_batched_tokens=2048,
+                        max_model_len=len(prompts[0]) + new_tokens + 64)
+    apex = optimize(model, config)
+    engine = apex.engine
+    engine.warmup()
+    sampling = SamplingParams(max_new_tokens=new_tokens)
+    engine.generate(prompts[:2], SamplingParams(max_new_tokens=4))  # captures outside the timed run
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    for p in prompts:
+        engine.add_request(p, sampling)
+    steps = []
+    while engine.has_unfinished():
+        running = engine.scheduler.running
+        decoding = bool(running) and all(r.num_computed == r.num_tokens - 1 for r in running)
+        on_host = sum(1 for r in running if engine.kv.pool_of(r.request_id) == HOST_POOL)
+        context = sum(r.num_tokens for r in running) / max(len(running), 1)
+        t0 = time.perf_counter()
+        engine.step()
+        if decoding:
+            steps.append((len(running) - on_host, on_host, context, time.perf_counter() - t0))
+    total = time.perf_counter() - begin
+    result = {"tokens_per_s": len(prompts) * new_tokens / total,
+              "decode_step_s": statistics.median(s[3] for s in steps),
+              "host_requests": engine.stats.requests_per_pool[HOST_POOL], "steps": steps,
+              "explain": apex.offload_decision()}
+    del apex, engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def prediction_error(model: PerfModel, steps):
+    """Median |predicted - measured| / measured over the decode steps (each at its own composition)."""
+    errors = []
+    for gpu, cpu, context, seconds in steps:
+        plan = "overlap" if cpu else "never"
+        errors.append(abs(model.predict(plan, gpu, cpu, context).step_s - seconds) / seconds)
+    return statistics.median(errors) if errors else None
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="llama3_8b")
+    parser.add_argument("--device-gib", default="1,2,4")
+    parser.add_argument("--host-gib", type=float, default=4)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--modes", default="never,auto,0.25,0.5")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("e2e_hybrid.py needs a CUDA GPU")
+    result = {"benchmark": "e2e_hybrid", "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "machine": {"gpu": torch.cuda.get_device_name(), "cpus": os.cpu_count(),
+                          "torch": torch.__version__, "python": platform.python_version()},
+              "args": vars(args), "rows": []}
+    modes = [m if m in ("never", "auto", "all") else float(m) for m in args.modes.split(",")]
+    print(f"{'shape':10} {'pool GiB':>8} {'reqs':>4} | " + " | ".join(f"{str(m):>16}" for m in modes)
+          + " | ideal_gain  auto eff  model err")
+    for shape_name in args.shapes.split(","):
+        shape = SHAPES[shape_name]
+        torch.manual_seed(0)
+        model = random_llama(shape)
+        per_request = (args.prompt + args.new_tokens + 16) * kv_bytes_per_token(shape)
+        for gib in (float(g) for g in args.device_gib.split(",")):
+            device_bytes = int(gib * GiB)
+            count = max(2 * device_bytes // per_request, 2)
+            prompts = torch.randint(3, shape["vocab_size"], (count, args.prompt)).tolist()
+            runs = {str(m): run_mode(model, m, device_bytes, int(args.host_gib * GiB), prompts, args.new_tokens,
+                                     count) for m in modes}
+            probe = optimize(model, ApexConfig(offload="never", gpu_cache_size=device_bytes,
+                                               cpu_cache_size=int(args.host_gib * GiB), max_num_seqs=count))
+            perf = PerfModel(engine_profile(probe.engine))
+            del probe
+            context = args.prompt + args.new_tokens / 2
+            ideal = perf.ideal_gain(context)
+            never = runs["never"]["tokens_per_s"]
+            efficiency = (runs["auto"]["tokens_per_s"] - never) / ideal if "auto" in runs else None
+            errors = {m: prediction_error(perf, r["steps"]) for m, r in runs.items()}
+            row = {"shape": shape_name, "device_gib": gib, "requests": count, "context": context,
+                   "ideal_gain": ideal, "cpu_attention_GBps": perf.cpu_bandwidth() / 1e9,
+                   "gpu_attention_GBps": perf.gpu_bandwidth() / 1e9,
+                   "kv_bytes_per_host_request_step": perf.profile.kv_bytes_per_token * context,
+                   "auto_efficiency": efficiency, "model_error": errors,
+                   "modes": {m: {k: v for k, v in r.items() if k != "steps"} for m, r in runs.items()},
+                   "steps": {m: r["steps"] for m, r in runs.items()}}
+            result["rows"].append(row)
+            cells = " | ".join(f"{runs[str(m)]['tokens_per_s']:7.0f} {runs[str(m)]['decode_step_s'] * 1e3:6.1f}ms"
+                               for m in modes)
+            err = errors.get("auto") if errors.get("auto") is not None else errors.get("never")
+            eff = f"{efficiency:8.2f}" if efficiency is not None else "       -"
+            print(f"{shape_name:10} {gib:8.1f} {count:4d} | {cells} | {ideal:10.0f} {eff} {err:9.1%}", flush=True)
+            print("   auto: " + runs["auto"]["explain"] if "auto" in runs else "", flush=True)
+            if args.out:
+                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+                with open(args.out, "w") as f:
+                    json.dump(result, f, indent=1)
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
