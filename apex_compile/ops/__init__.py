@@ -1,4 +1,5 @@
 """Public op entry points; each is also registered as `torch.ops.apex.<name>` with a fake implementation."""
+from apex_compile.ops import attention  # noqa: F401  (registers the runner-backed attention ops)
 from apex_compile.ops.cpu_attention import (  # noqa: F401
     allocate_kv_cache_cpu,
     cache_append_cpu,
