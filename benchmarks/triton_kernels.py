@@ -65,15 +65,15 @@ from apex_compile.kernels.paged_attention import (  # noqa: E402
     paged_decode_launch,
 )
 from apex_compile.kernels.prefill_attention import default_prefill_config, paged_prefill_launch  # noqa: E402
-from apex_compile.kernels.rms_norm import rms_norm, rms_norm_launch, rms_norm_num_warps  # noqa: E402
+from apex_compile.kernels.rms_norm import rms_norm_launch, rms_norm_num_warps  # noqa: E402
 from apex_compile.kernels.swiglu import (  # noqa: E402
     DISPATCH_TABLE_PATH,
     dispatch_key,
     fused_config_fits,
-    silu_mul,
     swiglu_fused_launch,
     swiglu_triton,
 )
+from apex_compile.ops import rms_norm, silu_mul  # noqa: E402
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16

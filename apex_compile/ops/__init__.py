@@ -14,5 +14,5 @@ from apex_compile.kernels.paged_attention import (  # noqa: F401
     paged_attention_gpu,
 )
 from apex_compile.kernels.prefill_attention import paged_prefill_attention_gpu  # noqa: F401
-from apex_compile.kernels.rms_norm import rms_norm  # noqa: F401
-from apex_compile.kernels.swiglu import silu_mul, swiglu  # noqa: F401
+from apex_compile.ops.mlp import silu_mul, swiglu  # noqa: F401
+from apex_compile.ops.norm import rms_norm  # noqa: F401
