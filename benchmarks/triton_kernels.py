@@ -58,10 +58,8 @@ from triton.testing import do_bench  # noqa: E402
 from apex_compile.kernels._common import pdl_available  # noqa: E402
 from apex_compile.kernels.paged_attention import (  # noqa: E402
     DECODE_NUM_STAGES,
-    cache_append_gpu,
     decode_chunk,
     decode_split_plan,
-    paged_attention_gpu,
     paged_decode_launch,
 )
 from apex_compile.kernels.prefill_attention import default_prefill_config, paged_prefill_launch  # noqa: E402
@@ -73,7 +71,7 @@ from apex_compile.kernels.swiglu import (  # noqa: E402
     swiglu_fused_launch,
     swiglu_triton,
 )
-from apex_compile.ops import rms_norm, silu_mul  # noqa: E402
+from apex_compile.ops import cache_append_gpu, paged_attention_gpu, rms_norm, silu_mul  # noqa: E402
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
