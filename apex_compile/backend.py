@@ -24,9 +24,6 @@ from typing import Callable, List, Optional
 import torch
 import torch.fx as fx
 
-import apex_compile.kernels.rms_norm  # noqa: F401  (registers apex::rms_norm)
-import apex_compile.kernels.swiglu  # noqa: F401  (registers apex::swiglu, apex::silu_mul)
-import apex_compile.ops.attention  # noqa: F401  (registers the apex attention ops)
 from apex_compile.config import compile_cache_dir
 from apex_compile.passes.pipeline import ATTENTION_MODES, run_pipeline
 from apex_compile.passes.report import PassReport

@@ -19,12 +19,11 @@ from kernel_bench import ATTENTION_LAYOUTS, DEVICE, DTYPE, check_close, main, sd
 
 from apex_compile.kernels.paged_attention import (
     DECODE_NUM_STAGES,
-    cache_append_gpu,
     decode_chunk,
     decode_split_plan,
-    paged_attention_gpu,
     paged_decode_launch,
 )
+from apex_compile.ops import cache_append_gpu, paged_attention_gpu
 
 SECTIONS = ("decode",)
 KV_BUDGET_BYTES = 8 << 30

@@ -15,8 +15,8 @@ import triton
 # kernel_bench first: it puts the repository root on sys.path for the apex_compile imports.
 from kernel_bench import ATTENTION_LAYOUTS, DEVICE, DTYPE, check_close, main, sdpa_function
 
-from apex_compile.kernels.paged_attention import cache_append_gpu
 from apex_compile.kernels.prefill_attention import default_prefill_config, paged_prefill_launch
+from apex_compile.ops import cache_append_gpu
 
 SECTIONS = ("prefill",)
 PREFILL_CASES = {

@@ -18,7 +18,8 @@ import triton.language as tl
 from kernel_bench import DEVICE, DTYPE, Timing, check_close, interleaved_medians, main
 
 from apex_compile.kernels._common import pdl_available
-from apex_compile.kernels.rms_norm import rms_norm, rms_norm_launch, rms_norm_num_warps
+from apex_compile.kernels.rms_norm import rms_norm_launch, rms_norm_num_warps
+from apex_compile.ops import rms_norm
 
 SECTIONS = ("rms_norm",)
 EPS = 1e-6

@@ -29,10 +29,10 @@ from apex_compile.kernels.swiglu import (
     DISPATCH_TABLE_PATH,
     dispatch_key,
     fused_config_fits,
-    silu_mul,
     swiglu_fused_launch,
     swiglu_triton,
 )
+from apex_compile.ops import silu_mul
 
 SECTIONS = ("silu_mul", "mlp")
 FUSED_MARGIN = 0.99

@@ -9,6 +9,8 @@ of the repository; installs ship it inside the package). Each is a small module 
 - `pipeline.run_pipeline` runs them and returns a `PassReport` (`report`).
 Each module's pass function has the module's name (`overlap_attention` for `overlap`).
 """
-from apex_compile.passes.graph_utils import PatternError  # noqa: F401
-from apex_compile.passes.pipeline import run_pipeline  # noqa: F401
-from apex_compile.passes.report import PassReport  # noqa: F401
+from apex_compile.passes.graph_utils import PatternError
+from apex_compile.passes.pipeline import run_pipeline
+from apex_compile.passes.report import PassReport
+
+__all__ = ["PassReport", "PatternError", "run_pipeline"]

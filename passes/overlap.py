@@ -49,7 +49,6 @@ def _sink_layout(node: fx.Node, graph: fx.Graph) -> None:
 
 def overlap_attention(gm: fx.GraphModule, report: PassReport) -> int:
     """Splits every `apex.attention` node of `gm`; returns how many were split."""
-    from apex_compile.ops import attention as _attention_ops  # noqa: F401  (registers the apex ops)
     ops = torch.ops.apex
     graph, split = gm.graph, 0
     for node in [n for n in graph.nodes if n.target is ops.attention.default]:

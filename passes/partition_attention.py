@@ -137,8 +137,6 @@ def _flatten_tokens(graph: fx.Graph, node: fx.Node, like: fx.Node) -> fx.Node:
 
 def partition_attention(gm: fx.GraphModule, report: PassReport) -> int:
     """Rewrites every SDPA call to `apex.attention`; returns the number of layers (raises PatternError)."""
-    from apex_compile.ops import attention as _attention_ops  # noqa: F401  (registers apex::attention)
-
     attention_op = torch.ops.apex.attention.default
     graph = gm.graph
     sdpas = find_sdpa(graph)

@@ -1,4 +1,5 @@
-"""GPU paged KV cache: allocation, `apex::cache_append_gpu` and decode attention `apex::paged_attention_gpu`.
+"""GPU paged KV cache: allocation and the Triton kernels of KV append and decode attention (launched by the ops
+`apex::cache_append_gpu` and `apex::paged_attention_gpu`, defined in apex_compile.ops.gpu_attention).
 
 Cache layout (notes/CONVENTIONS.md, identical to the CPU pool): key_cache and value_cache are contiguous
 `[num_blocks, num_kv_heads, block_size, head_dim]`; V is stored as that shape; inside each (block, kv_head)
@@ -25,14 +26,11 @@ capacity, as a CUDA graph is, still spreads every context over the GPU.
 On CUDA, data-dependent checks are not made (they would synchronise): a zero context gives NaN rows, and
 cache_append_gpu ignores slots outside [0, num_blocks * block_size). On CPU tensors (interpreter) both raise.
 """
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
 
 from apex_compile.kernels._common import (
-    INTERPRET,
     UPCAST_DOT_OPERANDS,
     cdiv,
     check_float_dtype,
@@ -302,34 +300,6 @@ def cache_append_launch(key, value, key_cache, value_cache, slot_mapping) -> Non
     )
 
 
-@torch.library.custom_op("apex::cache_append_gpu", mutates_args=("key_cache", "value_cache"))
-def _cache_append_op(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     slot_mapping: torch.Tensor) -> None:
-    cache_append_launch(key, value, key_cache, value_cache, slot_mapping)
-
-
-@_cache_append_op.register_kernel("cpu")
-def _cache_append_cpu(key, value, key_cache, value_cache, slot_mapping):
-    if INTERPRET:
-        cache_append_launch(key, value, key_cache, value_cache, slot_mapping)
-    else:
-        from apex_compile.ops.cpu_attention import cache_append_cpu
-
-        cache_append_cpu(key, value, key_cache, value_cache, slot_mapping)
-
-
-@_cache_append_op.register_fake
-def _cache_append_fake(key, value, key_cache, value_cache, slot_mapping):
-    return None
-
-
-def cache_append_gpu(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     slot_mapping: torch.Tensor) -> None:
-    """Writes key/value [num_tokens, num_kv_heads, head_dim] (may be strided) into the caches at slot_mapping
-    (int64 [num_tokens], slot = block_id * block_size + offset); negative slots are skipped (padding)."""
-    torch.ops.apex.cache_append_gpu(key, value, key_cache, value_cache, slot_mapping)
-
-
 def check_attention_inputs(query, key_cache, value_cache, block_tables, context_lens):
     """Shared validation of the paged attention ops; returns (num_kv_heads, group, block_size, head_dim)."""
     _, num_kv_heads, block_size, head_dim = check_cache_geometry(key_cache, value_cache)
@@ -453,42 +423,3 @@ def paged_decode_launch(query, key_cache, value_cache, block_tables, context_len
             num_warps=4,
         )
     return out
-
-
-@torch.library.custom_op("apex::paged_attention_gpu", mutates_args=())
-def _paged_attention_op(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        block_tables: torch.Tensor, context_lens: torch.Tensor, scale: Optional[float] = None,
-                        max_context_len: Optional[int] = None) -> torch.Tensor:
-    return paged_decode_launch(query, key_cache, value_cache, block_tables, context_lens, scale, max_context_len)
-
-
-@_paged_attention_op.register_kernel("cpu")
-def _paged_attention_cpu(query, key_cache, value_cache, block_tables, context_lens, scale=None,
-                         max_context_len=None):
-    if INTERPRET:
-        return paged_decode_launch(query, key_cache, value_cache, block_tables, context_lens, scale,
-                                   max_context_len)
-    from apex_compile.ops.cpu_attention import paged_attention_cpu
-
-    return paged_attention_cpu(query, key_cache, value_cache, block_tables, context_lens, scale)
-
-
-@_paged_attention_op.register_fake
-def _paged_attention_fake(query, key_cache, value_cache, block_tables, context_lens, scale=None,
-                          max_context_len=None):
-    return query.new_empty(query.shape)
-
-
-def paged_attention_gpu(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        block_tables: torch.Tensor, context_lens: torch.Tensor, scale: Optional[float] = None,
-                        max_context_len: Optional[int] = None) -> torch.Tensor:
-    """Decode attention of query [num_seqs, num_heads, head_dim] (may be strided) over each sequence's cached
-    tokens: block_tables int32 [num_seqs, max_blocks], context_lens int32 [num_seqs] (>= 1, counting the
-    current token). Returns [num_seqs, num_heads, head_dim] in the query's (= the cache's) dtype; scale defaults
-    to head_dim ** -0.5. `max_context_len`, a host-side upper bound of context_lens, only tunes the split-K
-    choice (default: the block-table capacity); results never depend on it. Block ids a sequence reads outside
-    [0, num_blocks) raise IndexError (checked with one device synchronisation).
-    """
-    check_block_ids(block_tables, context_lens, key_cache.shape[0], key_cache.shape[2])
-    return torch.ops.apex.paged_attention_gpu(query, key_cache, value_cache, block_tables, context_lens, scale,
-                                              max_context_len)

@@ -1,5 +1,5 @@
-"""Causal prefill attention over packed variable-length prompts, read from the paged KV cache:
-`apex::paged_prefill_attention_gpu`.
+"""Triton kernel of causal prefill attention over packed variable-length prompts, read from the paged KV cache
+(launched by the op `apex::paged_prefill_attention_gpu`, defined in apex_compile.ops.gpu_attention).
 
 Sequence s owns query rows `query_start_loc[s] : query_start_loc[s + 1]` of the packed `query [T, Hq, D]`;
 those are the last `q_len` tokens of its `context_lens[s]` cached tokens (append them with cache_append_gpu
@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from apex_compile.kernels._common import INTERPRET, UPCAST_DOT_OPERANDS, cdiv, dot_precision, next_pow2
-from apex_compile.kernels.paged_attention import LOG2E, attend_chunk, check_attention_inputs, check_block_ids
+from apex_compile.kernels._common import UPCAST_DOT_OPERANDS, cdiv, dot_precision, next_pow2
+from apex_compile.kernels.paged_attention import LOG2E, attend_chunk, check_attention_inputs
 
 
 @triton.jit(do_not_specialize=["stride_block_tables", "max_blocks_per_seq", "num_q_blocks"])
@@ -91,7 +91,8 @@ def default_prefill_config(head_dim: int, device: torch.device) -> dict:
     return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
 
 
-def _check_prefill_inputs(query, key_cache, value_cache, block_tables, query_start_loc, context_lens):
+def check_prefill_inputs(query, key_cache, value_cache, block_tables, query_start_loc, context_lens):
+    """Shared validation of the prefill op; returns (num_kv_heads, group, block_size, head_dim)."""
     geometry = check_attention_inputs(query, key_cache, value_cache, block_tables, context_lens)
     num_seqs = block_tables.shape[0]
     if (query_start_loc.dim() != 1 or query_start_loc.dtype != torch.int32
@@ -112,7 +113,7 @@ def _check_prefill_inputs(query, key_cache, value_cache, block_tables, query_sta
 def paged_prefill_launch(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale=None,
                          max_query_len=None, config: Optional[dict] = None) -> torch.Tensor:
     """Runs the Triton prefill kernel; `config` overrides the tile sizes (tests, benchmarks)."""
-    num_kv_heads, group, block_size, head_dim = _check_prefill_inputs(
+    num_kv_heads, group, block_size, head_dim = check_prefill_inputs(
         query, key_cache, value_cache, block_tables, query_start_loc, context_lens)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     num_seqs = block_tables.shape[0]
@@ -137,69 +138,3 @@ def paged_prefill_launch(query, key_cache, value_cache, block_tables, query_star
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     return out
-
-
-def paged_prefill_torch(query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
-                        scale=None) -> torch.Tensor:
-    """Plain torch implementation (fp32 math, one sequence at a time): the CPU path of the op."""
-    from apex_compile.ops.kv_layout import gather_kv
-
-    num_kv_heads, group, _, head_dim = _check_prefill_inputs(
-        query, key_cache, value_cache, block_tables, query_start_loc, context_lens)
-    scale = head_dim ** -0.5 if scale is None else scale
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    starts = query_start_loc.tolist()
-    for seq, context_len in enumerate(context_lens.tolist()):
-        begin, end = starts[seq], starts[seq + 1]
-        if begin == end:
-            continue
-        k, v = gather_kv(key_cache, value_cache, block_tables[seq], context_len)
-        q = query[begin:end].float().transpose(0, 1)  # [Hq, L, D]
-        k = k.float().transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, ctx, D]
-        v = v.float().transpose(0, 1).repeat_interleave(group, dim=0)
-        positions = torch.arange(context_len - (end - begin), context_len, device=query.device)
-        allowed = torch.arange(context_len, device=query.device)[None, :] <= positions[:, None]
-        scores = (q @ k.transpose(1, 2)) * scale
-        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
-        out[begin:end] = (probs @ v).transpose(0, 1).to(query.dtype)
-    return out
-
-
-@torch.library.custom_op("apex::paged_prefill_attention_gpu", mutates_args=())
-def _paged_prefill_op(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      block_tables: torch.Tensor, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
-                      scale: Optional[float] = None, max_query_len: Optional[int] = None) -> torch.Tensor:
-    return paged_prefill_launch(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale,
-                                max_query_len)
-
-
-@_paged_prefill_op.register_kernel("cpu")
-def _paged_prefill_cpu(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale=None,
-                       max_query_len=None):
-    if INTERPRET:
-        return paged_prefill_launch(query, key_cache, value_cache, block_tables, query_start_loc, context_lens,
-                                    scale, max_query_len)
-    return paged_prefill_torch(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale)
-
-
-@_paged_prefill_op.register_fake
-def _paged_prefill_fake(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale=None,
-                        max_query_len=None):
-    return query.new_empty(query.shape)
-
-
-def paged_prefill_attention_gpu(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                                block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                                context_lens: torch.Tensor, scale: Optional[float] = None,
-                                max_query_len: Optional[int] = None) -> torch.Tensor:
-    """Causal attention of packed queries [T, num_heads, head_dim] over the paged cache.
-
-    query_start_loc int32 [num_seqs + 1] (rows of sequence s: query_start_loc[s]:query_start_loc[s+1]);
-    context_lens int32 [num_seqs] count every cached token including this chunk (append K/V first); each
-    chunk is the last tokens of its context. Returns [T, num_heads, head_dim] in the query's dtype.
-    `max_query_len` (host int, >= the longest chunk) avoids a device sync; computed from query_start_loc if
-    omitted. Block ids a sequence reads outside [0, num_blocks) raise IndexError (one device synchronisation).
-    """
-    check_block_ids(block_tables, context_lens, key_cache.shape[0], key_cache.shape[2])
-    return torch.ops.apex.paged_prefill_attention_gpu(query, key_cache, value_cache, block_tables,
-                                                      query_start_loc, context_lens, scale, max_query_len)

@@ -1,4 +1,5 @@
-"""Fused residual add + RMSNorm with HuggingFace LlamaRMSNorm numerics: `apex::rms_norm`.
+"""Triton kernel of the fused residual add + RMSNorm with HuggingFace LlamaRMSNorm numerics (launched by the op
+`apex::rms_norm`, defined in apex_compile.ops.norm):
 
     residual_out = x + residual            (in x's dtype; a copy of x when no residual is given)
     y = weight * (residual_out_fp32 * rsqrt(mean(residual_out_fp32 ** 2) + eps)).to(x.dtype)
@@ -21,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from apex_compile.kernels._common import INTERPRET, check_float_dtype, check_same_device, next_pow2, pdl_available
+from apex_compile.kernels._common import check_float_dtype, check_same_device, next_pow2, pdl_available
 
 MAX_SINGLE_PASS_HIDDEN = 16384
 LOOP_BLOCK = 4096
@@ -83,7 +84,8 @@ def _rms_norm_kernel(
             tl.store(y_row + c, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _check_inputs(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
+def check_rms_norm_inputs(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor]) -> None:
+    """Raises a readable error unless x [..., H], weight [H] and residual (x's shape and dtype) fit."""
     check_float_dtype("rms_norm x", x)
     check_float_dtype("rms_norm weight", weight)
     if x.dim() < 1 or x.shape[-1] == 0:
@@ -143,51 +145,11 @@ def rms_norm_launch(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
     )
 
 
-def _rms_norm_triton(x, weight, eps, residual):
-    _check_inputs(x, weight, residual)
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checks the inputs, allocates `(y, residual_out)` and runs the Triton kernel."""
+    check_rms_norm_inputs(x, weight, residual)
     y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rms_norm_launch(x, weight, eps, residual, y, residual_out)
     return y, residual_out
-
-
-def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                   residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch implementation, operation for operation LlamaRMSNorm (the CPU path of `apex::rms_norm`)."""
-    _check_inputs(x, weight, residual)
-    x = x.contiguous()
-    hidden = x + residual.contiguous() if residual is not None else x.clone()
-    hidden_f32 = hidden.to(torch.float32)
-    variance = hidden_f32.pow(2).mean(-1, keepdim=True)
-    y = weight * (hidden_f32 * torch.rsqrt(variance + eps)).to(hidden.dtype)
-    return y.contiguous(), hidden
-
-
-@torch.library.custom_op("apex::rms_norm", mutates_args=())
-def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    return _rms_norm_triton(x, weight, eps, residual)
-
-
-@_rms_norm_op.register_kernel("cpu")
-def _rms_norm_cpu(x, weight, eps, residual=None):
-    if INTERPRET:
-        return _rms_norm_triton(x, weight, eps, residual)
-    return rms_norm_torch(x, weight, eps, residual)
-
-
-@_rms_norm_op.register_fake
-def _rms_norm_fake(x, weight, eps, residual=None):
-    y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
-    return y, x.new_empty(x.shape)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused `residual_out = x + residual; y = LlamaRMSNorm(residual_out)`; returns `(y, residual_out)`.
-
-    Without `residual`, residual_out is a copy of x. Runs the Triton kernel on CUDA (and on CPU under
-    TRITON_INTERPRET=1), plain torch on CPU otherwise. Same numerics as HuggingFace LlamaRMSNorm.
-    """
-    return torch.ops.apex.rms_norm(x, weight, eps, residual)
-

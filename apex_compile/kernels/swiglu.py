@@ -1,4 +1,5 @@
-"""SwiGLU MLP activation: `apex::silu_mul` and `apex::swiglu`.
+"""Triton kernels and path dispatch of the SwiGLU MLP activation (launched by the ops `apex::silu_mul` and
+`apex::swiglu`, defined in apex_compile.ops.mlp).
 
 - `silu_mul(gate_up)`: `silu(gate) * up` for a fused gate/up projection output `[..., 2I]` (gate first).
 - `swiglu(x, w_gate, w_up)`: `silu(x @ w_gate.T) * (x @ w_up.T)` (what the compiler's fuse_swiglu pass
@@ -25,7 +26,6 @@ import triton
 import triton.language as tl
 
 from apex_compile.kernels._common import (
-    INTERPRET,
     UPCAST_DOT_OPERANDS,
     cdiv,
     check_float_dtype,
@@ -116,14 +116,16 @@ def silu_mul_pair_launch(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor
     )
 
 
-def _check_gate_up(gate_up: torch.Tensor) -> None:
+def check_gate_up(gate_up: torch.Tensor) -> None:
+    """Raises unless gate_up is a float tensor [..., 2I] (gate first)."""
     check_float_dtype("silu_mul gate_up", gate_up)
     if gate_up.dim() < 1 or gate_up.shape[-1] % 2 != 0:
         raise ValueError(f"silu_mul: last dimension of gate_up must be even (gate, up), got {tuple(gate_up.shape)}")
 
 
-def _silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
-    _check_gate_up(gate_up)
+def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    """Checks gate_up [..., 2I] and runs the Triton kernel into a new [..., I] tensor."""
+    check_gate_up(gate_up)
     inter = gate_up.shape[-1] // 2
     flat = gate_up.reshape(-1, 2 * inter)
     if flat.stride(-1) != 1:
@@ -131,35 +133,6 @@ def _silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(flat.shape[0], inter, dtype=gate_up.dtype, device=gate_up.device)
     silu_mul_pair_launch(flat[:, :inter], flat[:, inter:], out)
     return out.view(*gate_up.shape[:-1], inter)
-
-
-def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
-    """Plain torch `silu(gate) * up` (the CPU path of `apex::silu_mul`)."""
-    _check_gate_up(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return (F.silu(gate) * up).contiguous()
-
-
-@torch.library.custom_op("apex::silu_mul", mutates_args=())
-def _silu_mul_op(gate_up: torch.Tensor) -> torch.Tensor:
-    return _silu_mul_triton(gate_up)
-
-
-@_silu_mul_op.register_kernel("cpu")
-def _silu_mul_cpu(gate_up):
-    if INTERPRET:
-        return _silu_mul_triton(gate_up)
-    return silu_mul_torch(gate_up)
-
-
-@_silu_mul_op.register_fake
-def _silu_mul_fake(gate_up):
-    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """`silu(gate_up[..., :I]) * gate_up[..., I:]` as a new `[..., I]` tensor (HF SwiGLU numerics)."""
-    return torch.ops.apex.silu_mul(gate_up)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -289,7 +262,8 @@ def choose_swiglu_path(x2: torch.Tensor, w_gate: torch.Tensor, merged: bool) -> 
     return lookup_swiglu_path(load_dispatch_table(), _cuda_device_name(index), key, x2.shape[0], merged)
 
 
-def _check_swiglu_inputs(x, w_gate, w_up):
+def check_swiglu_inputs(x, w_gate, w_up):
+    """Raises unless x [..., H] and two weights [I, H] of x's dtype share x's device."""
     check_float_dtype("swiglu x", x)
     if w_gate.dim() != 2 or w_gate.shape != w_up.shape or x.shape[-1] != w_gate.shape[1]:
         raise ValueError(f"swiglu: x {tuple(x.shape)}, w_gate {tuple(w_gate.shape)}, w_up {tuple(w_up.shape)}: "
@@ -303,7 +277,7 @@ def swiglu_triton(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, pat
                   config: Optional[dict] = None) -> torch.Tensor:
     """The GPU implementation; `path` overrides the dispatch table (tests, benchmarks): "fused", "cublas" (one
     GEMM over merged weights, else two) or "cublas_split" (always two GEMMs)."""
-    _check_swiglu_inputs(x, w_gate, w_up)
+    check_swiglu_inputs(x, w_gate, w_up)
     x2 = x.reshape(-1, x.shape[-1])
     if path is None:
         path, config = choose_swiglu_path(x2, w_gate, merged_gate_up_weight(w_gate, w_up) is not None)
@@ -314,31 +288,3 @@ def swiglu_triton(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, pat
     else:
         raise ValueError(f"swiglu: unknown path {path!r}")
     return out.view(*x.shape[:-1], w_gate.shape[0])
-
-
-def swiglu_torch(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
-    """Plain torch `silu(x @ w_gate.T) * (x @ w_up.T)`, as HF's LlamaMLP computes it (the CPU path)."""
-    _check_swiglu_inputs(x, w_gate, w_up)
-    return (F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)).contiguous()
-
-
-@torch.library.custom_op("apex::swiglu", mutates_args=())
-def _swiglu_op(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
-    return swiglu_triton(x, w_gate, w_up)
-
-
-@_swiglu_op.register_kernel("cpu")
-def _swiglu_cpu(x, w_gate, w_up):
-    if INTERPRET:
-        return swiglu_triton(x, w_gate, w_up)
-    return swiglu_torch(x, w_gate, w_up)
-
-
-@_swiglu_op.register_fake
-def _swiglu_fake(x, w_gate, w_up):
-    return x.new_empty(*x.shape[:-1], w_gate.shape[0])
-
-
-def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
-    """`silu(x @ w_gate.T) * (x @ w_up.T)`: cuBLAS + Triton silu_mul or the fused Triton GEMM, per measurement."""
-    return torch.ops.apex.swiglu(x, w_gate, w_up)

@@ -1,17 +1,28 @@
-"""Public op entry points; each is also registered as `torch.ops.apex.<name>` with a fake implementation."""
-from apex_compile.ops.cpu_attention import (  # noqa: F401
+"""Every `apex::` op: schema, fake implementation and per-device kernels (Triton launches from
+apex_compile.kernels, C++ from csrc/openmp), all registered on import; plus the public Python entry points.
+
+    cpu_attention   cache_append_cpu, paged_attention_cpu, cpu_isa_code, cpu_attention_work_split (C++)
+    gpu_attention   cache_append_gpu, paged_attention_gpu, paged_prefill_attention_gpu (Triton)
+    norm            rms_norm (Triton)
+    mlp             silu_mul, swiglu (Triton)
+    attention       attention, offload_launch, device_attention, offload_wait (the engine's runner)
+"""
+from apex_compile.kernels.paged_attention import allocate_kv_cache_gpu
+from apex_compile.ops import attention
+from apex_compile.ops.cpu_attention import (
     allocate_kv_cache_cpu,
     cache_append_cpu,
     cpu_attention_work_split,
     cpu_isa,
     paged_attention_cpu,
 )
-from apex_compile.ops.kv_layout import copy_blocks, gather_kv  # noqa: F401
-from apex_compile.kernels.paged_attention import (  # noqa: F401
-    allocate_kv_cache_gpu,
-    cache_append_gpu,
-    paged_attention_gpu,
-)
-from apex_compile.kernels.prefill_attention import paged_prefill_attention_gpu  # noqa: F401
-from apex_compile.kernels.rms_norm import rms_norm  # noqa: F401
-from apex_compile.kernels.swiglu import silu_mul, swiglu  # noqa: F401
+from apex_compile.ops.gpu_attention import cache_append_gpu, paged_attention_gpu, paged_prefill_attention_gpu
+from apex_compile.ops.kv_layout import copy_blocks, gather_kv
+from apex_compile.ops.mlp import silu_mul, swiglu
+from apex_compile.ops.norm import rms_norm
+
+__all__ = [
+    "allocate_kv_cache_cpu", "allocate_kv_cache_gpu", "attention", "cache_append_cpu", "cache_append_gpu",
+    "copy_blocks", "cpu_attention_work_split", "cpu_isa", "gather_kv", "paged_attention_cpu",
+    "paged_attention_gpu", "paged_prefill_attention_gpu", "rms_norm", "silu_mul", "swiglu",
+]

@@ -18,18 +18,36 @@ per-step runner state and touch the CPU, so inductor keeps them out of CUDA grap
 """
 import torch
 
+from apex_compile.ops._library import LIB
 from apex_compile.ops.runner_slot import current as get_attention_runner
 
-_LIB = torch.library.Library("apex", "FRAGMENT")
 _TAGS = tuple(tag for tag in (getattr(torch.Tag, "cudagraph_unsafe", None),) if tag is not None)
 
-_SCHEMAS = {
-    "attention": "attention(Tensor q, Tensor k, Tensor v, int layer_idx, float scale) -> Tensor",
-    "offload_launch": "offload_launch(Tensor q, Tensor k, Tensor v, int layer_idx, float scale) -> Tensor",
-    "device_attention": ("device_attention(Tensor q, Tensor k, Tensor v, int layer_idx, float scale, "
-                         "Tensor token) -> Tensor"),
-    "offload_wait": "offload_wait(Tensor token, Tensor device_out, int layer_idx) -> Tensor",
-}
+LIB.define("attention(Tensor q, Tensor k, Tensor v, int layer_idx, float scale) -> Tensor", tags=_TAGS)
+LIB.define("offload_launch(Tensor q, Tensor k, Tensor v, int layer_idx, float scale) -> Tensor", tags=_TAGS)
+LIB.define("device_attention(Tensor q, Tensor k, Tensor v, int layer_idx, float scale, Tensor token) -> Tensor",
+           tags=_TAGS)
+LIB.define("offload_wait(Tensor token, Tensor device_out, int layer_idx) -> Tensor", tags=_TAGS)
+
+
+@torch.library.register_fake("apex::attention", lib=LIB)
+def _attention_fake(q, k, v, layer_idx, scale):
+    return q.new_empty(q.shape[:-1] + v.shape[-1:])
+
+
+@torch.library.register_fake("apex::offload_launch", lib=LIB)
+def _launch_fake(q, k, v, layer_idx, scale):
+    return q.new_empty(1)
+
+
+@torch.library.register_fake("apex::device_attention", lib=LIB)
+def _device_attention_fake(q, k, v, layer_idx, scale, token):
+    return q.new_empty(q.shape[:-1] + v.shape[-1:])
+
+
+@torch.library.register_fake("apex::offload_wait", lib=LIB)
+def _wait_fake(token, device_out, layer_idx):
+    return torch.empty_like(device_out)
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -60,27 +78,8 @@ def _offload_wait(token, device_out, layer_idx):
     return _fresh(get_attention_runner().offload_wait(layer_idx, token, device_out), token, device_out)
 
 
-def _attention_fake(q, k, v, layer_idx, scale):
-    return q.new_empty(q.shape[:-1] + v.shape[-1:])
-
-
-def _launch_fake(q, k, v, layer_idx, scale):
-    return q.new_empty(1)
-
-
-def _device_attention_fake(q, k, v, layer_idx, scale, token):
-    return q.new_empty(q.shape[:-1] + v.shape[-1:])
-
-
-def _wait_fake(token, device_out, layer_idx):
-    return torch.empty_like(device_out)
-
-
-for _name, _impl, _fake in (("attention", _attention, _attention_fake),
-                            ("offload_launch", _offload_launch, _launch_fake),
-                            ("device_attention", _device_attention, _device_attention_fake),
-                            ("offload_wait", _offload_wait, _wait_fake)):
-    _LIB.define(_SCHEMAS[_name], tags=_TAGS)
-    _LIB.impl(_name, _impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"apex::{_name}", _fake, lib=_LIB)
-
+# Device-generic Python: the runner picks the kernels.
+LIB.impl("attention", _attention, "CompositeExplicitAutograd")
+LIB.impl("offload_launch", _offload_launch, "CompositeExplicitAutograd")
+LIB.impl("device_attention", _device_attention, "CompositeExplicitAutograd")
+LIB.impl("offload_wait", _offload_wait, "CompositeExplicitAutograd")

@@ -23,18 +23,18 @@ from typing import Optional, Tuple
 import torch
 
 from apex_compile import _build
+from apex_compile.ops._library import LIB
 
-_lib = torch.library.Library("apex", "FRAGMENT")
-_lib.define(
+LIB.define(
     "cache_append_cpu(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
     "Tensor slot_mapping) -> ()"
 )
-_lib.define(
+LIB.define(
     "paged_attention_cpu(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
     "Tensor context_lens, float? scale=None) -> Tensor"
 )
-_lib.define("cpu_isa_code() -> int")
-_lib.define("cpu_attention_work_split(int items_per_thread, int min_item_bytes, int min_thread_bytes) -> int[]")
+LIB.define("cpu_isa_code() -> int")
+LIB.define("cpu_attention_work_split(int items_per_thread, int min_item_bytes, int min_thread_bytes) -> int[]")
 
 _ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 _MADV_HUGEPAGE = 14
@@ -46,13 +46,13 @@ def _check_cpu(op: str, **tensors: torch.Tensor) -> None:
         torch._check(tensor.device.type == "cpu", lambda: f"{op}: {name} must be a CPU tensor, got {tensor.device}")
 
 
-@torch.library.register_fake("apex::cache_append_cpu")
+@torch.library.register_fake("apex::cache_append_cpu", lib=LIB)
 def _cache_append_cpu_fake(key, value, key_cache, value_cache, slot_mapping):
     _check_cpu("cache_append_cpu", key=key, value=value, key_cache=key_cache, value_cache=value_cache,
                slot_mapping=slot_mapping)
 
 
-@torch.library.register_fake("apex::paged_attention_cpu")
+@torch.library.register_fake("apex::paged_attention_cpu", lib=LIB)
 def _paged_attention_cpu_fake(query, key_cache, value_cache, block_tables, context_lens, scale=None):
     _check_cpu("paged_attention_cpu", query=query, key_cache=key_cache, value_cache=value_cache,
                block_tables=block_tables, context_lens=context_lens)
@@ -61,7 +61,7 @@ def _paged_attention_cpu_fake(query, key_cache, value_cache, block_tables, conte
     return query.new_empty(query.shape)
 
 
-_build.load_cpu_library()
+_build.load_cpu_library()  # the C++ library registers the CPU kernels of the schemas above
 
 
 def allocate_kv_cache_cpu(

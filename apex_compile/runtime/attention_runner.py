@@ -47,14 +47,12 @@ class PagedAttentionRunner:
 
     def __init__(self, kv: KVManager, device: torch.device):
         from apex_compile.kernels._common import INTERPRET
-        from apex_compile.kernels.paged_attention import cache_append_gpu
-        from apex_compile.kernels import prefill_attention  # noqa: F401  (registers the prefill op)
-        from apex_compile.ops import cache_append_cpu, paged_attention_cpu
+        from apex_compile.ops import cache_append_cpu, cache_append_gpu, paged_attention_cpu
 
         self.kv = kv
         self.device = device
         # On a CPU-only run the device pool is host memory too; the GPU ops' CPU kernels are these same C++ ops
-        # behind a custom-op wrapper (~0.2 ms per layer), so call them directly unless Triton is interpreted.
+        # behind an op wrapper (~0.2 ms per layer), so call them directly unless Triton is interpreted.
         self._device_is_cpu = device.type == "cpu" and not INTERPRET
         self._append = {DEVICE_POOL: cache_append_cpu if self._device_is_cpu else cache_append_gpu,
                         HOST_POOL: cache_append_cpu}

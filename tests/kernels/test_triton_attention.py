@@ -12,16 +12,15 @@ import torch
 
 from apex_compile.kernels.paged_attention import (
     allocate_kv_cache_gpu,
-    cache_append_gpu,
     DECODE_BLOCK_T,
     DECODE_BLOCK_T_SMALL_GRID,
     PROGRAMS_PER_SM,
     decode_chunk,
     decode_split_plan,
-    paged_attention_gpu,
     paged_decode_launch,
 )
-from apex_compile.kernels.prefill_attention import paged_prefill_attention_gpu, paged_prefill_launch
+from apex_compile.kernels.prefill_attention import paged_prefill_launch
+from apex_compile.ops import cache_append_gpu, paged_attention_gpu, paged_prefill_attention_gpu
 
 from tests.devices import CUDA_ONLY, DEVICES, INTERPRET, TRITON_DEVICES, not_interpreted
 

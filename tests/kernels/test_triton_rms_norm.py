@@ -7,7 +7,8 @@ TRITON_INTERPRET=1 (tests/kernels/test_triton_interpreter.py runs this file that
 import pytest
 import torch
 
-from apex_compile.kernels.rms_norm import MAX_SINGLE_PASS_HIDDEN, rms_norm, rms_norm_launch
+from apex_compile.kernels.rms_norm import MAX_SINGLE_PASS_HIDDEN, rms_norm_launch
+from apex_compile.ops import rms_norm
 
 from tests.devices import DEVICES, HAS_CUDA, INTERPRET, TRITON_DEVICES, not_interpreted
 

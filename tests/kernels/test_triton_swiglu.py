@@ -14,12 +14,11 @@ from apex_compile.kernels.swiglu import (
     fused_config_fits,
     lookup_swiglu_path,
     merged_gate_up_weight,
-    silu_mul,
     silu_mul_pair_launch,
-    swiglu,
     swiglu_fused_launch,
     swiglu_triton,
 )
+from apex_compile.ops import silu_mul, swiglu
 
 from tests.devices import DEVICES, INTERPRET, TRITON_DEVICES, not_interpreted
 

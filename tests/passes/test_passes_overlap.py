@@ -3,7 +3,6 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-import apex_compile.ops.attention  # noqa: F401  (registers the apex attention ops)
 from apex_compile.runtime.context import attention_runner
 from apex_compile.passes.overlap import overlap_attention
 from apex_compile.passes.partition_attention import partition_attention

@@ -3,7 +3,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import apex_compile.ops.attention  # noqa: F401  (registers the apex attention ops)
 from apex_compile.runtime.context import attention_runner
 from apex_compile.passes import PassReport, PatternError
 from apex_compile.passes.partition_attention import partition_attention

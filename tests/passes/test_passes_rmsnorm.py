@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-import apex_compile.kernels.rms_norm  # noqa: F401  (registers apex::rms_norm)
+import apex_compile.ops  # noqa: F401  (registers apex::rms_norm)
 import apex_compile.passes.fuse_rmsnorm
 from apex_compile.passes import PassReport
 from apex_compile.passes.fuse_rmsnorm import fuse_rmsnorm

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import apex_compile.kernels.swiglu  # noqa: F401  (registers apex::swiglu, apex::silu_mul)
+import apex_compile.ops  # noqa: F401  (registers apex::swiglu, apex::silu_mul)
 import apex_compile.passes.fuse_swiglu
 from apex_compile.passes import PassReport
 from apex_compile.passes.fuse_swiglu import fuse_swiglu
