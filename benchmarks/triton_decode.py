@@ -84,7 +84,8 @@ def decode_row(bench, model, batch, ctx, block_size, section_name="decode", with
         q, k, v, paged = sets[0]
         sdpa, backend = sdpa_function(q[:, :, None], k, v, causal=False)
         check_close("paged decode", paged_attention_gpu(q, *paged, max_context_len=ctx), sdpa()[:, :, 0])
-        kernel = bench.measure([lambda s=s: paged_attention_gpu(s[0], *s[3], max_context_len=ctx) for s in sets])
+        kernel = bench.measure([lambda s=s: torch.ops.apex.paged_attention_gpu(s[0], *s[3], None, ctx)
+                                for s in sets])
         base = bench.measure([sdpa_function(s[0][:, :, None], s[1], s[2], causal=False)[0] for s in sets])
         block_t, programs_per_sm = decode_chunk(batch, num_kv_heads, head_dim, 2, q.device)
         splits, _ = decode_split_plan(batch, num_kv_heads, ctx, q.device, block_t, programs_per_sm)

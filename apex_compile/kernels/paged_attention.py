@@ -328,8 +328,11 @@ def check_attention_inputs(query, key_cache, value_cache, block_tables, context_
 def check_block_ids(block_tables: torch.Tensor, context_lens: torch.Tensor, num_blocks: int, block_size: int) -> None:
     """Raises IndexError unless every block id a sequence reads (the first cdiv(context_len, block_size) entries
     of its row) is in [0, num_blocks). One min/max reduction, so one device synchronisation on CUDA: the public
-    ops call it; the engine, which builds its own tables, calls the ops unchecked."""
+    ops call it; the engine, which builds its own tables, calls the ops unchecked. Skipped while a CUDA graph is
+    being captured (a capture cannot synchronise; the captured tables are the caller's to keep valid)."""
     if block_tables.numel() == 0 or context_lens.numel() == 0:
+        return
+    if block_tables.is_cuda and torch.cuda.is_current_stream_capturing():
         return
     used = (context_lens.to(torch.int64).clamp(min=0) + block_size - 1) // block_size
     read = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < used[:, None]

@@ -197,6 +197,27 @@ def test_public_attention_ops_reject_out_of_range_block_ids(device, bad_id):
         paged_prefill_attention_gpu(query, key_cache, value_cache, bad, starts, context_lens, max_query_len=1)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_public_attention_op_can_be_captured_in_a_cuda_graph():
+    """The block-id check synchronises, so it is skipped under stream capture: the public op captures and its
+    replay equals the eager call."""
+    key_cache, value_cache = allocate_kv_cache_gpu(4, 2, 16, 16, torch.float32, "cuda")
+    key_cache.normal_()
+    value_cache.normal_()
+    query = torch.randn(2, 4, 16, device="cuda")
+    context_lens = torch.tensor([20, 5], dtype=torch.int32, device="cuda")
+    tables = torch.tensor([[0, 1, 2], [3, 0, 0]], dtype=torch.int32, device="cuda")
+    eager = paged_attention_gpu(query, key_cache, value_cache, tables, context_lens)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention_gpu(query, key_cache, value_cache, tables, context_lens)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # decode
 
