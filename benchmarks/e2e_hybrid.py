@@ -31,8 +31,9 @@ from apex_compile.runtime.perf_profile import engine_profile  # noqa: E402
 GiB = 1 << 30
 
 
-def run_mode(model, offload, device_bytes, host_bytes, prompts, new_tokens, max_seqs):
-    """{tokens_per_s, decode_step_s, host_requests, steps: [(gpu rows, cpu rows, mean context, seconds)]}."""
+def run_mode(model, offload, device_bytes, host_bytes, prompts, new_tokens, max_seqs, repeats=2):
+    """{tokens_per_s, decode_step_s, host_requests, steps: [(gpu rows, cpu rows, mean context, seconds)]} of the
+    last of `repeats` runs of the whole request set (earlier runs capture the graphs its step shapes need)."""
     config = ApexConfig(offload=offload, gpu_cache_size=device_bytes, cpu_cache_size=host_bytes,
                         max_num_seqs=max_seqs, max_num_batched_tokens=2048,
                         max_model_len=len(prompts[0]) + new_tokens + 64)
@@ -40,22 +41,22 @@ def run_mode(model, offload, device_bytes, host_bytes, prompts, new_tokens, max_
     engine = apex.engine
     engine.warmup()
     sampling = SamplingParams(max_new_tokens=new_tokens)
-    engine.generate(prompts[:2], SamplingParams(max_new_tokens=4))  # captures outside the timed run
-    torch.cuda.synchronize()
-    begin = time.perf_counter()
-    for p in prompts:
-        engine.add_request(p, sampling)
-    steps = []
-    while engine.has_unfinished():
-        running = engine.scheduler.running
-        decoding = bool(running) and all(r.num_computed == r.num_tokens - 1 for r in running)
-        on_host = sum(1 for r in running if engine.kv.pool_of(r.request_id) == HOST_POOL)
-        context = sum(r.num_tokens for r in running) / max(len(running), 1)
-        t0 = time.perf_counter()
-        engine.step()
-        if decoding:
-            steps.append((len(running) - on_host, on_host, context, time.perf_counter() - t0))
-    total = time.perf_counter() - begin
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        for p in prompts:
+            engine.add_request(p, sampling)
+        steps = []
+        while engine.has_unfinished():
+            running = engine.scheduler.running
+            decoding = bool(running) and all(r.num_computed == r.num_tokens - 1 for r in running)
+            on_host = sum(1 for r in running if engine.kv.pool_of(r.request_id) == HOST_POOL)
+            context = sum(r.num_tokens for r in running) / max(len(running), 1)
+            t0 = time.perf_counter()
+            engine.step()
+            if decoding:
+                steps.append((len(running) - on_host, on_host, context, time.perf_counter() - t0))
+        total = time.perf_counter() - begin
     result = {"tokens_per_s": len(prompts) * new_tokens / total,
               "decode_step_s": statistics.median(s[3] for s in steps),
               "host_requests": engine.stats.requests_per_pool[HOST_POOL], "steps": steps,
@@ -83,6 +84,7 @@ def main():
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--modes", default="never,auto,0.25,0.5")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per mode; the last is reported")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -104,7 +106,7 @@ def main():
             count = max(2 * device_bytes // per_request, 2)
             prompts = torch.randint(3, shape["vocab_size"], (count, args.prompt)).tolist()
             runs = {str(m): run_mode(model, m, device_bytes, int(args.host_gib * GiB), prompts, args.new_tokens,
-                                     count) for m in modes}
+                                     count, args.repeats) for m in modes}
             probe = optimize(model, ApexConfig(offload="never", gpu_cache_size=device_bytes,
                                                cpu_cache_size=int(args.host_gib * GiB), max_num_seqs=count))
             perf = PerfModel(engine_profile(probe.engine))
