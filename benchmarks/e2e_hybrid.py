@@ -11,7 +11,6 @@ offload efficiency (auto - never) / ideal_gain, and the model's predicted decode
 import argparse
 import datetime
 import gc
-import json
 import os
 import platform
 import statistics
@@ -21,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_throughput import SHAPES, kv_bytes_per_token, random_llama  # noqa: E402
+from e2e_throughput import SHAPES, kv_bytes_per_token, random_llama, write_json  # noqa: E402
 
 from apex_compile import ApexConfig, SamplingParams, optimize  # noqa: E402
 from apex_compile.runtime.kv_manager import HOST_POOL  # noqa: E402
@@ -130,10 +129,7 @@ def main():
             eff = f"{efficiency:8.2f}" if efficiency is not None else "       -"
             print(f"{shape_name:10} {gib:8.1f} {count:4d} | {cells} | {ideal:10.0f} {eff} {err:9.1%}", flush=True)
             print("   auto: " + runs["auto"]["explain"] if "auto" in runs else "", flush=True)
-            if args.out:
-                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-                with open(args.out, "w") as f:
-                    json.dump(result, f, indent=1)
+            write_json(args.out, result)  # after every row: a run cut short keeps what it measured
         del model
         gc.collect()
         torch.cuda.empty_cache()

@@ -11,7 +11,6 @@ Per random LLaMA shape (bf16), in one run:
 """
 import argparse
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -21,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_throughput import SHAPES, kv_bytes_per_token, random_llama  # noqa: E402
+from e2e_throughput import SHAPES, kv_bytes_per_token, random_llama, write_json  # noqa: E402
 
 from apex_compile import ApexConfig, SamplingParams, optimize  # noqa: E402
 from apex_compile.runtime.cuda_graphs import PiecewiseGraphs, piecewise_sizes  # noqa: E402
@@ -131,10 +130,7 @@ def main():
             "hybrid_decode": {"piecewise_s": hybrid[True], "uncaptured_s": hybrid[False]}}
         del model
         torch.cuda.empty_cache()
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

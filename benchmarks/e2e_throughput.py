@@ -27,12 +27,12 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from apex_compile.config import ApexConfig  # noqa: E402
 from apex_compile.model import optimize  # noqa: E402
+from apex_compile.runtime.perf_profile import linear_seconds  # noqa: E402
 from apex_compile.runtime.request import SamplingParams  # noqa: E402
 
 HBM_REFERENCE = 4.225e12  # bytes/s, device-to-device copy on the H200 (shared/DEVICE.md)
@@ -66,23 +66,8 @@ def linear_weights(model):
 
 def gemm_floor(model, tokens: int, replays: int = 20) -> float:
     """Seconds of every linear weight as a cuBLAS GEMM at `tokens` rows, in one CUDA graph."""
-    weights = linear_weights(model)
-    x = {w.shape[1]: torch.randn(tokens, w.shape[1], dtype=w.dtype, device="cuda") for w in weights}
     with torch.inference_mode():
-        for w in weights:
-            F.linear(x[w.shape[1]], w)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for w in weights:
-                F.linear(x[w.shape[1]], w)
-        graph.replay()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / replays
+        return linear_seconds(model, tokens, replays)
 
 
 def kv_bytes_per_token(shape: dict, dtype_bytes: int = 2) -> int:

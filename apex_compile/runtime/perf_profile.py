@@ -53,7 +53,8 @@ def _graph_seconds(fn: Callable[[], None], replays: int = 5) -> float:
     return (time.perf_counter() - start) / replays
 
 
-def _linear_seconds(model: torch.nn.Module, tokens: int) -> float:
+def linear_seconds(model: torch.nn.Module, tokens: int, replays: int = 5) -> float:
+    """GPU seconds of every linear weight of `model` as one GEMM at `tokens` rows (the step's GEMM floor)."""
     weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = {w.shape[1]: torch.randn(tokens, w.shape[1], dtype=w.dtype, device=w.device) for w in weights}
 
@@ -61,7 +62,7 @@ def _linear_seconds(model: torch.nn.Module, tokens: int) -> float:
         for w in weights:
             F.linear(inputs[w.shape[1]], w)
 
-    return _graph_seconds(run)
+    return _graph_seconds(run, replays)
 
 
 def _tables(num_blocks: int, batch: int, context: int, block_size: int, device) -> torch.Tensor:
@@ -132,7 +133,7 @@ def measure_profile(engine) -> Profile:
     kv_per_token = s.block_bytes // s.block_size
     tokens = [t for t in LINEAR_TOKENS if t <= max(engine.config.max_num_seqs, 1)] or [1]
     with torch.inference_mode():
-        linear = [_linear_seconds(engine.model, t) for t in tokens]
+        linear = [linear_seconds(engine.model, t) for t in tokens]
         gpu_tokens = engine.kv.pools[DEVICE_POOL].num_blocks * s.block_size
         gpu_ctx = _attention_points(gpu_tokens, 1 << 20)
         gpu = [_gpu_attention_seconds(engine, t) for t in gpu_ctx]
