@@ -388,7 +388,7 @@ class Engine:
         if size is not None and not self.graphs.ready:
             self.capture_graphs()
         num_tokens = sum(c.num_tokens for c in chunks)
-        key = self.pieces.key_for(num_tokens, len(logit_rows)) if size is None and self.pieces else None
+        key = self.pieces.key_for(num_tokens, len(logit_rows)) if size is None and self.pieces is not None else None
         if key is not None and key not in self.pieces.pieces:
             self._capture_pieces(key)
         num_logits = len(logit_rows)
@@ -422,12 +422,13 @@ class Engine:
         captured = self.pieces.capture_seconds if self.pieces is not None else 0.0
         start = time.perf_counter()
         sampled = self._step_chunks(chunks)
-        if (self.scheduler.host_policy is not None and chunks and all(c.num_tokens == 1 and c.start for c in chunks)
-                and (self.pieces is None or self.pieces.capture_seconds == captured)):
+        policy = self.scheduler.host_policy
+        capture_free = self.pieces is None or self.pieces.capture_seconds == captured
+        if policy is not None and capture_free and all(c.num_tokens == 1 and c.start for c in chunks):
+            # a decode step's wall time (the sampled ids' copy waits for the GPU) corrects auto's model
             on_host = sum(1 for c in chunks if c.pool == HOST_POOL)
             context = sum(c.start + 1 for c in chunks) / len(chunks)
-            self.scheduler.host_policy.observe(len(chunks) - on_host, on_host, context,
-                                               time.perf_counter() - start)
+            policy.observe(len(chunks) - on_host, on_host, context, time.perf_counter() - start)
         return sampled
 
     def _step_chunks(self, chunks: List[ScheduledChunk]) -> List[Request]:
