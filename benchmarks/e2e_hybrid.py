@@ -30,6 +30,26 @@ from apex_compile.runtime.perf_profile import engine_profile  # noqa: E402
 GiB = 1 << 30
 
 
+def decode_steps(engine, prompts, sampling):
+    """Runs `prompts` to the end: (seconds, [(gpu rows, cpu rows, mean context, seconds)] of each step in which
+    every running request decodes)."""
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    for p in prompts:
+        engine.add_request(p, sampling)
+    steps = []
+    while engine.has_unfinished():
+        running = engine.scheduler.running
+        decoding = bool(running) and all(r.num_computed == r.num_tokens - 1 for r in running)
+        on_host = sum(1 for r in running if engine.kv.pool_of(r.request_id) == HOST_POOL)
+        context = sum(r.num_tokens for r in running) / max(len(running), 1)
+        start = time.perf_counter()
+        engine.step()
+        if decoding:
+            steps.append((len(running) - on_host, on_host, context, time.perf_counter() - start))
+    return time.perf_counter() - begin, steps
+
+
 def run_mode(model, offload, device_bytes, host_bytes, prompts, new_tokens, max_seqs, repeats=2):
     """{tokens_per_s, decode_step_s, host_requests, steps: [(gpu rows, cpu rows, mean context, seconds)]} of the
     last of `repeats` runs of the whole request set (earlier runs capture the graphs its step shapes need)."""
@@ -41,21 +61,7 @@ def run_mode(model, offload, device_bytes, host_bytes, prompts, new_tokens, max_
     engine.warmup()
     sampling = SamplingParams(max_new_tokens=new_tokens)
     for _ in range(repeats):
-        torch.cuda.synchronize()
-        begin = time.perf_counter()
-        for p in prompts:
-            engine.add_request(p, sampling)
-        steps = []
-        while engine.has_unfinished():
-            running = engine.scheduler.running
-            decoding = bool(running) and all(r.num_computed == r.num_tokens - 1 for r in running)
-            on_host = sum(1 for r in running if engine.kv.pool_of(r.request_id) == HOST_POOL)
-            context = sum(r.num_tokens for r in running) / max(len(running), 1)
-            t0 = time.perf_counter()
-            engine.step()
-            if decoding:
-                steps.append((len(running) - on_host, on_host, context, time.perf_counter() - t0))
-        total = time.perf_counter() - begin
+        total, steps = decode_steps(engine, prompts, sampling)
     result = {"tokens_per_s": len(prompts) * new_tokens / total,
               "decode_step_s": statistics.median(s[3] for s in steps),
               "host_requests": engine.stats.requests_per_pool[HOST_POOL], "steps": steps,

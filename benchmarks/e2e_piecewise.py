@@ -20,6 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from e2e_hybrid import decode_steps  # noqa: E402
 from e2e_throughput import SHAPES, kv_bytes_per_token, random_llama, write_json  # noqa: E402
 
 from apex_compile import ApexConfig, SamplingParams, optimize  # noqa: E402
@@ -60,19 +61,8 @@ def prefill_rows(model, shape, tokens_list, capture_max, repeats):
 
 def decode_step_median(engine, prompts, new_tokens):
     """Median wall time of the steps in which every running request decodes."""
-    sampling = SamplingParams(max_new_tokens=new_tokens)
-    for prompt in prompts:
-        engine.add_request(prompt, sampling)
-    times = []
-    while engine.has_unfinished():
-        running = engine.scheduler.running
-        decoding = bool(running) and not engine.scheduler.waiting and all(
-            r.num_computed == r.num_tokens - 1 for r in running)
-        start = time.perf_counter()
-        engine.step()
-        if decoding:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    _, steps = decode_steps(engine, prompts, SamplingParams(max_new_tokens=new_tokens))
+    return statistics.median(step[3] for step in steps)
 
 
 def hybrid_rows(model, shape, batch, prompt_len, new_tokens):

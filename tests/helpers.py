@@ -45,6 +45,14 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     actual, expected = actual.double(), expected.double()
     return ((actual - expected).norm() / expected.norm()).item()
 
+def assert_rel_close(out: torch.Tensor, ref: torch.Tensor, rel: float, what: str) -> None:
+    """max |out - ref| <= rel * max |ref|, in float64 on the CPU (CUDA outputs may meet CPU references)."""
+    assert not torch.isnan(out).any(), f"{what}: NaN in output"
+    out, ref = out.double().cpu(), ref.double().cpu()
+    err = (out - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    assert err <= rel * max(scale, 1e-30), f"{what}: max error {err:.3g} > {rel:g} * {scale:.3g}"
+
 
 def count_calls(gm: fx.GraphModule, target) -> int:
     """Number of call_function nodes of `gm` whose target is `target`."""

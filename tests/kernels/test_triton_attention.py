@@ -23,6 +23,7 @@ from apex_compile.kernels.prefill_attention import paged_prefill_launch
 from apex_compile.ops import cache_append_gpu, paged_attention_gpu, paged_prefill_attention_gpu
 
 from tests.devices import CUDA_ONLY, DEVICES, INTERPRET, TRITON_DEVICES, not_interpreted
+from tests.helpers import assert_rel_close
 
 
 def tolerance(dtype, device):
@@ -30,15 +31,6 @@ def tolerance(dtype, device):
         return 1e-5
     # The interpreter rounds fp32 -> bf16 toward zero (the GPU rounds to nearest even): allow twice the error.
     return 2e-2 if device == "cpu" and INTERPRET else 1e-2
-
-
-def assert_rel_close(out, ref, rel, what):
-    """max |out - ref| <= rel * max |ref|, in float64."""
-    assert not torch.isnan(out).any(), f"{what}: NaN in output"
-    out, ref = out.double().cpu(), ref.double().cpu()  # CUDA outputs are checked against CPU references
-    err = (out - ref).abs().max().item()
-    scale = ref.double().abs().max().item()
-    assert err <= rel * max(scale, 1e-30), f"{what}: max error {err:.3g} > {rel:g} * {scale:.3g}"
 
 
 def logical_key_cache(key_cache):

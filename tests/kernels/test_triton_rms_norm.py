@@ -11,6 +11,7 @@ from apex_compile.kernels.rms_norm import MAX_SINGLE_PASS_HIDDEN, rms_norm_launc
 from apex_compile.ops import rms_norm
 
 from tests.devices import DEVICES, HAS_CUDA, INTERPRET, TRITON_DEVICES, not_interpreted
+from tests.helpers import assert_rel_close
 
 
 def bf16_tolerance(device):
@@ -19,14 +20,6 @@ def bf16_tolerance(device):
 
 
 TOLERANCE = {torch.float32: lambda device: 1e-5, torch.bfloat16: bf16_tolerance}
-
-
-def assert_rel_close(out, ref, rel, what):
-    """max |out - ref| <= rel * max |ref|, in float64."""
-    assert not torch.isnan(out).any(), f"{what}: NaN in output"
-    err = (out.double() - ref.double()).abs().max().item()
-    scale = ref.double().abs().max().item()
-    assert err <= rel * max(scale, 1e-30), f"{what}: max error {err:.3g} > {rel:g} * {scale:.3g}"
 
 
 def reference(x, weight, eps, residual):

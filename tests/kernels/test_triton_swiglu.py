@@ -21,6 +21,7 @@ from apex_compile.kernels.swiglu import (
 from apex_compile.ops import silu_mul, swiglu
 
 from tests.devices import DEVICES, INTERPRET, TRITON_DEVICES, not_interpreted
+from tests.helpers import assert_rel_close
 
 
 def tolerance(dtype, device):
@@ -30,14 +31,6 @@ def tolerance(dtype, device):
     # rounds fp32 -> bf16 toward zero (< 2^-7 each, all in one direction). swiglu rounds gate, up, silu(gate) and
     # the product: up to ~3% under the interpreter (2.3% seen in 150 random draws, so 2% failed now and then).
     return 4e-2 if device == "cpu" and INTERPRET else 1e-2
-
-
-def assert_rel_close(out, ref, rel, what):
-    """max |out - ref| <= rel * max |ref|, in float64."""
-    assert not torch.isnan(out).any(), f"{what}: NaN in output"
-    err = (out.double() - ref.double()).abs().max().item()
-    scale = ref.double().abs().max().item()
-    assert err <= rel * max(scale, 1e-30), f"{what}: max error {err:.3g} > {rel:g} * {scale:.3g}"
 
 
 def silu_mul_reference(gate, up):
