@@ -3,6 +3,7 @@ import warnings
 
 import torch.fx as fx
 
+from apex_compile.passes.fuse_qkv import fuse_qkv as fuse_qkv_projections
 from apex_compile.passes.fuse_rmsnorm import fuse_rmsnorm
 from apex_compile.passes.fuse_swiglu import fuse_swiglu
 from apex_compile.passes.overlap import overlap_attention
@@ -14,7 +15,7 @@ ATTENTION_MODES = ("sdpa", "paged")
 
 
 def run_pipeline(gm: fx.GraphModule, attention: str = "sdpa", overlap: bool = False, fuse: bool = True,
-                 pack_linear: bool = False) -> PassReport:
+                 pack_linear: bool = False, fuse_qkv: bool = False) -> PassReport:
     """Rewrites `gm` in place and returns the report of what was rewritten.
 
     attention="sdpa": attention stays dense SDPA; only the fusions apply, and a graph without any fusable
@@ -22,7 +23,10 @@ def run_pipeline(gm: fx.GraphModule, attention: str = "sdpa", overlap: bool = Fa
     (raises `PatternError` if any does not match); overlap=True then splits them into launch/device/wait.
     fuse=False leaves RMSNorm and the MLP as traced (the engine on a CPU, where the fused ops' CPU
     implementations are the same aten ops behind one more dispatch). pack_linear=True runs fp32 CPU linears
-    on oneDNN packed weights (`passes.pack_linear`; for graphs executed eagerly on a CPU).
+    on oneDNN packed weights (`passes.pack_linear`; for graphs executed eagerly on a CPU). fuse_qkv=True turns
+    each layer's q/k/v projections into one `apex.qkv_linear` (one GEMM where the engine merged the weights with
+    `apex_compile.ops.linear.merge_projection_weights`; three GEMMs and a concatenation elsewhere, so off unless
+    the weights are merged).
     """
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
@@ -38,6 +42,8 @@ def run_pipeline(gm: fx.GraphModule, attention: str = "sdpa", overlap: bool = Fa
     if fuse:
         fuse_rmsnorm(gm, report)
         fuse_swiglu(gm, report)
+    if fuse_qkv:
+        fuse_qkv_projections(gm, report)
     if pack_linear:
         pack_linears(gm, report)
     gm.graph.lint()

@@ -7,8 +7,8 @@ import torch.fx as fx
 from apex_compile.passes.graph_utils import layer_of, module_path
 
 # Kinds of rewrites, in table order: fused RMSNorm, fused gate/up SwiGLU, fused silu*mul on a gate_up
-# tensor, SDPA -> apex.attention, apex.attention -> launch/device/wait.
-KINDS = ("rms_norm", "swiglu", "silu_mul", "attention", "overlap")
+# tensor, q/k/v projections as one GEMM, SDPA -> apex.attention, apex.attention -> launch/device/wait.
+KINDS = ("rms_norm", "swiglu", "silu_mul", "qkv", "attention", "overlap")
 
 
 @dataclasses.dataclass
@@ -90,14 +90,14 @@ class PassReport:
         return "; ".join(cells) or "-"
 
     def __str__(self) -> str:
-        header = ["layer", "rms_norm", "swiglu", "silu_mul", "attention"]
+        header = ["layer", "rms_norm", "swiglu", "silu_mul", "qkv", "attention"]
         rows = []
         for layer in self.layers + [None]:
             counts, attention = self.layer_counts(layer), self._attention_cell(layer)
             if layer is None and not any(counts.values()) and attention == "-":
                 continue
             rows.append(["other" if layer is None else str(layer), str(counts["rms_norm"]),
-                         str(counts["swiglu"]), str(counts["silu_mul"]), attention])
+                         str(counts["swiglu"]), str(counts["silu_mul"]), str(counts["qkv"]), attention])
         widths = [max(len(row[i]) for row in rows + [header]) for i in range(len(header))]
 
         def line(cells):

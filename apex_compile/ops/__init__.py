@@ -5,6 +5,7 @@ apex_compile.kernels, C++ from csrc/openmp), all registered on import; plus the 
     gpu_attention   cache_append_gpu, paged_attention_gpu, paged_prefill_attention_gpu (Triton)
     norm            rms_norm (Triton)
     mlp             silu_mul, swiglu (Triton)
+    linear          qkv_linear (one GEMM over merged q/k/v weights)
     attention       attention, offload_launch, device_attention, offload_wait (the engine's runner)
 """
 from apex_compile.kernels.paged_attention import allocate_kv_cache_gpu
@@ -18,11 +19,12 @@ from apex_compile.ops.cpu_attention import (
 )
 from apex_compile.ops.gpu_attention import cache_append_gpu, paged_attention_gpu, paged_prefill_attention_gpu
 from apex_compile.ops.kv_layout import copy_blocks, gather_kv
+from apex_compile.ops.linear import qkv_linear
 from apex_compile.ops.mlp import silu_mul, swiglu
 from apex_compile.ops.norm import rms_norm
 
 __all__ = [
     "allocate_kv_cache_cpu", "allocate_kv_cache_gpu", "attention", "cache_append_cpu", "cache_append_gpu",
     "copy_blocks", "cpu_attention_work_split", "cpu_isa", "gather_kv", "paged_attention_cpu",
-    "paged_attention_gpu", "paged_prefill_attention_gpu", "rms_norm", "silu_mul", "swiglu",
+    "paged_attention_gpu", "paged_prefill_attention_gpu", "qkv_linear", "rms_norm", "silu_mul", "swiglu",
 ]

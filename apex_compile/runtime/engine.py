@@ -148,7 +148,11 @@ def _compiled_step(model: torch.nn.Module, overlap: bool, inner: Optional[str]):
 
         reports: list = []
         on_cpu = next(model.parameters()).device.type == "cpu"
-        options = {"attention": "paged", "overlap": overlap, "fuse": not on_cpu,
+        if not on_cpu:  # one GEMM per layer for q/k/v (and gate/up): their weights back to back in one buffer
+            from apex_compile.ops.linear import merge_projection_weights
+
+            merge_projection_weights(model)
+        options = {"attention": "paged", "overlap": overlap, "fuse": not on_cpu, "fuse_qkv": not on_cpu,
                    "pack_linear": on_cpu and inner in (None, "eager"), "on_report": reports.append}
         if inner is not None:
             options["inner"] = inner

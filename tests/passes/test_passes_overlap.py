@@ -89,7 +89,7 @@ def test_decoder_with_overlap_matches_eager_over_steps():
                  ("offload_launch", 1), ("device_attention", 1), ("offload_wait", 1)]
     assert runner.calls == per_layer * 2
     gm, report = records[0]
-    assert report.counts == {"rms_norm": 0, "swiglu": 0, "silu_mul": 0, "attention": 2, "overlap": 2}
+    assert report.counts == {"rms_norm": 0, "swiglu": 0, "silu_mul": 0, "qkv": 0, "attention": 2, "overlap": 2}
     # each wait sits after its device part and before the o_proj linear that needs it
     for wait in (n for n in gm.graph.nodes if n.target is OPS.offload_wait.default):
         user = next(iter(wait.users))
