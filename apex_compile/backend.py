@@ -9,6 +9,8 @@ in a fresh interpreter. Options (`torch.compile(..., options={...})`):
 - "overlap": bool, default False; with "paged", splits attention into offload launch / device / wait.
 - "fuse": bool, default True: RMSNorm and SwiGLU become the fused apex ops (False keeps them as traced).
 - "pack_linear": bool, default False: fp32 linears on a CPU run on oneDNN packed weights (with inner "eager").
+- "stagger": bool, default False; with "paged" (no overlap), the row swaps of the staggered plan (host requests
+  that advance one layer per step; `apex_compile.passes.stagger`).
 - "fuse_qkv": bool, default False: each layer's q/k/v projections become one `apex.qkv_linear` (one GEMM when
   the weights were merged by `apex_compile.ops.linear.merge_projection_weights`, as the engine does on CUDA).
 - "inner": "inductor", "eager" or "aot_eager". Default: "inductor" when the graph's tensors are on CUDA,
@@ -41,6 +43,7 @@ class BackendOptions:
     fuse: bool = True
     pack_linear: bool = False
     fuse_qkv: bool = False
+    stagger: bool = False
     inner: Optional[str] = None
     on_report: Optional[Callable[[PassReport], None]] = None
     mode: Optional[str] = None
@@ -58,9 +61,11 @@ class BackendOptions:
             raise ValueError(f"apex backend: attention must be one of {ATTENTION_MODES}, got {parsed.attention!r}")
         if not isinstance(parsed.overlap, bool):
             raise ValueError(f"apex backend: overlap must be a bool, got {parsed.overlap!r}")
-        for name in ("fuse", "pack_linear", "fuse_qkv"):
+        for name in ("fuse", "pack_linear", "fuse_qkv", "stagger"):
             if not isinstance(getattr(parsed, name), bool):
                 raise ValueError(f"apex backend: {name} must be a bool, got {getattr(parsed, name)!r}")
+        if parsed.stagger and (parsed.attention != "paged" or parsed.overlap):
+            raise ValueError("apex backend: stagger=True needs attention='paged' and overlap=False")
         if parsed.overlap and parsed.attention != "paged":
             raise ValueError("apex backend: overlap=True needs attention='paged'")
         if parsed.inner is not None and parsed.inner not in INNER_COMPILERS:
@@ -96,7 +101,8 @@ def apex_backend(gm: fx.GraphModule, example_inputs: List, mode: Optional[str] =
         raise ValueError(f"apex backend: pack_linear needs inner='eager' (got {inner!r}; inductor packs weights "
                          "itself when it freezes them)")
     report = run_pipeline(gm, attention=opts.attention, overlap=opts.overlap, fuse=opts.fuse,
-                          pack_linear=opts.pack_linear, fuse_qkv=opts.fuse_qkv)
+                          pack_linear=opts.pack_linear, fuse_qkv=opts.fuse_qkv,
+                          stagger=opts.stagger)
     if opts.on_report is not None:
         opts.on_report(report)
     if mode is not None and inner != "inductor":

@@ -3,7 +3,7 @@ import dataclasses
 import os
 from typing import Optional, Sequence, Union
 
-OFFLOAD_MODES = ("auto", "never", "all")
+OFFLOAD_MODES = ("auto", "never", "all", "staggered")
 PREEMPTION_MODES = ("swap", "recompute")
 INNER_COMPILERS = ("inductor", "eager")
 
@@ -23,7 +23,12 @@ class ApexConfig:
         "auto": on CUDA a performance model measured once per machine and model shape (cached under the compile
         cache dir) admits a request to the host pool only when the device pool is full and it predicts more
         tokens/s; where it predicts no gain for typical loads the host pool only parks swapped-out requests.
-        On a CPU-only run "auto" is "never".
+        On a CPU-only run "auto" is "never". "staggered": requests the device pool cannot take are prefilled in
+        the host pool and then decode staggered: each advances one decoder layer per step, so its CPU attention
+        overlaps a whole GPU step (`apex_compile.runtime.stagger`; a token takes num_layers + 1 steps). "auto"
+        picks this plan where its model predicts a gain.
+    stagger_width: rows per step of staggered host requests; the pipeline holds (num_layers + 1) * width
+        requests. None: the performance model's choice under "auto", else 4.
     max_num_seqs: most requests in one step.
     max_num_batched_tokens: most tokens in one step (the chunked-prefill budget).
     max_model_len: longest prompt + generation; None: the model's max_position_embeddings.
@@ -55,6 +60,7 @@ class ApexConfig:
     inner: Optional[str] = None
     cuda_graphs: bool = True
     capture_sizes: Optional[Sequence[int]] = None
+    stagger_width: Optional[int] = None
 
     def __post_init__(self):
         for name in ("gpu_cache_size", "cpu_cache_size"):
@@ -83,12 +89,15 @@ class ApexConfig:
             if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
                 raise ValueError(f"ApexConfig.capture_sizes must be positive batch sizes, got {self.capture_sizes!r}")
             self.capture_sizes = tuple(sorted(set(sizes)))
+        width = self.stagger_width
+        if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 1):
+            raise ValueError(f"ApexConfig.stagger_width must be a positive number of rows or None, got {width!r}")
         if self.inner is not None and self.inner not in INNER_COMPILERS:
             raise ValueError(f"ApexConfig.inner must be one of {INNER_COMPILERS} or None, got {self.inner!r}")
 
     def host_fraction(self) -> float:
         """The fixed fraction of running requests placed in the host pool ("auto" has none: its model decides)."""
-        if self.offload in ("auto", "never"):
+        if self.offload in ("auto", "never", "staggered"):
             return 0.0
         if self.offload == "all":
             return 1.0

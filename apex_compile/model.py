@@ -263,12 +263,21 @@ class ApexModel:
         if mode == "auto":
             tokens = [p.num_blocks * engine.kv.block_size for p in engine.kv.pools]
             context = min(1024, engine.max_model_len)
-            verdict = "host requests admitted when the device pool is full and the model predicts a gain" if (
-                engine.scheduler.host_policy is not None) else "never: the model predicts no gain for typical loads"
+            if engine.stagger is not None:
+                verdict = (f"staggered with {engine.stagger.width} host row(s) per step: requests the device pool "
+                           "cannot take decode from the host pool, one layer per step")
+            elif engine.scheduler.host_policy is not None:
+                verdict = "host requests admitted when the device pool is full and the model predicts a gain"
+            else:
+                verdict = "never: the model predicts no gain for typical loads"
             lines = engine.auto_policy.explain(tokens[0], tokens[1], self.apex_config.max_num_seqs, context)
             return f"auto -> {verdict}; measured model at {context}-token requests:\n    " + "\n    ".join(lines)
         if mode == "never":
             return "never: every running request in the device pool; the host pool only parks swapped-out requests"
+        if mode == "staggered":
+            width = engine.stagger.width if engine.stagger is not None else 0
+            return (f"staggered: requests the device pool cannot take decode from the host pool, {width} row(s) per "
+                    f"step, each one layer further on per step ({(engine.shape.num_layers + 1) * width} in flight)")
         if mode == "all":
             return "all: every running request keeps its KV in the host pool and attends on the CPU"
         return (f"fraction {float(mode):g}: about that share of running requests in the host pool (CPU attention), "

@@ -1,8 +1,10 @@
 """Hybrid decoding on one CUDA GPU: offload "auto" against "never" and fixed host shares, judged by ideal_gain.
 
-Per shape (random LLaMA-shaped bf16 model) and device KV pool size (emulating smaller GPUs), in one run, the same
-requests (twice what the device pool holds, so a host pool can raise the batch) under each mode: tokens/s of
-the whole generate call and the median decode step. Per configuration also: ideal_gain (the tokens/s the CPU's
+Per shape (random LLaMA-shaped bf16 model) and device KV pool size (emulating smaller GPUs), in one run, each
+mode at steady state: the engine is kept supplied with requests (so every batch, and the staggered pipeline,
+stays full), and after a fill-in of --warm-steps steps the tokens generated over the next --window-steps steps
+give its tokens/s; the median step of that window is its step time. Modes: never, auto, a fixed host share
+(overlap plan), "staggered:W" (the staggered plan with W rows per step). Per configuration also: ideal_gain (the tokens/s the CPU's
 measured attention bandwidth could add: B_cpu / KV bytes a host request reads per step) with its inputs, auto's
 offload efficiency (auto - never) / ideal_gain, and the model's predicted decode step against the measured one.
 
@@ -30,40 +32,60 @@ from apex_compile.runtime.perf_profile import engine_profile  # noqa: E402
 GiB = 1 << 30
 
 
-def decode_steps(engine, prompts, sampling):
-    """Runs `prompts` to the end: (seconds, [(gpu rows, cpu rows, mean context, seconds)] of each step in which
-    every running request decodes)."""
-    torch.cuda.synchronize()
-    begin = time.perf_counter()
-    for p in prompts:
-        engine.add_request(p, sampling)
+def steady_state(engine, prompts, sampling, warm_steps, window_steps):
+    """(tokens/s, [(gpu rows, cpu rows, mean context, seconds)] per step) over `window_steps` steps after
+    `warm_steps`, the engine topped up from `prompts` (cycled) so requests always wait."""
+    stagger = engine.stagger
+    supplied = 0
+
+    def top_up():
+        nonlocal supplied
+        while len(engine.scheduler.waiting) < 8:
+            engine.add_request(prompts[supplied % len(prompts)], sampling)
+            supplied += 1
+
     steps = []
-    while engine.has_unfinished():
+    for index in range(warm_steps + window_steps):
+        top_up()
+        if index == warm_steps:
+            torch.cuda.synchronize()
+            begin, tokens = time.perf_counter(), engine.stats.generated_tokens
         running = engine.scheduler.running
-        decoding = bool(running) and all(r.num_computed == r.num_tokens - 1 for r in running)
         on_host = sum(1 for r in running if engine.kv.pool_of(r.request_id) == HOST_POOL)
+        staggered = stagger.width if stagger is not None and stagger.active else 0
         context = sum(r.num_tokens for r in running) / max(len(running), 1)
         start = time.perf_counter()
         engine.step()
-        if decoding:
-            steps.append((len(running) - on_host, on_host, context, time.perf_counter() - start))
-    return time.perf_counter() - begin, steps
+        if index >= warm_steps:
+            steps.append((len(running) - on_host, on_host + staggered, context, time.perf_counter() - start))
+    seconds = time.perf_counter() - begin
+    generated = engine.stats.generated_tokens - tokens
+    engine.abort()
+    return generated / seconds, steps
 
 
-def run_mode(model, offload, device_bytes, host_bytes, prompts, new_tokens, max_seqs, repeats=2):
-    """{tokens_per_s, decode_step_s, host_requests, steps: [(gpu rows, cpu rows, mean context, seconds)]} of the
-    last of `repeats` runs of the whole request set (earlier runs capture the graphs its step shapes need)."""
-    config = ApexConfig(offload=offload, gpu_cache_size=device_bytes, cpu_cache_size=host_bytes,
-                        max_num_seqs=max_seqs, max_num_batched_tokens=2048,
+def parse_mode(mode: str):
+    """(offload, stagger width) of a mode string."""
+    if mode.startswith("staggered"):
+        width = mode.partition(":")[2]
+        return "staggered", int(width) if width else None
+    return (mode if mode in ("never", "auto", "all") else float(mode)), None
+
+
+def run_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seqs, args):
+    """{tokens_per_s, decode_step_s, host_requests, steps: [(gpu rows, cpu rows, mean context, seconds)]} at
+    steady state (a first, shorter run captures the graphs its step shapes need)."""
+    offload, width = parse_mode(mode)
+    config = ApexConfig(offload=offload, stagger_width=width, gpu_cache_size=device_bytes,
+                        cpu_cache_size=host_bytes, max_num_seqs=max_seqs, max_num_batched_tokens=2048,
                         max_model_len=len(prompts[0]) + new_tokens + 64)
     apex = optimize(model, config)
     engine = apex.engine
     engine.warmup()
     sampling = SamplingParams(max_new_tokens=new_tokens)
-    for _ in range(repeats):
-        total, steps = decode_steps(engine, prompts, sampling)
-    result = {"tokens_per_s": len(prompts) * new_tokens / total,
-              "decode_step_s": statistics.median(s[3] for s in steps),
+    steady_state(engine, prompts, sampling, args.warm_steps // 2, args.window_steps // 4)
+    tokens_per_s, steps = steady_state(engine, prompts, sampling, args.warm_steps, args.window_steps)
+    result = {"tokens_per_s": tokens_per_s, "decode_step_s": statistics.median(s[3] for s in steps),
               "host_requests": engine.stats.requests_per_pool[HOST_POOL], "steps": steps,
               "explain": apex.offload_decision()}
     del apex, engine
@@ -72,11 +94,11 @@ def run_mode(model, offload, device_bytes, host_bytes, prompts, new_tokens, max_
     return result
 
 
-def prediction_error(model: PerfModel, steps):
+def prediction_error(model: PerfModel, steps, staggered=False):
     """Median |predicted - measured| / measured over the decode steps (each at its own composition)."""
     errors = []
     for gpu, cpu, context, seconds in steps:
-        plan = "overlap" if cpu else "never"
+        plan = ("staggered" if staggered else "overlap") if cpu else "never"
         errors.append(abs(model.predict(plan, gpu, cpu, context).step_s - seconds) / seconds)
     return statistics.median(errors) if errors else None
 
@@ -85,11 +107,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="llama3_8b")
     parser.add_argument("--device-gib", default="1,2,4")
-    parser.add_argument("--host-gib", type=float, default=4)
+    parser.add_argument("--host-gib", type=float, default=32)
+    parser.add_argument("--max-seqs", type=int, default=64, help="max_num_seqs (rows of a step)")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--modes", default="never,auto,0.25,0.5")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per mode; the last is reported")
+    parser.add_argument("--warm-steps", type=int, default=200, help="steps before the measured window")
+    parser.add_argument("--window-steps", type=int, default=300)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -98,7 +122,7 @@ def main():
               "machine": {"gpu": torch.cuda.get_device_name(), "cpus": os.cpu_count(),
                           "torch": torch.__version__, "python": platform.python_version()},
               "args": vars(args), "rows": []}
-    modes = [m if m in ("never", "auto", "all") else float(m) for m in args.modes.split(",")]
+    modes = args.modes.split(",")
     print(f"{'shape':10} {'pool GiB':>8} {'reqs':>4} | " + " | ".join(f"{str(m):>16}" for m in modes)
           + " | ideal_gain  auto eff  model err")
     for shape_name in args.shapes.split(","):
@@ -108,24 +132,26 @@ def main():
         per_request = (args.prompt + args.new_tokens + 16) * kv_bytes_per_token(shape)
         for gib in (float(g) for g in args.device_gib.split(",")):
             device_bytes = int(gib * GiB)
-            count = max(2 * device_bytes // per_request, 2)
-            prompts = torch.randint(3, shape["vocab_size"], (count, args.prompt)).tolist()
-            runs = {str(m): run_mode(model, m, device_bytes, int(args.host_gib * GiB), prompts, args.new_tokens,
-                                     count, args.repeats) for m in modes}
+            count = max(device_bytes // per_request, 1)  # requests the device pool holds
+            prompts = torch.randint(3, shape["vocab_size"], (64, args.prompt)).tolist()
+            runs = {m: run_mode(model, m, device_bytes, int(args.host_gib * GiB), prompts, args.new_tokens,
+                                args.max_seqs, args) for m in modes}
             probe = optimize(model, ApexConfig(offload="never", gpu_cache_size=device_bytes,
-                                               cpu_cache_size=int(args.host_gib * GiB), max_num_seqs=count))
+                                               cpu_cache_size=1 << 30, max_num_seqs=args.max_seqs))
             perf = PerfModel(engine_profile(probe.engine))
             del probe
             context = args.prompt + args.new_tokens / 2
             ideal = perf.ideal_gain(context)
             never = runs["never"]["tokens_per_s"]
             efficiency = (runs["auto"]["tokens_per_s"] - never) / ideal if "auto" in runs else None
-            errors = {m: prediction_error(perf, r["steps"]) for m, r in runs.items()}
+            errors = {m: prediction_error(perf, r["steps"], m.startswith("staggered")) for m, r in runs.items()}
+            best = max(runs, key=lambda m: runs[m]["tokens_per_s"])
             row = {"shape": shape_name, "device_gib": gib, "requests": count, "context": context,
                    "ideal_gain": ideal, "cpu_attention_GBps": perf.cpu_bandwidth() / 1e9,
                    "gpu_attention_GBps": perf.gpu_bandwidth() / 1e9,
                    "kv_bytes_per_host_request_step": perf.profile.kv_bytes_per_token * context,
-                   "auto_efficiency": efficiency, "model_error": errors,
+                   "auto_efficiency": efficiency, "model_error": errors, "best_mode": best,
+                   "best_efficiency": (runs[best]["tokens_per_s"] - never) / ideal,
                    "modes": {m: {k: v for k, v in r.items() if k != "steps"} for m, r in runs.items()},
                    "steps": {m: r["steps"] for m, r in runs.items()}}
             result["rows"].append(row)
@@ -134,6 +160,8 @@ def main():
             err = errors.get("auto") if errors.get("auto") is not None else errors.get("never")
             eff = f"{efficiency:8.2f}" if efficiency is not None else "       -"
             print(f"{shape_name:10} {gib:8.1f} {count:4d} | {cells} | {ideal:10.0f} {eff} {err:9.1%}", flush=True)
+            print(f"   best {best}: efficiency {row['best_efficiency']:.2f}; model error per mode: "
+                  + ", ".join(f"{m} {e:.1%}" for m, e in errors.items() if e is not None), flush=True)
             print("   auto: " + runs["auto"]["explain"] if "auto" in runs else "", flush=True)
             write_json(args.out, result)  # after every row: a run cut short keeps what it measured
         del model

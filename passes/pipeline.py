@@ -10,12 +10,13 @@ from apex_compile.passes.overlap import overlap_attention
 from apex_compile.passes.pack_linear import pack_linear as pack_linears
 from apex_compile.passes.partition_attention import describe_dense, partition_attention
 from apex_compile.passes.report import PassReport
+from apex_compile.passes.stagger import stagger_rows
 
 ATTENTION_MODES = ("sdpa", "paged")
 
 
 def run_pipeline(gm: fx.GraphModule, attention: str = "sdpa", overlap: bool = False, fuse: bool = True,
-                 pack_linear: bool = False, fuse_qkv: bool = False) -> PassReport:
+                 pack_linear: bool = False, fuse_qkv: bool = False, stagger: bool = False) -> PassReport:
     """Rewrites `gm` in place and returns the report of what was rewritten.
 
     attention="sdpa": attention stays dense SDPA; only the fusions apply, and a graph without any fusable
@@ -26,15 +27,20 @@ def run_pipeline(gm: fx.GraphModule, attention: str = "sdpa", overlap: bool = Fa
     on oneDNN packed weights (`passes.pack_linear`; for graphs executed eagerly on a CPU). fuse_qkv=True turns
     each layer's q/k/v projections into one `apex.qkv_linear` (one GEMM where the engine merged the weights with
     `apex_compile.ops.linear.merge_projection_weights`; three GEMMs and a concatenation elsewhere, so off unless
-    the weights are merged).
+    the weights are merged). stagger=True (with "paged", without overlap) adds the row swaps of the staggered
+    plan (`passes.stagger`).
     """
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
     if overlap and attention != "paged":
         raise ValueError("overlap=True needs attention='paged' (dense SDPA has nothing to offload)")
+    if stagger and (attention != "paged" or overlap):
+        raise ValueError("stagger=True needs attention='paged' and overlap=False")
     report = PassReport(attention, overlap)
     if attention == "paged":
         partition_attention(gm, report)
+        if stagger:
+            stagger_rows(gm, report)
         if overlap:
             overlap_attention(gm, report)
     else:

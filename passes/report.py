@@ -56,6 +56,7 @@ class PassReport:
         self.misses: List[Miss] = []
         self.attention_sites: List[AttentionSite] = []
         self.packed_linears = 0  # linear layers on oneDNN packed weights (pack_linear, CPU)
+        self.staggered_layers = 0  # layers whose first rows are swapped per layer (stagger, the staggered plan)
 
     def rewritten(self, kind: str, node: fx.Node, detail: str = "") -> None:
         """Records a rewrite of `kind` (one of KINDS) located at `node`."""
@@ -107,6 +108,8 @@ class PassReport:
                line(header), "-+-".join("-" * w for w in widths)]
         out += [line(row) for row in rows]
         out.append("total: " + ", ".join(f"{kind} {n}" for kind, n in self.counts.items()))
+        if self.staggered_layers:
+            out.append(f"staggered host rows: residual and RoPE rows swapped at {self.staggered_layers} layers")
         if self.packed_linears:
             out.append(f"linear layers on oneDNN packed weights: {self.packed_linears}")
         if self.misses:

@@ -4,6 +4,8 @@
     apex::offload_launch(Tensor q, Tensor k, Tensor v, int layer_idx, float scale) -> Tensor   (a token)
     apex::device_attention(Tensor q, Tensor k, Tensor v, int layer_idx, float scale, Tensor token) -> Tensor
     apex::offload_wait(Tensor token, Tensor device_out, int layer_idx) -> Tensor
+    apex::stagger_residual(Tensor residual, int layer_idx) -> Tensor
+    apex::stagger_rope(Tensor table, int layer_idx, int kind) -> Tensor
 
 q: [T, Hq, D], k/v: [T, Hkv, D] for the step's T flattened tokens (RoPE applied); outputs [T, Hq, D].
 The ops take no cache or metadata arguments: they delegate to the `AttentionRunner` the runtime installed for
@@ -13,7 +15,14 @@ compiler can see. The token of
 `offload_launch` (a 1-element tensor of q's dtype on q's device) orders launch -> device part -> wait by
 data dependency alone.
 
-All four are tagged `cudagraph_unsafe` (where this torch has the tag): they run Python that reads
+The two stagger ops serve the "staggered" plan (apex_compile.runtime.stagger): the step's first rows are host
+requests that each advance one layer per step, so at every layer those rows belong to other requests. They
+return their input with those rows swapped for the layer's own: `stagger_residual` the residual stream (the
+requests leaving the layer's attention store theirs, the ones entering it get theirs back), `stagger_rope` the
+RoPE cos (kind 0) or sin (kind 1) rows of the layer's requests' positions. They are pure device copies at
+fixed addresses, so CUDA graphs capture them.
+
+The first four are tagged `cudagraph_unsafe` (where this torch has the tag): they run Python that reads
 per-step runner state and touch the CPU, so inductor keeps them out of CUDA graphs (graph partition).
 """
 import torch
@@ -28,6 +37,8 @@ LIB.define("offload_launch(Tensor q, Tensor k, Tensor v, int layer_idx, float sc
 LIB.define("device_attention(Tensor q, Tensor k, Tensor v, int layer_idx, float scale, Tensor token) -> Tensor",
            tags=_TAGS)
 LIB.define("offload_wait(Tensor token, Tensor device_out, int layer_idx) -> Tensor", tags=_TAGS)
+LIB.define("stagger_residual(Tensor residual, int layer_idx) -> Tensor")
+LIB.define("stagger_rope(Tensor table, int layer_idx, int kind) -> Tensor")
 
 
 @torch.library.register_fake("apex::attention", lib=LIB)
@@ -48,6 +59,16 @@ def _device_attention_fake(q, k, v, layer_idx, scale, token):
 @torch.library.register_fake("apex::offload_wait", lib=LIB)
 def _wait_fake(token, device_out, layer_idx):
     return torch.empty_like(device_out)
+
+
+@torch.library.register_fake("apex::stagger_residual", lib=LIB)
+def _stagger_residual_fake(residual, layer_idx):
+    return torch.empty_like(residual, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("apex::stagger_rope", lib=LIB)
+def _stagger_rope_fake(table, layer_idx, kind):
+    return torch.empty_like(table, memory_format=torch.contiguous_format)
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -78,8 +99,18 @@ def _offload_wait(token, device_out, layer_idx):
     return _fresh(get_attention_runner().offload_wait(layer_idx, token, device_out), token, device_out)
 
 
+def _stagger_residual(residual, layer_idx):
+    return _fresh(get_attention_runner().stagger_residual(layer_idx, residual), residual)
+
+
+def _stagger_rope(table, layer_idx, kind):
+    return _fresh(get_attention_runner().stagger_rope(layer_idx, table, kind), table)
+
+
 # Device-generic Python: the runner picks the kernels.
 LIB.impl("attention", _attention, "CompositeExplicitAutograd")
 LIB.impl("offload_launch", _offload_launch, "CompositeExplicitAutograd")
 LIB.impl("device_attention", _device_attention, "CompositeExplicitAutograd")
 LIB.impl("offload_wait", _offload_wait, "CompositeExplicitAutograd")
+LIB.impl("stagger_residual", _stagger_residual, "CompositeExplicitAutograd")
+LIB.impl("stagger_rope", _stagger_rope, "CompositeExplicitAutograd")

@@ -65,6 +65,8 @@ class PagedAttentionRunner:
         self._whole_paged: Optional[PoolPart] = None  # set when one pool's paged rows are the whole step
         self._async = _HostOffload(device) if device.type == "cuda" else None
         self._stash: dict = {}  # layer -> host rows' output (synchronous offload on a CPU-only machine)
+        self.stagger = None  # the staggered plan's StaggerPipeline (its block: the step's first stagger_rows rows)
+        self.stagger_rows = 0
 
     def prepare(self, chunks: Sequence[ScheduledChunk]) -> None:
         """Builds the step's metadata in buffers sized for this step (standalone use; the engine fills its own
@@ -78,8 +80,10 @@ class PagedAttentionRunner:
         self._own_buffers.copy_to_device()
         self.set_parts(parts, rows)
 
-    def set_parts(self, parts: List[PoolPart], num_rows: int) -> None:
-        """Uses metadata built elsewhere (the engine's persistent StepBuffers) for the next step."""
+    def set_parts(self, parts: List[PoolPart], num_rows: int, stagger_rows: int = 0) -> None:
+        """Uses metadata built elsewhere (the engine's persistent StepBuffers) for the next step; the first
+        `stagger_rows` rows are the staggered plan's block (no part covers them)."""
+        self.stagger_rows = stagger_rows
         self.parts = parts
         self.num_rows = num_rows
         only = parts[0] if len(parts) == 1 and parts[0].start == 0 and parts[0].end == num_rows else None
@@ -131,6 +135,9 @@ class PagedAttentionRunner:
                                      whole.slot_mapping)
             return self._attend(whole, layer_idx, query, scale)
         out = torch.empty_like(query)
+        if self.stagger_rows:
+            block = slice(0, self.stagger_rows)
+            self.stagger.attention(self, layer_idx, query[block], key[block], value[block], scale, out[block])
         for part in self.parts:
             rows = slice(part.start, part.end)
             if part.pool.device == query.device:
@@ -139,6 +146,18 @@ class PagedAttentionRunner:
                 out[rows] = self._host_rows_from_device(part, layer_idx, query[rows], key[rows], value[rows],
                                                         scale).to(query.device)
         return out
+
+    def stagger_residual(self, layer_idx: int, residual: torch.Tensor) -> torch.Tensor:
+        """The residual with the staggered block's rows swapped (apex::stagger_residual)."""
+        if not self.stagger_rows:
+            return residual.clone()
+        return self.stagger.swap_residual(layer_idx, residual)
+
+    def stagger_rope(self, layer_idx: int, table: torch.Tensor, kind: int) -> torch.Tensor:
+        """The RoPE table with the staggered block's rows for the layer's requests (apex::stagger_rope)."""
+        if not self.stagger_rows:
+            return table.clone()
+        return self.stagger.rope_rows(layer_idx, table, kind)
 
     def _host_rows_from_device(self, part: PoolPart, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
                                value: torch.Tensor, scale: float) -> torch.Tensor:

@@ -106,6 +106,8 @@ def weak_ref(tensor: torch.Tensor) -> torch.Tensor:
 # stream or thread that reads them after the call returns (the host rows' device-to-host copy).
 _ASYNC_READERS = ("offload_launch",)
 RUNNER_METHODS = ("attention", "offload_launch", "device_attention", "offload_wait")
+# Runner methods that only copy between device buffers at fixed addresses: captured inside the piece.
+CAPTURED_METHODS = ("stagger_residual", "stagger_rope")
 
 
 @dataclasses.dataclass
@@ -156,6 +158,8 @@ class _Recorder:
     def __getattr__(self, name):
         if name in RUNNER_METHODS:
             return lambda *args: self.call(name, *args)
+        if name in CAPTURED_METHODS:
+            return getattr(self.runner, name)
         raise AttributeError(name)
 
 

@@ -25,11 +25,13 @@ from apex_compile.runtime.perf_model import AutoOffload, PerfModel
 from apex_compile.runtime.request import Request, SamplingParams
 from apex_compile.runtime.sampler import Sampler
 from apex_compile.runtime.scheduler import ScheduledChunk, Scheduler
+from apex_compile.runtime.stagger import StaggerPipeline, rope_tables
 from apex_compile.runtime.step_buffers import StepBuffers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 EAGER_ATTENTION_NAME = "apex_paged"
-_PROGRESS_MIN_TOKENS = 4096  # default progress bar only for runs generating at least this many tokens
+_PROGRESS_MIN_TOKENS = 4096
+DEFAULT_STAGGER_WIDTH = 4  # offload="staggered" without a width  # default progress bar only for runs generating at least this many tokens
 
 
 @dataclasses.dataclass
@@ -131,7 +133,7 @@ _COMPILED_ATTR = "_apex_compiled_steps"
 RECOMPILE_LIMIT = 64  # graphs per step code object: 0/1-size specialisations x models x backend options
 
 
-def _compiled_step(model: torch.nn.Module, overlap: bool, inner: Optional[str]):
+def _compiled_step(model: torch.nn.Module, overlap: bool, inner: Optional[str], stagger: bool = False):
     """(compiled step, list receiving its pass reports) for `model` with these apex backend options.
 
     On a CPU the fusions stay off: the fused ops' CPU implementations are the aten ops HF runs, behind a custom-op
@@ -142,7 +144,7 @@ def _compiled_step(model: torch.nn.Module, overlap: bool, inner: Optional[str]):
     than a step, and the graph reads no engine state (the runner comes from the context).
     """
     per_model = model.__dict__.setdefault(_COMPILED_ATTR, {})
-    key = (overlap, inner)
+    key = (overlap, inner, stagger)
     if key not in per_model:
         from apex_compile.backend import apex_backend
 
@@ -153,7 +155,8 @@ def _compiled_step(model: torch.nn.Module, overlap: bool, inner: Optional[str]):
 
             merge_projection_weights(model)
         options = {"attention": "paged", "overlap": overlap, "fuse": not on_cpu, "fuse_qkv": not on_cpu,
-                   "pack_linear": on_cpu and inner in (None, "eager"), "on_report": reports.append}
+                   "pack_linear": on_cpu and inner in (None, "eager"), "stagger": stagger,
+                   "on_report": reports.append}
         if inner is not None:
             options["inner"] = inner
         compiled = torch.compile(_model_step(model), backend=apex_backend, dynamic=True, options=options)
@@ -202,30 +205,62 @@ class Engine:
                 and self.kv.pools[HOST_POOL].num_blocks):
             from apex_compile.runtime.perf_profile import engine_profile
 
-            self.auto_policy = AutoOffload(PerfModel(engine_profile(self)))
-        self.scheduler = Scheduler(self.config, self.kv, self.max_model_len, self._auto_host_policy())
+            self.auto_policy = AutoOffload(PerfModel(engine_profile(self)), stagger_groups=self.shape.num_layers + 1)
+        self.stagger: Optional[StaggerPipeline] = None
+        if self.config.offload == "staggered" and self.kv.pools[HOST_POOL].num_blocks:
+            self.stagger = self._stagger_pipeline(self.config.stagger_width or DEFAULT_STAGGER_WIDTH)
+        elif self.auto_policy is not None:
+            width = self.config.stagger_width or self._auto_stagger_width()
+            if width:
+                self.stagger = self._stagger_pipeline(width)
+        self.scheduler = Scheduler(self.config, self.kv, self.max_model_len, self._auto_host_policy(), self.stagger)
         self.runner = PagedAttentionRunner(self.kv, self.device)
+        self.runner.stagger = self.stagger
         max_rows = max(self.config.max_num_batched_tokens, self.config.max_num_seqs, 2)
-        self.buffers = StepBuffers(self.kv, max_rows, self.max_model_len, self.device)
+        width = self.stagger.width if self.stagger is not None else 0
+        self.buffers = StepBuffers(self.kv, max_rows + width, self.max_model_len, self.device)
         self.graphs: Optional[DecodeGraphs] = None
         self.pieces: Optional[PiecewiseGraphs] = None
+        self.stagger_pieces: Optional[PiecewiseGraphs] = None
         if self.device.type == "cuda" and self.config.cuda_graphs and self.config.compile:
             sizes = self.config.capture_sizes or capture_sizes(min(self.config.max_num_seqs,
                                                                    self.config.max_num_batched_tokens))
             self.graphs = DecodeGraphs([n for n in sizes if n <= max_rows])
             pieces_rows = min(max_rows, PIECEWISE_MAX_TOKENS)
             self.pieces = PiecewiseGraphs(piecewise_sizes(pieces_rows), pieces_rows, torch.cuda.graph_pool_handle())
+            if self.stagger is not None:  # the staggered graph's pieces (their rows include the block)
+                rows = min(max_rows + width, PIECEWISE_MAX_TOKENS)
+                self.stagger_pieces = PiecewiseGraphs(piecewise_sizes(rows), rows, self.pieces.pool)
         self.sampler = Sampler()
         self.reports: list = []  # pass reports of the compiled step's graphs
         self.stats = EngineStats()
         self._next_id = 0
         self._step_fn = self._build_step()
+        self._stagger_step_fn = self._build_step(stagger=True) if self.stagger is not None else None
+
+    def _stagger_pipeline(self, width: int) -> StaggerPipeline:
+        """The staggered plan's pipeline of `width` rows per step (the compiled step is needed: its passes swap
+        the rows per layer)."""
+        if not self.config.compile:
+            raise ValueError("offload='staggered' needs ApexConfig(compile=True): the staggered rows are swapped "
+                             "per layer by the compiler's passes")
+        config = self.model.config
+        return StaggerPipeline(self.kv, width, config.hidden_size, rope_tables(self.model, self.max_model_len),
+                               self.device, self.dtype, self.max_model_len)
+
+    def _auto_stagger_width(self) -> int:
+        """offload="auto": the staggered plan's rows per step, sized for the longest typical requests (at shorter
+        contexts the CPU only finishes earlier), or 0 where the model predicts it does not pay."""
+        tokens = [p.num_blocks * self.kv.block_size for p in self.kv.pools]
+        context = min(self.max_model_len, 4096)
+        return self.auto_policy.staggered_width(tokens[DEVICE_POOL], tokens[HOST_POOL], self.config.max_num_seqs,
+                                                context)
 
     def _auto_host_policy(self) -> Optional[AutoOffload]:
         """The auto policy if its model predicts that host requests pay for some typical load, else None (then
         the host pool only parks swapped-out requests and the overlapped graph is never compiled)."""
         policy = self.auto_policy
-        if policy is None:
+        if policy is None or self.stagger is not None:
             return None
         contexts = sorted({min(c, self.max_model_len) for c in (256, 1024, 4096)})
         tokens = [p.num_blocks * self.kv.block_size for p in self.kv.pools]
@@ -247,9 +282,9 @@ class Engine:
     @property
     def overlap(self) -> bool:
         """Whether compiled graphs split attention into launch / device / wait (CUDA with host-pool requests)."""
-        return self.device.type == "cuda" and HOST_POOL in self.scheduler.run_pools
+        return self.device.type == "cuda" and HOST_POOL in self.scheduler.run_pools and self.stagger is None
 
-    def _build_step(self) -> Callable:
+    def _build_step(self, stagger: bool = False) -> Callable:
         """The step function: compiled with the apex backend, or eager HF modules with attention routed here."""
         model = self.model
         if not self.config.compile:
@@ -263,7 +298,9 @@ class Engine:
                     return forward(input_ids, position_ids, logits_indices)
 
             return eager_step
-        compiled, self.reports = _compiled_step(model, self.overlap, self.config.inner)
+        compiled, reports = _compiled_step(model, self.overlap, self.config.inner, stagger)
+        if not stagger:
+            self.reports = reports
         # Past dynamo's recompile limit it would run the unrewritten HF forward, which attends over the step's
         # tokens only: a silently wrong result. Engines of several models and option sets share the step's code
         # object (and so its limit), hence a generous limit, and an error instead of the fallback.
@@ -334,7 +371,7 @@ class Engine:
     def _schedule(self) -> List[ScheduledChunk]:
         """The scheduler's next chunks in the runner's token order."""
         plan = self.scheduler.schedule()
-        if not plan.chunks:
+        if not plan.chunks and not (self.stagger is not None and self.stagger.active):
             raise RuntimeError("scheduler found nothing to run although requests are pending")
         self.stats.moved += len(plan.moved)
         self.stats.parked += len(plan.parked)
@@ -357,13 +394,14 @@ class Engine:
         model again (on a CPU the graph runs eagerly and a recompile is cheap)."""
         return max(count, 2) if self.device.type == "cuda" else max(count, 1)
 
-    def _run_model(self, parts, num_rows: int, num_logits: int, runner=None) -> torch.Tensor:
+    def _run_model(self, parts, num_rows: int, num_logits: int, runner=None, stagger_rows: int = 0) -> torch.Tensor:
         """The compiled step over the buffers' first `num_rows` rows, attention served by `runner` (default: the
-        engine's runner, given the step's parts)."""
-        self.runner.set_parts(parts, num_rows)
+        engine's runner, given the step's parts); with `stagger_rows`, the staggered graph, its block first."""
+        self.runner.set_parts(parts, num_rows, stagger_rows)
         input_ids, position_ids, indices = self.buffers.inputs(num_rows, num_logits)
+        step_fn = self._stagger_step_fn if stagger_rows else self._step_fn
         with attention_runner(runner or self.runner), torch.inference_mode():
-            return self._step_fn(input_ids, position_ids, indices)
+            return step_fn(input_ids, position_ids, indices)
 
     def capture_graphs(self, progress: bool = True) -> None:
         """Captures the decode CUDA graphs of every capture size (done by `warmup`, else at the first decode)."""
@@ -377,17 +415,71 @@ class Engine:
 
         self.graphs.capture(prepare, lambda size: self._run_model(*padded[size], size), progress, self.pieces.pool)
 
-    def _capture_pieces(self, key) -> None:
-        """Captures the piecewise graphs of (rows, logits rows) `key` over a step of padding rows only."""
+    def _capture_pieces(self, key, stagger_rows: int = 0) -> None:
+        """Captures the piecewise graphs of (rows, logits rows) `key` over a step of padding rows only (with
+        `stagger_rows`, the staggered graph's, its block quiet and its residual store left as it was)."""
         rows, num_logits = key
-        parts, _ = self.buffers.fill([], [], pad_to=rows)
+        parts, _ = self.buffers.fill([], [], pad_to=rows - stagger_rows, first_row=stagger_rows)
         self.buffers.copy_to_device()
-        with torch.inference_mode():
-            self.pieces.capture(key, self.runner, lambda runner: self._run_model(parts, rows, num_logits, runner))
+        pieces = self.stagger_pieces if stagger_rows else self.pieces
+
+        def forward(runner):
+            return self._run_model(parts, rows, num_logits, runner, stagger_rows)
+
+        with torch.inference_mode(), self._quiet_stagger(stagger_rows):
+            pieces.capture(key, self.runner, forward)
+
+    @contextlib.contextmanager
+    def _quiet_stagger(self, active: bool):
+        """While graphs of the staggered step are captured: its attention launches nothing and the residual
+        rows the capture's uncaptured run swaps are put back."""
+        if not active:
+            yield
+            return
+        stagger = self.stagger
+        saved = stagger.residual.clone()
+        stagger.quiet = True
+        try:
+            yield
+        finally:
+            stagger.quiet = False
+            stagger.residual.copy_(saved)
+
+    def _forward_staggered(self, chunks: List[ScheduledChunk], logit_rows: List[int]) -> torch.Tensor:
+        """`_forward_chunks` of a step led by the staggered block: the staggered graph, piecewise captured (a
+        CPU job is launched at every layer) or, without CUDA graphs or above their sizes, run as compiled."""
+        stagger = self.stagger
+        width = stagger.width
+        num_tokens = width + sum(c.num_tokens for c in chunks)
+        pieces = self.stagger_pieces
+        key = pieces.key_for(num_tokens, len(logit_rows)) if pieces is not None else None
+        if key is not None and key not in pieces.pieces:
+            self._capture_pieces(key, width)
+        num_logits = len(logit_rows)
+        padded_logits = key[1] if key is not None else self._logits_rows(num_logits)
+        logit_rows = (logit_rows + [num_tokens - 1] * padded_logits)[:padded_logits]
+        parts, num_rows = self.buffers.fill(chunks, logit_rows, total_rows=key and key[0], first_row=width)
+        self.buffers.ids[:width] = stagger.input_ids()
+        self.buffers.positions[:width] = stagger.groups[0].positions
+        self.buffers.copy_to_device()
+        start = time.perf_counter()
+        if key is not None:
+            self.runner.set_parts(parts, num_rows, width)
+            with torch.inference_mode():
+                logits = pieces.replay(key, self.runner)[:num_logits]
+        else:
+            logits = self._run_model(parts, num_rows, len(logit_rows), stagger_rows=width)[:num_logits]
+        self.stats.forward_seconds += time.perf_counter() - start
+        self.stats.steps += 1
+        for chunk in chunks:
+            chunk.request.num_computed += chunk.num_tokens
+        return logits
 
     def _forward_chunks(self, chunks: List[ScheduledChunk], logit_rows: List[int]) -> torch.Tensor:
         """Runs the model on the chunks (flattened in order) and returns the logits of `logit_rows`: a whole
         decode graph, piecewise graphs, or (without CUDA graphs) the compiled step itself."""
+        if self.stagger is not None and self.stagger.active:
+            return self._forward_staggered(chunks, logit_rows)
         size = self._graph_size(chunks)
         if size is not None and not self.graphs.ready:
             self.capture_graphs()
@@ -422,6 +514,8 @@ class Engine:
 
     def step(self) -> List[Request]:
         """Runs one forward step; returns the requests that got a new token (in scheduling order)."""
+        if self.stagger is not None and self.stagger.members():
+            self.stagger.advance()
         chunks = self._schedule()
         captured = self.pieces.capture_seconds if self.pieces is not None else 0.0
         start = time.perf_counter()
@@ -440,12 +534,22 @@ class Engine:
         logit_rows: List[int] = []
         sampled: List[Request] = []
         row = 0
+        staggered = []  # the staggered block's last group: its token is through every layer
+        if self.stagger is not None and self.stagger.active:
+            staggered = self.stagger.sampling_rows()
+            logit_rows = [r for r, _ in staggered]
+            sampled = [request for _, request in staggered]
+            row = self.stagger.width
         for chunk in chunks:
             row += chunk.num_tokens
             if chunk.samples:
                 logit_rows.append(row - 1)
                 sampled.append(chunk.request)
         logits = self._forward_chunks(chunks, logit_rows)
+        in_pipeline = {request.request_id for _, request in staggered}
+        for _, request in staggered:
+            request.num_computed += 1
+            request.steps_per_pool[HOST_POOL] += 1
         if not sampled:
             return []
         for request, token in zip(sampled, self.sampler.sample(logits, sampled)):
@@ -453,8 +557,14 @@ class Engine:
             self.stats.generated_tokens += 1
             reason = self._stop_reason(request)
             if reason is not None:
-                self.scheduler.finish(request, reason)
+                if request.request_id in in_pipeline:
+                    self.scheduler.finish_staggered(request, reason)
+                else:
+                    self.scheduler.finish(request, reason)
                 self.sampler.forget(request.request_id)
+            elif self.stagger is not None and request.request_id not in in_pipeline and (
+                    self.kv.pool_of(request.request_id) == HOST_POOL):
+                self.scheduler.to_pipeline(request)  # prefilled in the host pool: decodes staggered
         return sampled
 
     def score(self, token_lists: Sequence[Sequence[int]]) -> List[torch.Tensor]:
@@ -605,6 +715,12 @@ class Engine:
         if self.graphs is None:
             self.generate([prompt], SamplingParams(max_new_tokens=2))  # a lone decode row: size-1 specialisation
         self.capture_graphs()
+        if self.stagger is not None:  # the staggered step compiles too (a quiet step of padding rows)
+            width = self.stagger.width
+            parts, _ = self.buffers.fill([], [], pad_to=2, first_row=width)
+            self.buffers.copy_to_device()
+            with self._quiet_stagger(True):
+                self._run_model(parts, width + 2, 2, stagger_rows=width)
         self.stats = EngineStats()  # counters describe the user's runs, not the warm-up
 
     def blocks_in_use(self) -> dict:

@@ -12,12 +12,15 @@ predicted slower than GPU-only:
 - "pipeline": two sub-batches (NEO-style asymmetric pipelining): the CPU attends the host sub-batch's layer
   while the GPU runs the device sub-batch's, and the reverse; each sub-batch's linear layers read every weight,
   so the GPU sweeps the weights twice: max(T_lin(n_g) + T_lin(n_c) + T_gatt(ctx_g), T_catt(ctx_c) + T_copy).
+- "staggered" (apex_compile.runtime.stagger): n_c host rows per step, each a request one layer further on
+  than the step before, join the device rows' GEMMs; each CPU attention has a whole step to finish:
+  max(T_lin(n_g + n_c) + T_gatt(ctx_g), T_catt(ctx_c) + T_copy), n_c tokens per step from
+  (num_layers + 1) * n_c host requests in flight.
 
-No plan overlaps the CPU's attention with the whole single-sweep GPU step: rows that share a layer's GEMMs
-must all have that layer's attention done before its output projection, so while host rows attend, the GPU
-has only the device rows' attention to do (overlap) or another sweep of the weights (pipeline). Where a step is
-its weight reads (memory-bound decode on a fast GPU), both cost more than the host rows add, and the model
-keeps everything on the GPU.
+In one batch the CPU's attention hides only behind the device rows' attention (overlap) or costs another
+sweep of the weights (pipeline): rows that share a layer's GEMMs all need that layer's attention before its
+output projection. Where a step is its weight reads (memory-bound decode on a fast GPU) both cost more than
+the host rows add; the staggered plan is the one that overlaps the CPU with the whole single-sweep step.
 
 `ideal_gain` is the physics bound every result is judged against: the tokens/s the CPU's attention bandwidth
 can add, B_cpu / (KV bytes a host request reads per step).
@@ -28,7 +31,7 @@ import json
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
-PLANS = ("never", "overlap", "pipeline")
+PLANS = ("never", "overlap", "pipeline", "staggered")
 
 
 def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -119,18 +122,22 @@ class PerfModel:
         cpu = self.cpu_attention_s(int(cpu_requests * context)) + self.copy_s(cpu_requests)
         if plan == "overlap":
             step = self.linear_s(n) + max(gpu_attention, cpu)
+        elif plan == "staggered":
+            step = max(self.linear_s(n) + gpu_attention, cpu)
         else:
             step = max(self.linear_s(gpu_requests) + self.linear_s(cpu_requests) + gpu_attention, cpu)
         return Prediction(plan, gpu_requests, cpu_requests, step)
 
     def choose(self, gpu_capacity: int, cpu_capacity: int, context: float,
-               plans: Sequence[str] = PLANS) -> Prediction:
+               plans: Sequence[str] = PLANS, stagger_groups: int = 1) -> Prediction:
         """The plan (among `plans`) and host share with the most tokens/s when the device pool holds
         `gpu_capacity` requests and the host pool `cpu_capacity` more; GPU-only ("never") unless a plan is
-        predicted faster."""
+        predicted faster. The staggered plan's host rows (cpu_requests) each need `stagger_groups` (the
+        model's layers + 1) requests in the host pool."""
         best = self.predict("never", gpu_capacity, 0, context)
         for plan in [p for p in plans if p != "never"]:
-            for cpu_requests in range(1, cpu_capacity + 1):
+            limit = cpu_capacity // stagger_groups if plan == "staggered" else cpu_capacity
+            for cpu_requests in range(1, limit + 1):
                 candidate = self.predict(plan, gpu_capacity, cpu_requests, context)
                 if candidate.tokens_per_s > best.tokens_per_s * (1 + 1e-9):
                     best = candidate
@@ -151,12 +158,12 @@ class PerfModel:
         return self.cpu_bandwidth() / (self.profile.kv_bytes_per_token * context)
 
     def explain(self, gpu_capacity: int, cpu_capacity: int, context: float,
-                plans: Sequence[str] = PLANS) -> List[str]:
+                plans: Sequence[str] = PLANS, stagger_groups: int = 1) -> List[str]:
         """The model's inputs and verdict in APEX's terms, one line each."""
         never = self.predict("never", gpu_capacity, 0, context)
         t_lin = self.linear_s(gpu_capacity)
         t_att = self.gpu_attention_s(int(gpu_capacity * context))
-        choice = self.choose(gpu_capacity, cpu_capacity, context, plans)
+        choice = self.choose(gpu_capacity, cpu_capacity, context, plans, stagger_groups)
         lhs, rhs, holds = apex_pipeline_inequality(choice.gpu_requests, max(choice.cpu_requests, 1), t_lin, t_att)
         gain = choice.tokens_per_s - never.tokens_per_s
         cpu_gbps, gpu_gbps = self.cpu_bandwidth() / 1e9, self.gpu_bandwidth() / 1e9
@@ -206,7 +213,7 @@ def summarize(profile: Profile) -> Dict[str, float]:
     return {"cpu_attention_GBps": model.cpu_bandwidth() / 1e9, "gpu_attention_GBps": model.gpu_bandwidth() / 1e9}
 
 
-RUNNABLE_PLANS = ("never", "overlap")  # the plans the engine executes today
+RUNNABLE_PLANS = ("never", "overlap", "staggered")  # the plans the engine executes
 
 
 class AutoOffload:
@@ -215,9 +222,11 @@ class AutoOffload:
     plans are scaled by what the engine measured for them (`observe`), so a model that flatters the host stops
     admitting host requests after a few steps."""
 
-    def __init__(self, model: PerfModel, margin: float = 0.02):
+    def __init__(self, model: PerfModel, margin: float = 0.02, stagger_groups: int = 1):
+        """stagger_groups: the model's layers + 1 (host requests per staggered row)."""
         self.model = model
         self.margin = margin
+        self.stagger_groups = stagger_groups
         # measured / predicted decode-step time (running means) of steps with host rows and of GPU-only steps
         self.correction = 1.0
         self.never_correction = 1.0
@@ -257,8 +266,26 @@ class AutoOffload:
                 return True
         return False
 
+    def staggered_width(self, gpu_tokens: int, cpu_tokens: int, max_seqs: int, context: int) -> int:
+        """Host rows per step of the staggered plan for `context`-token requests filling the device pool, or 0
+        when it is not predicted faster than GPU-only by the margin."""
+        gpu = max(min(max_seqs, gpu_tokens // max(context, 1)), 1)
+        cpu = min(cpu_tokens // max(context, 1), max(max_seqs - gpu, 0) * self.stagger_groups)
+        never = self.model.predict("never", gpu, 0, context)
+        choice = self.model.choose(gpu, cpu, context, ("never", "staggered"), self.stagger_groups)
+        if choice.plan == "staggered" and choice.tokens_per_s > never.tokens_per_s * (1 + self.margin):
+            return choice.cpu_requests
+        return 0
+
     def explain(self, gpu_tokens: int, cpu_tokens: int, max_seqs: int, context: int) -> List[str]:
         """The model's verdict for a load of `context`-token requests filling the device pool."""
         gpu = max(min(max_seqs, gpu_tokens // max(context, 1)), 1)
         cpu = max(min(max_seqs - gpu, cpu_tokens // max(context, 1)), 0)
-        return self.model.explain(gpu, cpu, context, plans=RUNNABLE_PLANS)
+        staggered = min(cpu_tokens // max(context, 1), max(max_seqs - gpu, 0) * self.stagger_groups)
+        lines = self.model.explain(gpu, cpu, context, plans=("never", "overlap"))
+        choice = self.model.choose(gpu, staggered, context, ("never", "staggered"), self.stagger_groups)
+        never = self.model.predict("never", gpu, 0, context)
+        lines.append(f"staggered plan: {choice.cpu_requests} host row(s) per step ({choice.cpu_requests * self.stagger_groups}"
+                     f" host requests in flight), predicted {choice.tokens_per_s:.0f} vs {never.tokens_per_s:.0f} "
+                     f"tokens/s GPU-only ({choice.tokens_per_s / never.tokens_per_s - 1:+.1%})")
+        return lines

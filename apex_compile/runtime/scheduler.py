@@ -46,15 +46,18 @@ class SchedulerOutput:
 class Scheduler:
     """Decides, step by step, which tokens of which requests run and where their KV lives."""
 
-    def __init__(self, config: ApexConfig, kv: KVManager, max_model_len: Optional[int] = None, host_policy=None):
+    def __init__(self, config: ApexConfig, kv: KVManager, max_model_len: Optional[int] = None, host_policy=None,
+                 stagger=None):
         """host_policy: offload="auto"'s `AutoOffload` when it runs requests in the host pool (None: the config's
-        fixed share decides)."""
+        fixed share decides). stagger: the staggered plan's `StaggerPipeline`: requests the device pool cannot
+        take are prefilled in the host pool (their whole length reserved) and then decode in the pipeline."""
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len or config.max_model_len
         self.host_fraction = config.host_fraction()
         self.host_policy = host_policy
-        if host_policy is not None:
+        self.stagger = stagger
+        if host_policy is not None or stagger is not None:
             self.run_pools: Tuple[int, ...] = (DEVICE_POOL, HOST_POOL)
         elif self.host_fraction == 0.0:
             self.run_pools = (DEVICE_POOL,)
@@ -69,7 +72,7 @@ class Scheduler:
                     f"offload={config.offload!r} runs requests in the {POOL_NAMES[pool]} pool, but it holds no KV "
                     f"block: raise ApexConfig.{size} (one block takes {kv.shape.block_bytes} bytes)")
         self.park_pool: Optional[int] = None
-        if host_policy is not None and config.preemption == "swap":
+        if (host_policy is not None or stagger is not None) and config.preemption == "swap":
             self.park_pool = HOST_POOL  # evicted when the host pool does not pay: parked there, resumed on the device
         elif len(self.run_pools) == 1 and config.preemption == "swap":
             other = 1 - self.run_pools[0]
@@ -104,8 +107,20 @@ class Scheduler:
                 f"ApexConfig.gpu_cache_size / cpu_cache_size or lower max_new_tokens")
 
     def has_unfinished(self) -> bool:
-        """Whether any request is waiting, running or parked."""
-        return bool(self.waiting or self.running or self.parked)
+        """Whether any request is waiting, running, parked or in the staggered pipeline."""
+        return bool(self.waiting or self.running or self.parked or (self.stagger and self.stagger.members()))
+
+    def to_pipeline(self, request: Request) -> None:
+        """A host-pool request finished its prefill: it decodes in the staggered pipeline from now on."""
+        self.running.remove(request)
+        self.stagger.join(request)
+
+    def finish_staggered(self, request: Request, reason: str) -> None:
+        """Marks a pipeline request finished and returns its blocks."""
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.stagger.finish(request)
+        self.kv.free(request.request_id)
 
     def finish(self, request: Request, reason: str) -> None:
         """Marks a running request finished and returns its blocks."""
@@ -123,6 +138,9 @@ class Scheduler:
         ids = None if request_ids is None else set(request_ids)
         dropped = [r for r in list(self.waiting) + self.running + list(self.parked)
                    if ids is None or r.request_id in ids]
+        if self.stagger is not None:  # its CPU jobs are drained before the blocks are freed
+            members = [r.request_id for r in self.stagger.members() if ids is None or r.request_id in ids]
+            dropped += self.stagger.remove(members)
         for request in dropped:
             self.kv.free(request.request_id)
             request.status = RequestStatus.FINISHED
@@ -199,7 +217,8 @@ class Scheduler:
         other = 1 - pool
         total = self.max_tokens(request)
         room_needed = self.kv.blocks_for(request.num_tokens)  # every chunk it may run this step
-        if (other in self.run_pools and self.kv.num_free(other) >= room_needed
+        if (other in self.run_pools and not (self.stagger is not None and other == HOST_POOL)
+                and self.kv.num_free(other) >= room_needed
                 and self.kv.pools[other].num_blocks * self.kv.block_size >= total
                 and (self.host_policy is None or other != HOST_POOL or self._host_pays(request))):
             self.kv.move(request.request_id, other)
@@ -229,6 +248,8 @@ class Scheduler:
         """
         total = self.max_tokens(request)
         fitting = [p for p in self.run_pools if self.kv.pools[p].num_blocks * self.kv.block_size >= total]
+        if self.stagger is not None:
+            return self._admit_staggered(request, num_tokens, fitting)
         if self.host_policy is not None:
             return self._admit_auto(request, num_tokens, fitting)
         pool = fitting[0]
@@ -247,6 +268,20 @@ class Scheduler:
         if HOST_POOL not in fitting:
             return None
         if self._host_pays(request) and self.kv.grow(request.request_id, HOST_POOL, end):
+            return HOST_POOL
+        return None
+
+    def _admit_staggered(self, request: Request, num_tokens: int, fitting: List[int]) -> Optional[int]:
+        """The staggered plan: the device pool when it has room, else the host pool while the pipeline has a
+        row for the request, with blocks for its whole length (a pipeline request never waits for a block)."""
+        if DEVICE_POOL in fitting and self.kv.grow(request.request_id, DEVICE_POOL, request.num_computed + num_tokens):
+            return DEVICE_POOL
+        if HOST_POOL not in fitting:
+            return None
+        prefilling = sum(1 for r in self.running if self.kv.pool_of(r.request_id) == HOST_POOL)
+        if len(self.stagger.members()) + prefilling >= self.stagger.capacity:
+            return None
+        if self.kv.grow(request.request_id, HOST_POOL, self.max_tokens(request)):
             return HOST_POOL
         return None
 

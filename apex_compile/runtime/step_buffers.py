@@ -137,7 +137,7 @@ class StepBuffers:
         self._copied: Optional[torch.cuda.Event] = None  # the last copy; the mirror is not rewritten before it
 
     def fill(self, chunks: List[ScheduledChunk], logit_rows: List[int], pad_to: Optional[int] = None,
-             total_rows: Optional[int] = None) -> Tuple[List[PoolPart], int]:
+             total_rows: Optional[int] = None, first_row: int = 0) -> Tuple[List[PoolPart], int]:
         """Writes the step's inputs (chunks in `order_chunks` order) and returns (pool parts, rows).
 
         pad_to: pad a decode-only step of the device pool to that many rows (slot -1, context length 1, input
@@ -145,12 +145,14 @@ class StepBuffers:
         covers the padded rows, and its split-K is planned for the table's capacity.
         total_rows: pad any step to that many rows with rows of no pool after the last part (input id 0,
         position 0; no attention reads or writes them): the rows of a piecewise-captured step.
+        first_row: the pools' rows start there; the rows before it (the staggered block) are written by the
+        caller into `ids` / `positions` (after `fill`, which waits for the previous copy).
         Call `copy_to_device` once before the step runs.
         """
         if self._copied is not None:
             self._copied.synchronize()
             self._copied = None
-        row, parts, used_table_rows = 0, [], 0
+        row, parts, used_table_rows = first_row, [], 0
         for pool_index in (DEVICE_POOL, HOST_POOL):
             pool_chunks = [c for c in chunks if c.pool == pool_index]
             padded = pad_to is not None and pool_index == DEVICE_POOL

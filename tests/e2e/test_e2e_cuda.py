@@ -131,3 +131,28 @@ def test_auto_measures_a_profile_once_and_explains_its_verdict(fp32_model, tmp_p
     profile = first.engine.auto_policy.model.profile
     assert all(t > 0 for t in profile.linear_s + profile.gpu_attention_s + profile.cpu_attention_s)
     assert "verdict:" in first.offload_decision() and "ideal_gain" in first.offload_decision()
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_staggered_equals_hf_generate_fp32(width):
+    """Requests the small device pool cannot take decode staggered from the host pool (CPU attention on the
+    worker thread, one layer per step): the same tokens as HF (attention sharpened so RoPE rows matter)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = random_llama(torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4)
+            layer.self_attn.k_proj.weight.mul_(4)
+    ids, mask = left_padded_batch([5, 17, 33, 64, 9, 40, 21])
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    head_dim = SMALL["hidden_size"] // SMALL["num_attention_heads"]
+    block = 2 * SMALL["num_hidden_layers"] * SMALL["num_key_value_heads"] * 16 * head_dim * 4
+    apex = optimize(model, ApexConfig(offload="staggered", stagger_width=width, gpu_cache_size=14 * block,
+                                      cpu_cache_size=32 * MB))
+    out = apex.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)
+    assert torch.equal(out, ref)
+    assert apex.engine.stats.requests_per_pool[1] >= 2  # some requests ran staggered from the host pool
+    assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
