@@ -50,7 +50,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps):
         if index == warm_steps:
             torch.cuda.synchronize()
             begin, tokens = time.perf_counter(), engine.stats.generated_tokens
-        running = engine.scheduler.running
+        running = list(engine.scheduler.running)
         on_host = sum(1 for r in running if engine.kv.pool_of(r.request_id) == HOST_POOL)
         staggered = stagger.width if stagger is not None and stagger.active else 0
         context = sum(r.num_tokens for r in running) / max(len(running), 1)
