@@ -87,7 +87,7 @@ class StaggerPipeline:
         self._positions_host = torch.zeros(self.num_layers, width, dtype=torch.int64, pin_memory=on_cuda)
         self.positions = self._positions_host.to(device) if on_cuda else self._positions_host
         self._positions_copied: Optional[torch.cuda.Event] = None
-        self.executor = _AsyncJobs(device) if on_cuda else _SyncJobs()
+        self.executor = AsyncJobs(CudaCopies(device)) if on_cuda else _SyncJobs()
         self.steps = 0
         self.quiet = False  # while graphs are captured: attention launches and returns nothing
 
@@ -269,18 +269,47 @@ class _SyncJobs:
         """Nothing runs in the background."""
 
 
-class _AsyncJobs:
-    """CUDA: q/k/v rows go device-to-host on a copy stream, a worker thread runs the job into a pinned output
-    buffer, and the next step copies it host-to-device on the compute stream. Staging and output buffers
-    alternate by step parity; an output buffer is written only after the event recorded behind its last
-    host-to-device copy (the guard)."""
+class CudaCopies:
+    """The copies of `AsyncJobs` on CUDA: q/k/v to pinned staging on a copy stream ordered after the compute
+    stream, outputs back on the compute stream; each returns an event."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.copy_stream = torch.cuda.Stream(device)
+
+    def stage(self, pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
+        """Copies each (pinned dst, device src) after the work queued so far on the compute stream."""
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(ready)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+                src.record_stream(self.copy_stream)
+        copied = torch.cuda.Event()
+        copied.record(self.copy_stream)
+        return copied
+
+    def restore(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event:
+        """Copies the pinned `src` into the device `dst` on the compute stream."""
+        dst.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        return done
+
+
+class AsyncJobs:
+    """Asynchronous CPU jobs: q/k/v rows are staged into pinned buffers (`copies.stage`), a worker thread runs
+    the job into a pinned output buffer, and the next step copies it back (`copies.restore`). Staging and
+    output buffers alternate by step parity; an output buffer is rewritten only after the event of its last
+    copy back (the guard)."""
+
+    def __init__(self, copies, pin_memory: bool = True):
+        self.copies = copies
+        self.pin_memory = pin_memory
         self.worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="apex-stagger")
         self.buffers: Dict[tuple, torch.Tensor] = {}
-        self.guards: Dict[tuple, torch.cuda.Event] = {}
+        self.guards: Dict[tuple, object] = {}
         self.pending: Dict[int, Tuple[Optional[concurrent.futures.Future], int]] = {}
         self._launched: Optional[tuple] = None
 
@@ -288,7 +317,7 @@ class _AsyncJobs:
         key = (name, layer, parity)
         buf = self.buffers.get(key)
         if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
-            buf = self.buffers[key] = torch.zeros(like.shape, dtype=like.dtype, pin_memory=True)
+            buf = self.buffers[key] = torch.zeros(like.shape, dtype=like.dtype, pin_memory=self.pin_memory)
         return buf
 
     def launch(self, layer, step, job, query, key, value) -> None:
@@ -296,16 +325,8 @@ class _AsyncJobs:
         if job is None:
             self._launched = (layer, None, parity)
             return
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
         staged = [self._buffer(name, layer, parity, t) for name, t in (("q", query), ("k", key), ("v", value))]
-        with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_event(ready)
-            for buf, tensor in zip(staged, (query, key, value)):
-                buf.copy_(tensor, non_blocking=True)
-                tensor.record_stream(self.copy_stream)
-        copied = torch.cuda.Event()
-        copied.record(self.copy_stream)
+        copied = self.copies.stage(list(zip(staged, (query, key, value))))
         out_buf = self._buffer("out", layer, parity, query)
         guard = self.guards.get(("out", layer, parity))
 
@@ -326,10 +347,7 @@ class _AsyncJobs:
             return
         future, parity = previous
         future.result()
-        out.copy_(self.buffers[("out", layer, parity)], non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        self.guards[("out", layer, parity)] = event
+        self.guards[("out", layer, parity)] = self.copies.restore(out, self.buffers[("out", layer, parity)])
 
     def drain(self) -> None:
         """Waits for every launched job (before their requests' blocks are freed)."""

@@ -1,0 +1,207 @@
+"""The staggered plan on a CPU: end to end against HF generate, the pipeline's rotation, the stagger pass, and
+the asynchronous job executor's ordering with fake streams (a slow copy back must never see its buffer
+rewritten)."""
+import concurrent.futures
+import time
+
+import pytest
+import torch
+
+from apex_compile import ApexConfig, SamplingParams, optimize
+from apex_compile.passes import PassReport, PatternError
+from apex_compile.passes.partition_attention import partition_attention
+from apex_compile.passes.stagger import stagger_rows
+from apex_compile.runtime.stagger import AsyncJobs
+from tests.helpers import capture, count_calls, engine_step, tiny_model
+
+LAYERS = 3
+BLOCK_BYTES = 2 * LAYERS * 2 * 16 * 16 * 4  # tiny_model: 2 KV heads x 16 dims, fp32, 16-token blocks
+
+
+def sharp_model(kind="llama"):
+    """A tiny random model whose attention is far from uniform, so wrong RoPE rows change its tokens."""
+    model = tiny_model(kind, layers=LAYERS)
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    return model
+
+
+def hf_tokens(model, prompts, new_tokens):
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                   do_sample=False)
+        out.append(generated[0, len(p):].tolist())
+    return out
+
+
+def staggered(model, width=2, device_blocks=4):
+    return optimize(model, ApexConfig(offload="staggered", stagger_width=width, gpu_cache_size=device_blocks
+                                      * BLOCK_BYTES, cpu_cache_size=128 * BLOCK_BYTES, max_model_len=64))
+
+
+@pytest.mark.parametrize("kind,width", [("llama", 2), ("qwen2", 1), ("llama", 3)])
+def test_staggered_tokens_equal_hf_generate(kind, width):
+    torch.manual_seed(1)
+    model = sharp_model(kind)
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4, 8, 6)]
+    reference = hf_tokens(model, prompts, 10)
+    apex = staggered(model, width)
+    done = apex.engine.generate(prompts, SamplingParams(max_new_tokens=10))
+    assert [c.token_ids for c in done] == reference
+    on_host = [c for c in done if c.steps_per_pool["host"]]
+    assert len(on_host) >= 3 and all(c.steps_per_pool["host"] == 10 for c in on_host)  # every decode staggered
+    assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+    assert not apex.engine.stagger.members()
+
+
+def test_closing_a_stream_midway_drops_pipeline_requests():
+    torch.manual_seed(2)
+    apex = staggered(sharp_model())
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4)]
+    stream = apex.engine.stream(prompts, SamplingParams(max_new_tokens=30))
+    events = [next(stream) for _ in range(40)]
+    assert apex.engine.stagger.active  # requests are in flight in the pipeline
+    stream.close()
+    assert len(events) == 40
+    assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+    assert not apex.engine.stagger.members() and not apex.engine.has_unfinished()
+    # the engine serves the next requests normally, with the same tokens as HF
+    model = apex.engine.model
+    assert [c.token_ids for c in apex.engine.generate(prompts[:3], SamplingParams(max_new_tokens=6))] == \
+        hf_tokens(model, prompts[:3], 6)
+
+
+def test_pipeline_returns_a_request_after_every_layer():
+    """A request joining group 0 samples num_layers steps later (its token has crossed every layer)."""
+    torch.manual_seed(3)
+    apex = staggered(sharp_model(), width=1, device_blocks=1)
+    engine = apex.engine
+    engine.add_request(list(range(3, 23)), SamplingParams(max_new_tokens=2))  # longer than the device pool
+    engine.step()  # prefill in the host pool: the first token, then the request joins the pipeline
+    assert len(engine.stagger.joining) == 1
+    (request,) = engine.stagger.joining
+    for step in range(LAYERS):
+        assert engine.step() == [] and engine.stagger.groups[step].requests[0] is request
+    assert engine.step() == [request] and request.is_finished and len(request.output_token_ids) == 2
+    assert not engine.has_unfinished()
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="stagger_width"):
+        ApexConfig(stagger_width=0)
+    with pytest.raises(ValueError, match="compile=True"):
+        optimize(sharp_model(), ApexConfig(offload="staggered", compile=False, gpu_cache_size=BLOCK_BYTES,
+                                           cpu_cache_size=8 * BLOCK_BYTES))
+
+
+def _staggered_graph(kind="llama"):
+    model = tiny_model(kind, layers=LAYERS)
+    ids = torch.randint(0, 96, (1, 6))
+    gm, _ = capture(engine_step(model), ids, torch.arange(6)[None], torch.arange(6), dynamic=True)
+    report = PassReport("paged")
+    partition_attention(gm, report)
+    return gm, report
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+def test_pass_swaps_residual_and_rope_rows_per_layer(kind):
+    gm, report = _staggered_graph(kind)
+    assert stagger_rows(gm, report) == LAYERS == report.staggered_layers
+    ops = torch.ops.apex
+    assert count_calls(gm, ops.stagger_residual.default) == LAYERS
+    assert count_calls(gm, ops.stagger_rope.default) == 2 * LAYERS
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    attentions = [n for n in gm.graph.nodes if n.target is ops.attention.default]
+    for node in gm.graph.nodes:
+        if node.target is ops.stagger_residual.default:  # after its layer's attention, read by the residual add
+            layer = node.args[1]
+            assert order[node] > order[attentions[layer]]
+            (add,) = node.users
+            assert layer + 1 == len(attentions) or order[add] < order[attentions[layer + 1]]
+        if node.target is ops.stagger_rope.default:  # before its layer's attention
+            assert order[node] < order[attentions[node.args[1]]]
+    assert "staggered host rows" in str(report)
+
+
+def test_pass_needs_paged_attention():
+    model = tiny_model("llama", layers=1)
+    ids = torch.randint(0, 96, (1, 4))
+    gm, _ = capture(engine_step(model), ids, torch.arange(4)[None], torch.arange(4), dynamic=True)
+    with pytest.raises(PatternError, match="apex.attention"):
+        stagger_rows(gm, PassReport())
+
+
+class FakeEvent:
+    def __init__(self, future):
+        self.future = future
+
+    def synchronize(self):
+        self.future.result()
+
+
+class FakeCopies:
+    """CPU stand-ins for the CUDA streams: staging copies run on one thread, copies back on another after
+    `restore_delay` seconds (a slow host-to-device copy), each reading its source when it runs."""
+
+    def __init__(self, restore_delay):
+        self.copy_stream = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        self.compute_stream = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        self.restore_delay = restore_delay
+
+    def stage(self, pairs):
+        def run():
+            for dst, src in pairs:
+                dst.copy_(src)
+        return FakeEvent(self.copy_stream.submit(run))
+
+    def restore(self, dst, src):
+        def run():
+            time.sleep(self.restore_delay)
+            dst.copy_(src)
+        return FakeEvent(self.compute_stream.submit(run))
+
+    def flush(self):
+        self.compute_stream.submit(lambda: None).result()
+
+
+def run_jobs(jobs, copies, steps, layers=2):
+    """Drives `jobs` as the pipeline does (per step and layer: launch, then collect); returns what each
+    collect delivered once its copy back ran."""
+    delivered = {}
+    for step in range(1, steps + 1):
+        for layer in range(layers):
+            q = torch.full((2, 3), float(100 * step + layer))
+
+            def job(q, k, v):
+                return q + 0.5
+
+            jobs.launch(layer, step, job, q, q.clone(), q.clone())
+            out = torch.full((2, 3), float("nan"))
+            jobs.collect(layer, step, out)
+            delivered[step, layer] = out
+    copies.flush()
+    jobs.drain()
+    return delivered
+
+
+def test_async_jobs_deliver_each_result_one_step_later():
+    copies = FakeCopies(restore_delay=0.0)
+    delivered = run_jobs(AsyncJobs(copies, pin_memory=False), copies, steps=5)
+    for (step, layer), out in delivered.items():
+        expected = 0.0 if step == 1 else 100 * (step - 1) + layer + 0.5
+        assert torch.all(out == expected), (step, layer, out)
+
+
+def test_output_buffer_is_not_rewritten_before_its_copy_back():
+    """The copy back of step s's output is slow; the job of step s + 2 writes the same (parity) buffer and must
+    wait for that copy (the guard event), else step s's delivery reads the newer result."""
+    copies = FakeCopies(restore_delay=0.05)
+    delivered = run_jobs(AsyncJobs(copies, pin_memory=False), copies, steps=6)
+    wrong = [(step, layer, out[0, 0].item()) for (step, layer), out in delivered.items()
+             if not torch.all(out == (0.0 if step == 1 else 100 * (step - 1) + layer + 0.5))]
+    assert not wrong
