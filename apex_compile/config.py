@@ -29,6 +29,8 @@ class ApexConfig:
         picks this plan where its model predicts a gain.
     stagger_width: rows per step of staggered host requests; the pipeline holds (num_layers + 1) * width
         requests. None: the performance model's choice under "auto", else 4.
+    cpu_attention_threads: OpenMP threads of the staggered plan's CPU attention worker on CUDA, pinned to the
+        last cores this process may use. None: all of them but one, left to the thread that launches GPU work.
     max_num_seqs: most requests in one step.
     max_num_batched_tokens: most tokens in one step (the chunked-prefill budget).
     max_model_len: longest prompt + generation; None: the model's max_position_embeddings.
@@ -61,6 +63,7 @@ class ApexConfig:
     cuda_graphs: bool = True
     capture_sizes: Optional[Sequence[int]] = None
     stagger_width: Optional[int] = None
+    cpu_attention_threads: Optional[int] = None
 
     def __post_init__(self):
         for name in ("gpu_cache_size", "cpu_cache_size"):
@@ -92,6 +95,10 @@ class ApexConfig:
         width = self.stagger_width
         if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 1):
             raise ValueError(f"ApexConfig.stagger_width must be a positive number of rows or None, got {width!r}")
+        threads = self.cpu_attention_threads
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise ValueError(f"ApexConfig.cpu_attention_threads must be a positive thread count or None, "
+                             f"got {threads!r}")
         if self.inner is not None and self.inner not in INNER_COMPILERS:
             raise ValueError(f"ApexConfig.inner must be one of {INNER_COMPILERS} or None, got {self.inner!r}")
 

@@ -246,7 +246,7 @@ class Engine:
                              "per layer by the compiler's passes")
         config = self.model.config
         return StaggerPipeline(self.kv, width, config.hidden_size, rope_tables(self.model, self.max_model_len),
-                               self.device, self.dtype, self.max_model_len)
+                               self.device, self.dtype, self.max_model_len, self.config.cpu_attention_threads)
 
     def _auto_stagger_width(self) -> int:
         """offload="auto": the staggered plan's rows per step, sized for the longest typical requests (at shorter

@@ -25,6 +25,7 @@ stash for the next step.
 import collections
 import concurrent.futures
 import dataclasses
+import os
 from typing import Deque, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -71,7 +72,7 @@ class StaggerPipeline:
     """The groups of the staggered plan, their device-side row state and the CPU jobs (module docstring)."""
 
     def __init__(self, kv: KVManager, width: int, hidden_size: int, rope: Tuple[torch.Tensor, torch.Tensor],
-                 device: torch.device, dtype: torch.dtype, max_model_len: int):
+                 device: torch.device, dtype: torch.dtype, max_model_len: int, threads: Optional[int] = None):
         if width < 1:
             raise ValueError(f"the staggered plan needs at least one row per step, got width {width}")
         self.kv = kv
@@ -87,7 +88,7 @@ class StaggerPipeline:
         self._positions_host = torch.zeros(self.num_layers, width, dtype=torch.int64, pin_memory=on_cuda)
         self.positions = self._positions_host.to(device) if on_cuda else self._positions_host
         self._positions_copied: Optional[torch.cuda.Event] = None
-        self.executor = AsyncJobs(CudaCopies(device)) if on_cuda else _SyncJobs()
+        self.executor = AsyncJobs(CudaCopies(device), threads=threads) if on_cuda else _SyncJobs()
         self.steps = 0
         self.quiet = False  # while graphs are captured: attention launches and returns nothing
 
@@ -298,16 +299,40 @@ class CudaCopies:
         return done
 
 
+def worker_cores(threads: Optional[int] = None) -> List[int]:
+    """The cores of the CPU attention worker: the last `threads` of those this process may use (None: all
+    but the first when there are more than two)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
+    if threads is None:
+        threads = len(cores) - 1 if len(cores) > 2 else len(cores)
+    if not 1 <= threads <= len(cores):
+        raise ValueError(f"cpu_attention_threads must be in 1..{len(cores)} (the cores this process may use), "
+                         f"got {threads}")
+    return cores[len(cores) - threads:]
+
+
+def _pin_worker(cores: List[int]) -> None:
+    """Worker-thread initializer: this thread (and the OpenMP team it starts) runs on `cores`, that many
+    threads wide (the OpenMP thread count is per calling thread)."""
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+
+
 class AsyncJobs:
     """Asynchronous CPU jobs: q/k/v rows are staged into pinned buffers (`copies.stage`), a worker thread runs
     the job into a pinned output buffer, and the next step copies it back (`copies.restore`). Staging and
     output buffers alternate by step parity; an output buffer is rewritten only after the event of its last
     copy back (the guard)."""
 
-    def __init__(self, copies, pin_memory: bool = True):
+    def __init__(self, copies, pin_memory: bool = True, threads: Optional[int] = None):
+        """threads: the worker's OpenMP threads, pinned to the last `threads` cores this process may use (None:
+        all of them but the first, left to the thread that launches GPU work)."""
         self.copies = copies
         self.pin_memory = pin_memory
-        self.worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="apex-stagger")
+        self.cores = worker_cores(threads)
+        self.worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="apex-stagger",
+                                                            initializer=_pin_worker, initargs=(self.cores,))
         self.buffers: Dict[tuple, torch.Tensor] = {}
         self.guards: Dict[tuple, object] = {}
         self.pending: Dict[int, Tuple[Optional[concurrent.futures.Future], int]] = {}

@@ -3,8 +3,11 @@ CPU is too slow, hybrid when the bound is large, never a plan predicted slower t
 APEX's inequality, explain(), and the on-disk profile cache."""
 import pytest
 
-from apex_compile.runtime.perf_model import (PLANS, PerfModel, Profile, apex_pipeline_inequality, cached_profile,
-                                             interpolate, profile_path)
+from apex_compile.runtime.perf_model import (PLANS, AutoOffload, PerfModel, Profile, apex_pipeline_inequality,
+                                             cached_profile, interpolate, profile_path)
+
+ONE_BATCH_PLANS = ("never", "overlap", "pipeline")  # plans whose host rows share every layer of one step
+GROUPS = 33  # Llama-3-8B: 32 layers + 1 (host requests per staggered row)
 
 KV_PER_TOKEN = 128 * 1024  # Llama-3-8B bf16: 2 * 32 layers * 8 kv heads * 128 dims * 2 bytes
 
@@ -35,6 +38,8 @@ def test_plans_predict_the_documented_formulas():
     pipeline = model.predict("pipeline", 16, 8, 1024)
     assert pipeline.step_s == pytest.approx(max(model.linear_s(16) + model.linear_s(8)
                                                 + model.gpu_attention_s(16 * 1024), cpu))
+    staggered = model.predict("staggered", 16, 8, 1024)
+    assert staggered.step_s == pytest.approx(max(model.linear_s(24) + model.gpu_attention_s(16 * 1024), cpu))
     with pytest.raises(ValueError):
         model.predict("never", 16, 1, 1024)
     with pytest.raises(ValueError):
@@ -51,13 +56,37 @@ def test_a_fast_gpu_whose_step_is_its_weight_reads_keeps_everything_on_the_gpu()
     by overlapping the whole step, which no plan does: one batch hides it behind the device rows' attention
     alone, two sub-batches cost a second weight sweep."""
     model = PerfModel(profile(cpu_gbps=90))
-    assert model.choose(gpu_capacity=8, cpu_capacity=64, context=1024).plan == "never"
+    assert model.choose(gpu_capacity=8, cpu_capacity=64, context=1024, plans=ONE_BATCH_PLANS).plan == "never"
     for capacity in (4, 8, 16, 32, 64):
-        gain = (model.choose(capacity, 64, 1024).tokens_per_s
+        gain = (model.choose(capacity, 64, 1024, ONE_BATCH_PLANS).tokens_per_s
                 - model.predict("never", capacity, 0, 1024).tokens_per_s)
         assert 0 <= gain < 0.35 * model.ideal_gain(1024)
     # a tiny device pool is where the second sweep pays (APEX's inequality): 4 requests gain with the pipeline
-    assert model.choose(gpu_capacity=4, cpu_capacity=64, context=1024).plan == "pipeline"
+    assert model.choose(gpu_capacity=4, cpu_capacity=64, context=1024, plans=ONE_BATCH_PLANS).plan == "pipeline"
+
+
+@pytest.mark.parametrize("capacity", [4, 8, 16, 32])
+def test_the_staggered_plan_takes_most_of_ideal_gain_on_a_fast_gpu(capacity):
+    """H200-like again: staggered host rows overlap the CPU with the whole step, so the gain approaches
+    ideal_gain when the host pool holds enough requests ((layers + 1) per row)."""
+    model = PerfModel(profile(cpu_gbps=90))
+    never = model.predict("never", capacity, 0, 1024)
+    choice = model.choose(capacity, 64 * GROUPS, 1024, stagger_groups=GROUPS)
+    assert choice.plan == "staggered"
+    assert 0.75 * model.ideal_gain(1024) <= choice.tokens_per_s - never.tokens_per_s <= model.ideal_gain(1024) * 1.001
+    # its rows need (layers + 1) requests each: a host pool of 33 requests gives one row, no more
+    assert model.choose(capacity, GROUPS, 1024, ("never", "staggered"), GROUPS).cpu_requests <= 1
+
+
+def test_auto_sizes_the_staggered_rows_and_declines_a_slow_cpu():
+    tokens = {"gpu": 8 * 1024, "cpu": 400 * 1024}
+    fast = AutoOffload(PerfModel(profile(cpu_gbps=90)), stagger_groups=GROUPS)
+    width = fast.staggered_width(tokens["gpu"], tokens["cpu"], 64, 1024)
+    assert width == PerfModel(profile(cpu_gbps=90)).choose(8, 400, 1024, ("never", "staggered"), GROUPS).cpu_requests
+    assert 1 <= width <= 400 // GROUPS
+    assert any("staggered plan" in line for line in fast.explain(tokens["gpu"], tokens["cpu"], 64, 1024))
+    slow = AutoOffload(PerfModel(profile(cpu_gbps=0.5)), stagger_groups=GROUPS)
+    assert slow.staggered_width(tokens["gpu"], tokens["cpu"], 64, 1024) == 0
 
 
 def test_a_large_bound_is_taken_and_never_exceeds_ideal_gain():
@@ -65,7 +94,7 @@ def test_a_large_bound_is_taken_and_never_exceeds_ideal_gain():
     model = PerfModel(profile(cpu_gbps=90, gpu_gbps=300, linear_ms=42))
     context = 1024
     never = model.predict("never", 8, 0, context)
-    choice = model.choose(gpu_capacity=8, cpu_capacity=64, context=context)
+    choice = model.choose(gpu_capacity=8, cpu_capacity=64, context=context, plans=ONE_BATCH_PLANS)
     assert choice.plan == "pipeline" and choice.cpu_requests > 0
     gain = choice.tokens_per_s - never.tokens_per_s
     assert 0 < gain <= model.ideal_gain(context) * 1.001
@@ -85,7 +114,7 @@ def test_apex_inequality_and_explain():
     lhs, rhs, holds = apex_pipeline_inequality(8, 2, t_linear=4.0, t_attention=1.0)
     assert (lhs, rhs, holds) == (4.0, 2 * 4 + 3 + 0.25, True)
     assert not apex_pipeline_inequality(100, 1, 4.0, 1.0)[2]
-    lines = PerfModel(profile(cpu_gbps=90, gpu_gbps=300, linear_ms=42)).explain(8, 64, 1024)
+    lines = PerfModel(profile(cpu_gbps=90, gpu_gbps=300, linear_ms=42)).explain(8, 64, 1024, ONE_BATCH_PLANS)
     text = "\n".join(lines)
     for phrase in ("bandwidth ratio", "attention share", "N_G/N_C < 2*T_lin/T_att + 3 + T_att/T_lin", "ideal_gain",
                    "verdict: pipeline"):

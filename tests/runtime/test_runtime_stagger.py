@@ -2,6 +2,7 @@
 the asynchronous job executor's ordering with fake streams (a slow copy back must never see its buffer
 rewritten)."""
 import concurrent.futures
+import os
 import time
 
 import pytest
@@ -205,3 +206,16 @@ def test_output_buffer_is_not_rewritten_before_its_copy_back():
     wrong = [(step, layer, out[0, 0].item()) for (step, layer), out in delivered.items()
              if not torch.all(out == (0.0 if step == 1 else 100 * (step - 1) + layer + 0.5))]
     assert not wrong
+
+
+def test_worker_threads_run_on_their_cores():
+    from apex_compile.runtime.stagger import worker_cores
+
+    cores = sorted(os.sched_getaffinity(0))
+    assert worker_cores(1) == cores[-1:]
+    assert worker_cores(None) == (cores[1:] if len(cores) > 2 else cores)
+    with pytest.raises(ValueError, match="cpu_attention_threads"):
+        worker_cores(len(cores) + 1)
+    jobs = AsyncJobs(FakeCopies(0.0), pin_memory=False, threads=1)
+    seen = jobs.worker.submit(lambda: (sorted(os.sched_getaffinity(0)), torch.get_num_threads()))
+    assert seen.result() == (cores[-1:], 1)
