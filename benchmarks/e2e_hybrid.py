@@ -134,8 +134,17 @@ def main():
             device_bytes = int(gib * GiB)
             count = max(device_bytes // per_request, 1)  # requests the device pool holds
             prompts = torch.randint(3, shape["vocab_size"], (64, args.prompt)).tolist()
-            runs = {m: run_mode(model, m, device_bytes, int(args.host_gib * GiB), prompts, args.new_tokens,
-                                args.max_seqs, args) for m in modes}
+            runs = {}
+            for m in modes:  # one line per mode as it ends: a run cut short keeps what it measured
+                begin = time.perf_counter()
+                runs[m] = run_mode(model, m, device_bytes, int(args.host_gib * GiB), prompts, args.new_tokens,
+                                   args.max_seqs, args)
+                print(f"   {shape_name} {gib:g} GiB {m}: {runs[m]['tokens_per_s']:.0f} tokens/s, median step "
+                      f"{runs[m]['decode_step_s'] * 1e3:.2f} ms ({time.perf_counter() - begin:.0f} s); "
+                      f"{runs[m]['explain'].splitlines()[0][:150]}", flush=True)
+                partial = {"shape": shape_name, "device_gib": gib, "partial": True,
+                           "modes": {k: {x: y for x, y in r.items() if x != "steps"} for k, r in runs.items()}}
+                write_json(args.out, dict(result, rows=result["rows"] + [partial]))
             probe = optimize(model, ApexConfig(offload="never", gpu_cache_size=device_bytes,
                                                cpu_cache_size=1 << 30, max_num_seqs=args.max_seqs))
             perf = PerfModel(engine_profile(probe.engine))

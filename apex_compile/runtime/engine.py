@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Callable, Iterator, List, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from apex_compile.config import GiB, ApexConfig
@@ -420,6 +421,9 @@ class Engine:
         `stagger_rows`, the staggered graph's, its block quiet and its residual store left as it was)."""
         rows, num_logits = key
         parts, _ = self.buffers.fill([], [], pad_to=rows - stagger_rows, first_row=stagger_rows)
+        if stagger_rows:  # the block's rows and every logits row within the step (fill wrote rows - block of them)
+            self.buffers.ids[:stagger_rows], self.buffers.positions[:stagger_rows] = 0, 0
+            self.buffers.logits_indices[:num_logits] = np.arange(num_logits) % rows
         self.buffers.copy_to_device()
         pieces = self.stagger_pieces if stagger_rows else self.pieces
 
@@ -718,6 +722,7 @@ class Engine:
         if self.stagger is not None:  # the staggered step compiles too (a quiet step of padding rows)
             width = self.stagger.width
             parts, _ = self.buffers.fill([], [], pad_to=2, first_row=width)
+            self.buffers.ids[:width], self.buffers.positions[:width] = 0, 0
             self.buffers.copy_to_device()
             with self._quiet_stagger(True):
                 self._run_model(parts, width + 2, 2, stagger_rows=width)
