@@ -34,6 +34,8 @@ EXPECTED_KERNELS = {
     "offload_launch": {"CompositeExplicitAutograd"},
     "device_attention": {"CompositeExplicitAutograd"},
     "offload_wait": {"CompositeExplicitAutograd"},
+    "stagger_residual": {"CompositeExplicitAutograd"},
+    "stagger_rope": {"CompositeExplicitAutograd"},
 }
 NO_TENSOR_OPS = {"cpu_isa_code": (), "cpu_attention_work_split": (0, 0, 0)}  # read-only calls, no fake needed
 
@@ -94,6 +96,8 @@ CASES = [
     ("offload_launch", attention_args, {}),
     ("device_attention", lambda: attention_args(token=True), {}),
     ("offload_wait", lambda: (torch.zeros(1), torch.randn(3, KV_HEADS, DIM), 0), {}),
+    ("stagger_residual", lambda: (torch.randn(1, 3, 32), 0), {}),
+    ("stagger_rope", lambda: (torch.randn(1, 3, DIM), 1, 0), {}),
 ]
 
 
@@ -111,6 +115,12 @@ class StubRunner:
 
     def offload_wait(self, layer_idx, token, device_out):
         return device_out  # an alias: the op must return a copy
+
+    def stagger_residual(self, layer_idx, residual):
+        return residual  # an alias too
+
+    def stagger_rope(self, layer_idx, table, kind):
+        return table * (kind + 1)
 
 
 @pytest.fixture
