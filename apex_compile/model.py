@@ -263,10 +263,7 @@ class ApexModel:
         if mode == "auto":
             tokens = [p.num_blocks * engine.kv.block_size for p in engine.kv.pools]
             context = min(1024, engine.max_model_len)
-            if engine.stagger is not None:
-                verdict = (f"staggered with {engine.stagger.width} host row(s) per step: requests the device pool "
-                           "cannot take decode from the host pool, one layer per step")
-            elif engine.scheduler.host_policy is not None:
+            if engine.scheduler.host_policy is not None:
                 verdict = "host requests admitted when the device pool is full and the model predicts a gain"
             else:
                 verdict = "never: the model predicts no gain for typical loads"

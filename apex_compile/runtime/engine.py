@@ -209,11 +209,8 @@ class Engine:
             self.auto_policy = AutoOffload(PerfModel(engine_profile(self)), stagger_groups=self.shape.num_layers + 1)
         self.stagger: Optional[StaggerPipeline] = None
         if self.config.offload == "staggered" and self.kv.pools[HOST_POOL].num_blocks:
+            # explicit only: "auto" does not pick it while its measured step on the H200 is host-bound (notes 24)
             self.stagger = self._stagger_pipeline(self.config.stagger_width or DEFAULT_STAGGER_WIDTH)
-        elif self.auto_policy is not None:
-            width = self.config.stagger_width or self._auto_stagger_width()
-            if width:
-                self.stagger = self._stagger_pipeline(width)
         self.scheduler = Scheduler(self.config, self.kv, self.max_model_len, self._auto_host_policy(), self.stagger)
         self.runner = PagedAttentionRunner(self.kv, self.device)
         self.runner.stagger = self.stagger
@@ -248,14 +245,6 @@ class Engine:
         config = self.model.config
         return StaggerPipeline(self.kv, width, config.hidden_size, rope_tables(self.model, self.max_model_len),
                                self.device, self.dtype, self.max_model_len, self.config.cpu_attention_threads)
-
-    def _auto_stagger_width(self) -> int:
-        """offload="auto": the staggered plan's rows per step, sized for the longest typical requests (at shorter
-        contexts the CPU only finishes earlier), or 0 where the model predicts it does not pay."""
-        tokens = [p.num_blocks * self.kv.block_size for p in self.kv.pools]
-        context = min(self.max_model_len, 4096)
-        return self.auto_policy.staggered_width(tokens[DEVICE_POOL], tokens[HOST_POOL], self.config.max_num_seqs,
-                                                context)
 
     def _auto_host_policy(self) -> Optional[AutoOffload]:
         """The auto policy if its model predicts that host requests pay for some typical load, else None (then

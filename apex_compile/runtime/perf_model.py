@@ -213,7 +213,7 @@ def summarize(profile: Profile) -> Dict[str, float]:
     return {"cpu_attention_GBps": model.cpu_bandwidth() / 1e9, "gpu_attention_GBps": model.gpu_bandwidth() / 1e9}
 
 
-RUNNABLE_PLANS = ("never", "overlap", "staggered")  # the plans the engine executes
+RUNNABLE_PLANS = ("never", "overlap", "staggered")  # the plans the engine executes ("staggered" when asked for)
 
 
 class AutoOffload:
@@ -266,17 +266,6 @@ class AutoOffload:
                 return True
         return False
 
-    def staggered_width(self, gpu_tokens: int, cpu_tokens: int, max_seqs: int, context: int) -> int:
-        """Host rows per step of the staggered plan for `context`-token requests filling the device pool, or 0
-        when it is not predicted faster than GPU-only by the margin."""
-        gpu = max(min(max_seqs, gpu_tokens // max(context, 1)), 1)
-        cpu = min(cpu_tokens // max(context, 1), max(max_seqs - gpu, 0) * self.stagger_groups)
-        never = self.model.predict("never", gpu, 0, context)
-        choice = self.model.choose(gpu, cpu, context, ("never", "staggered"), self.stagger_groups)
-        if choice.plan == "staggered" and choice.tokens_per_s > never.tokens_per_s * (1 + self.margin):
-            return choice.cpu_requests
-        return 0
-
     def explain(self, gpu_tokens: int, cpu_tokens: int, max_seqs: int, context: int) -> List[str]:
         """The model's verdict for a load of `context`-token requests filling the device pool."""
         gpu = max(min(max_seqs, gpu_tokens // max(context, 1)), 1)
@@ -285,7 +274,9 @@ class AutoOffload:
         lines = self.model.explain(gpu, cpu, context, plans=("never", "overlap"))
         choice = self.model.choose(gpu, staggered, context, ("never", "staggered"), self.stagger_groups)
         never = self.model.predict("never", gpu, 0, context)
-        lines.append(f"staggered plan: {choice.cpu_requests} host row(s) per step ({choice.cpu_requests * self.stagger_groups}"
-                     f" host requests in flight), predicted {choice.tokens_per_s:.0f} vs {never.tokens_per_s:.0f} "
-                     f"tokens/s GPU-only ({choice.tokens_per_s / never.tokens_per_s - 1:+.1%})")
+        lines.append(f"staggered plan (offload='staggered' only; auto leaves it out while its executor is "
+                     f"host-bound): {choice.cpu_requests} host row(s) per step "
+                     f"({choice.cpu_requests * self.stagger_groups} host requests in flight), model predicts "
+                     f"{choice.tokens_per_s:.0f} vs {never.tokens_per_s:.0f} tokens/s GPU-only "
+                     f"({choice.tokens_per_s / never.tokens_per_s - 1:+.1%})")
         return lines

@@ -149,7 +149,7 @@ def test_staggered_equals_hf_generate_fp32(width):
                              eos_token_id=None, pad_token_id=0)
     head_dim = SMALL["hidden_size"] // SMALL["num_attention_heads"]
     block = 2 * SMALL["num_hidden_layers"] * SMALL["num_key_value_heads"] * 16 * head_dim * 4
-    apex = optimize(model, ApexConfig(offload="staggered", stagger_width=width, gpu_cache_size=14 * block,
+    apex = optimize(model, ApexConfig(offload="staggered", stagger_width=width, gpu_cache_size=8 * block,
                                       cpu_cache_size=32 * MB))
     out = apex.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None,
                         pad_token_id=0)
