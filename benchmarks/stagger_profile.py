@@ -61,6 +61,8 @@ def main():
             per_step = sum(waits) / max(len(steps), 1)
             print(f"  collect calls {len(waits)}: {per_step * 1e3:.2f} ms per step in collect (max one "
                   f"{max(waits) * 1e3:.2f} ms)", flush=True)
+            for p in prompts[:40]:
+                engine.add_request(p, sampling)
             for _ in range(60):
                 engine.step()  # back to a pipeline in flight
             from torch.profiler import ProfilerActivity, profile
