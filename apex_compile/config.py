@@ -25,9 +25,9 @@ class ApexConfig:
         tokens/s; where it predicts no gain for typical loads the host pool only parks swapped-out requests.
         On a CPU-only run "auto" is "never". "staggered": requests the device pool cannot take are prefilled in
         the host pool and then decode staggered: each advances one decoder layer per step, so its CPU attention
-        overlaps a whole GPU step (`apex_compile.runtime.stagger`; a token takes num_layers + 1 steps). Only
+        overlaps a whole GPU step (`apex_compile.runtime.stagger`; a token takes 2 * (num_layers + 1) steps). Only
         when asked for: "auto" does not pick it yet (its step is host-bound on the H200; notes item 24).
-    stagger_width: rows per step of staggered host requests; the pipeline holds (num_layers + 1) * width
+    stagger_width: rows per step of staggered host requests; the pipeline holds 2 * (num_layers + 1) * width
         requests. None: 4.
     cpu_attention_threads: OpenMP threads of the staggered plan's CPU attention worker on CUDA, pinned to the
         last cores this process may use. None: all of them but one, left to the thread that launches GPU work.

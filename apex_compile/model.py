@@ -273,8 +273,9 @@ class ApexModel:
             return "never: every running request in the device pool; the host pool only parks swapped-out requests"
         if mode == "staggered":
             width = engine.stagger.width if engine.stagger is not None else 0
+            capacity = engine.stagger.capacity if engine.stagger is not None else 0
             return (f"staggered: requests the device pool cannot take decode from the host pool, {width} row(s) per "
-                    f"step, each one layer further on per step ({(engine.shape.num_layers + 1) * width} in flight)")
+                    f"step, their tokens one layer further on per turn of two lanes ({capacity} in flight)")
         if mode == "all":
             return "all: every running request keeps its KV in the host pool and attends on the CPU"
         return (f"fraction {float(mode):g}: about that share of running requests in the host pool (CPU attention), "

@@ -37,9 +37,9 @@ def main():
     waits = []
     collect = stagger_module.AsyncJobs.collect
 
-    def timed_collect(self, layer, step, out):
+    def timed_collect(self, key, out):
         start = time.perf_counter()
-        collect(self, layer, step, out)
+        collect(self, key, out)
         waits.append(time.perf_counter() - start)
 
     stagger_module.AsyncJobs.collect = timed_collect

@@ -67,6 +67,7 @@ class PagedAttentionRunner:
         self._stash: dict = {}  # layer -> host rows' output (synchronous offload on a CPU-only machine)
         self.stagger = None  # the staggered plan's StaggerPipeline (its block: the step's first stagger_rows rows)
         self.stagger_rows = 0
+        self.stagger_scale = 1.0
 
     def prepare(self, chunks: Sequence[ScheduledChunk]) -> None:
         """Builds the step's metadata in buffers sized for this step (standalone use; the engine fills its own
@@ -137,7 +138,8 @@ class PagedAttentionRunner:
         out = torch.empty_like(query)
         if self.stagger_rows:
             block = slice(0, self.stagger_rows)
-            self.stagger.attention(self, layer_idx, query[block], key[block], value[block], scale, out[block])
+            self.stagger_scale = scale  # the CPU job attends with it after the step
+            self.stagger.exchange(layer_idx, query[block], key[block], value[block], out[block])
         for part in self.parts:
             rows = slice(part.start, part.end)
             if part.pool.device == query.device:

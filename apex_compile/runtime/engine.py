@@ -26,7 +26,7 @@ from apex_compile.runtime.perf_model import AutoOffload, PerfModel
 from apex_compile.runtime.request import Request, SamplingParams
 from apex_compile.runtime.sampler import Sampler
 from apex_compile.runtime.scheduler import ScheduledChunk, Scheduler
-from apex_compile.runtime.stagger import StaggerPipeline, rope_tables
+from apex_compile.runtime.stagger import LANES, StaggerPipeline, rope_tables
 from apex_compile.runtime.step_buffers import StepBuffers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -206,7 +206,7 @@ class Engine:
                 and self.kv.pools[HOST_POOL].num_blocks):
             from apex_compile.runtime.perf_profile import engine_profile
 
-            self.auto_policy = AutoOffload(PerfModel(engine_profile(self)), stagger_groups=self.shape.num_layers + 1)
+            self.auto_policy = AutoOffload(PerfModel(engine_profile(self)), stagger_groups=LANES * (self.shape.num_layers + 1))
         self.stagger: Optional[StaggerPipeline] = None
         if self.config.offload == "staggered" and self.kv.pools[HOST_POOL].num_blocks:
             # explicit only: "auto" does not pick it while its measured step on the H200 is host-bound (notes 24)
@@ -220,6 +220,7 @@ class Engine:
         self.graphs: Optional[DecodeGraphs] = None
         self.pieces: Optional[PiecewiseGraphs] = None
         self.stagger_pieces: Optional[PiecewiseGraphs] = None
+        self.stagger_graphs: Optional[DecodeGraphs] = None
         if self.device.type == "cuda" and self.config.cuda_graphs and self.config.compile:
             sizes = self.config.capture_sizes or capture_sizes(min(self.config.max_num_seqs,
                                                                    self.config.max_num_batched_tokens))
@@ -229,6 +230,7 @@ class Engine:
             if self.stagger is not None:  # the staggered graph's pieces (their rows include the block)
                 rows = min(max_rows + width, PIECEWISE_MAX_TOKENS)
                 self.stagger_pieces = PiecewiseGraphs(piecewise_sizes(rows), rows, self.pieces.pool)
+                self.stagger_graphs = DecodeGraphs([n for n in sizes if n <= max_rows])
         self.sampler = Sampler()
         self.reports: list = []  # pass reports of the compiled step's graphs
         self.stats = EngineStats()
@@ -243,8 +245,9 @@ class Engine:
             raise ValueError("offload='staggered' needs ApexConfig(compile=True): the staggered rows are swapped "
                              "per layer by the compiler's passes")
         config = self.model.config
-        return StaggerPipeline(self.kv, width, config.hidden_size, rope_tables(self.model, self.max_model_len),
-                               self.device, self.dtype, self.max_model_len, self.config.cpu_attention_threads)
+        return StaggerPipeline(self.kv, width, config.hidden_size, config.num_attention_heads,
+                               rope_tables(self.model, self.max_model_len), self.device, self.dtype,
+                               self.max_model_len, self.config.cpu_attention_threads)
 
     def _auto_host_policy(self) -> Optional[AutoOffload]:
         """The auto policy if its model predicts that host requests pay for some typical load, else None (then
@@ -407,7 +410,7 @@ class Engine:
 
     def _capture_pieces(self, key, stagger_rows: int = 0) -> None:
         """Captures the piecewise graphs of (rows, logits rows) `key` over a step of padding rows only (with
-        `stagger_rows`, the staggered graph's, its block quiet and its residual store left as it was)."""
+        `stagger_rows`, the staggered graph's, its residual rows left as they were)."""
         rows, num_logits = key
         parts, _ = self.buffers.fill([], [], pad_to=rows - stagger_rows, first_row=stagger_rows)
         if stagger_rows:  # the block's rows and every logits row within the step (fill wrote rows - block of them)
@@ -424,44 +427,85 @@ class Engine:
 
     @contextlib.contextmanager
     def _quiet_stagger(self, active: bool):
-        """While graphs of the staggered step are captured: its attention launches nothing and the residual
-        rows the capture's uncaptured run swaps are put back."""
+        """While graphs of the staggered step are captured: the residual rows that the capture's uncaptured
+        run swaps are put back (the rows it stages are rewritten by the next real step)."""
         if not active:
             yield
             return
-        stagger = self.stagger
-        saved = stagger.residual.clone()
-        stagger.quiet = True
+        saved = self.stagger.residual.clone()
         try:
             yield
         finally:
-            stagger.quiet = False
-            stagger.residual.copy_(saved)
+            self.stagger.residual.copy_(saved)
+
+    def _fill_staggered(self, chunks, logit_rows, pad_to=None, total_rows=None):
+        """StepBuffers.fill for a step led by the staggered block; a whole graph's step (pad_to) computes the
+        logits of every row."""
+        width = self.stagger.width
+        parts, num_rows = self.buffers.fill(chunks, logit_rows, pad_to=pad_to, total_rows=total_rows,
+                                            first_row=width)
+        if pad_to is not None:
+            self.buffers.logits_indices[:num_rows] = np.arange(num_rows)
+        return parts, num_rows
+
+    def capture_stagger_graphs(self, progress: bool = True) -> None:
+        """Captures the whole-step graphs of staggered decode steps (the block and padded device decode rows),
+        every capture size (done by `warmup`, else at the first such step)."""
+        graphs = self.stagger_graphs
+        if graphs is None or graphs.ready:
+            return
+        width = self.stagger.width
+        padded = {}
+
+        def prepare(size):
+            padded[size] = self._fill_staggered([], [], pad_to=size)[0]
+            self.buffers.ids[:width], self.buffers.positions[:width] = 0, 0
+            self.buffers.copy_to_device()
+
+        def forward(size):
+            return self._run_model(padded[size], width + size, width + size, stagger_rows=width)
+
+        with self._quiet_stagger(True):
+            graphs.capture(prepare, forward, progress, self.pieces.pool)
 
     def _forward_staggered(self, chunks: List[ScheduledChunk], logit_rows: List[int]) -> torch.Tensor:
-        """`_forward_chunks` of a step led by the staggered block: the staggered graph, piecewise captured (a
-        CPU job is launched at every layer) or, without CUDA graphs or above their sizes, run as compiled."""
+        """`_forward_chunks` of a step led by the staggered block: a whole-step graph when the device rows all
+        decode, else the staggered graph in pieces or (without CUDA graphs, above their sizes) as compiled.
+        The block's host work is done before (`begin_step`) and after (`end_step`) the forward."""
         stagger = self.stagger
         width = stagger.width
         num_tokens = width + sum(c.num_tokens for c in chunks)
+        size = None
+        if self.stagger_graphs is not None and all(c.pool == DEVICE_POOL and c.num_tokens == 1 and c.start
+                                                   for c in chunks):
+            size = self.stagger_graphs.size_for(max(len(chunks), 1))
+            if size is not None and not self.stagger_graphs.ready:
+                self.capture_stagger_graphs()
         pieces = self.stagger_pieces
-        key = pieces.key_for(num_tokens, len(logit_rows)) if pieces is not None else None
+        key = pieces.key_for(num_tokens, len(logit_rows)) if pieces is not None and size is None else None
         if key is not None and key not in pieces.pieces:
             self._capture_pieces(key, width)
         num_logits = len(logit_rows)
-        padded_logits = key[1] if key is not None else self._logits_rows(num_logits)
-        logit_rows = (logit_rows + [num_tokens - 1] * padded_logits)[:padded_logits]
-        parts, num_rows = self.buffers.fill(chunks, logit_rows, total_rows=key and key[0], first_row=width)
+        if size is None:
+            padded_logits = key[1] if key is not None else self._logits_rows(num_logits)
+            padded_rows = (logit_rows + [num_tokens - 1] * padded_logits)[:padded_logits]
+        else:
+            padded_rows = logit_rows
+        parts, num_rows = self._fill_staggered(chunks, padded_rows, pad_to=size, total_rows=key and key[0])
         self.buffers.ids[:width] = stagger.input_ids()
         self.buffers.positions[:width] = stagger.groups[0].positions
         self.buffers.copy_to_device()
         start = time.perf_counter()
-        if key is not None:
-            self.runner.set_parts(parts, num_rows, width)
+        self.runner.set_parts(parts, num_rows, width)
+        if size is not None:
+            logits = self.stagger_graphs.replay(size)[torch.tensor(logit_rows, dtype=torch.long,
+                                                                    device=self.device)]
+        elif key is not None:
             with torch.inference_mode():
                 logits = pieces.replay(key, self.runner)[:num_logits]
         else:
-            logits = self._run_model(parts, num_rows, len(logit_rows), stagger_rows=width)[:num_logits]
+            logits = self._run_model(parts, num_rows, len(padded_rows), stagger_rows=width)[:num_logits]
+        stagger.end_step(self.runner)
         self.stats.forward_seconds += time.perf_counter() - start
         self.stats.steps += 1
         for chunk in chunks:
@@ -508,7 +552,7 @@ class Engine:
     def step(self) -> List[Request]:
         """Runs one forward step; returns the requests that got a new token (in scheduling order)."""
         if self.stagger is not None and self.stagger.members():
-            self.stagger.advance()
+            self.stagger.begin_step()
         chunks = self._schedule()
         captured = self.pieces.capture_seconds if self.pieces is not None else 0.0
         start = time.perf_counter()
@@ -715,6 +759,7 @@ class Engine:
             self.buffers.copy_to_device()
             with self._quiet_stagger(True):
                 self._run_model(parts, width + 2, 2, stagger_rows=width)
+            self.capture_stagger_graphs()
         self.stats = EngineStats()  # counters describe the user's runs, not the warm-up
 
     def blocks_in_use(self) -> dict:

@@ -15,7 +15,7 @@ predicted slower than GPU-only:
 - "staggered" (apex_compile.runtime.stagger): n_c host rows per step, each a request one layer further on
   than the step before, join the device rows' GEMMs; each CPU attention has a whole step to finish:
   max(T_lin(n_g + n_c) + T_gatt(ctx_g), T_catt(ctx_c) + T_copy), n_c tokens per step from
-  (num_layers + 1) * n_c host requests in flight.
+  2 * (num_layers + 1) * n_c host requests in flight (two lanes take turns).
 
 In one batch the CPU's attention hides only behind the device rows' attention (overlap) or costs another
 sweep of the weights (pipeline): rows that share a layer's GEMMs all need that layer's attention before its
@@ -132,7 +132,7 @@ class PerfModel:
                plans: Sequence[str] = PLANS, stagger_groups: int = 1) -> Prediction:
         """The plan (among `plans`) and host share with the most tokens/s when the device pool holds
         `gpu_capacity` requests and the host pool `cpu_capacity` more; GPU-only ("never") unless a plan is
-        predicted faster. The staggered plan's host rows (cpu_requests) each need `stagger_groups` (the
+        predicted faster. The staggered plan's host rows (cpu_requests) each need `stagger_groups` (2 x the
         model's layers + 1) requests in the host pool."""
         best = self.predict("never", gpu_capacity, 0, context)
         for plan in [p for p in plans if p != "never"]:
@@ -223,7 +223,7 @@ class AutoOffload:
     admitting host requests after a few steps."""
 
     def __init__(self, model: PerfModel, margin: float = 0.02, stagger_groups: int = 1):
-        """stagger_groups: the model's layers + 1 (host requests per staggered row)."""
+        """stagger_groups: host requests per staggered row (2 x the model's layers + 1)."""
         self.model = model
         self.margin = margin
         self.stagger_groups = stagger_groups

@@ -1,26 +1,28 @@
-"""The staggered plan: host-pool requests that advance one decoder layer per step.
+"""The staggered plan: host-pool requests whose tokens cross the decoder layers one layer per turn.
 
 Why: every row of a layer's GEMMs needs that layer's attention done before the output projection, so in one
 batch the CPU's attention of host rows can hide only behind the device rows' attention, a small part of a
-step that is mostly weight reads (notes item 23). Here a host request instead moves one layer further each
-step: its layer-L attention is launched on the CPU when the GPU reaches layer L, and its result is used when
-the GPU reaches layer L again in the next step. So each CPU attention has a whole step to finish, the GPU
+step that is mostly weight reads (notes item 23). Here a host request's token instead moves one layer
+further per turn, and the CPU attends each layer between two turns, while the GPU runs whole steps: the GPU
 never waits while the CPU keeps up, and the weights are still read once per step (the host rows join the
-device rows' GEMMs). A host request then takes num_layers + 1 steps per token: throughput, not latency.
+device rows' GEMMs).
 
-Layout: the step's first `width` rows are the staggered block. Group g (0..num_layers) holds the requests
-(one per row) that entered the pipeline g steps ago with their current token; at layer L the block's rows
-hold group L before the attention op (their q/k/v are launched) and group L + 1 after it (their attention
-from the step before is returned; the graph swaps their residual and RoPE rows, `passes.stagger`). Group 0
-embeds its token, group num_layers gets the LM head and samples. Each step the groups shift by one; a
-request that sampled and goes on re-enters group 0 in the same row, and free rows of group 0 take requests
-that finished their prefill.
+Layout: the step's first `width` rows are the staggered block. Two lanes take turns (even and odd steps);
+each lane's group g (0..num_layers) holds the requests (one per row) that entered it g turns ago with their
+current token. In a lane's step the block's rows at layer L hold group L before the attention op (their
+q/k/v are staged for the CPU) and group L + 1 after it (they get the attention of layer L computed since the
+lane's last step; the graph swaps their residual and RoPE rows, `passes.stagger`). Group 0 embeds its token,
+group num_layers gets the LM head and samples. Each turn the groups shift by one; a request that sampled and
+goes on re-enters group 0 in the same row, free rows of group 0 take requests that finished their prefill.
+A host token thus takes 2 * (num_layers + 1) steps: throughput, not latency.
 
-CPU side: per layer one job (append the group's K/V to the host cache, attend), run on a worker thread on
-CUDA: the q/k/v rows go device-to-host on a copy stream into pinned staging, the output comes back from a
-pinned buffer the next step; buffers alternate by step parity and the event recorded after each read guards
-the buffer before it is written again. On a CPU-only run the jobs run at once and their outputs wait in a
-stash for the next step.
+Why two lanes: the whole step's host work then sits between steps. Before a step its lane's attention
+outputs (computed during the step before) go to the device in one copy; inside the step the attention op
+only copies rows between device buffers at fixed addresses (so whole-step CUDA graphs capture it, as for
+GPU-only decode); after the step the staged q/k/v of every layer go to the host in one copy and one job on
+the CPU worker appends and attends all layers, during the next step. The worker writes a lane's pinned
+output only after the event of its last copy to the device (the guard). On a CPU-only run the job runs at
+once.
 """
 import collections
 import concurrent.futures
@@ -35,12 +37,13 @@ from apex_compile.runtime.kv_manager import HOST_POOL, KVManager
 from apex_compile.runtime.request import Request
 
 ROPE_KINDS = ("cos", "sin")
+LANES = 2
 
 
 @dataclasses.dataclass
 class StaggerGroup:
-    """The requests that entered the pipeline in one step (one per row, None for a free row) and the metadata
-    of their CPU attention, fixed while their token crosses the layers."""
+    """The requests that entered a lane in one turn (one per row, None for a free row) and the metadata of
+    their CPU attention, fixed while their token crosses the layers."""
 
     requests: List[Optional[Request]]
     rows: Optional[torch.Tensor] = None  # int64 rows holding a request (None: no request)
@@ -69,95 +72,144 @@ def rope_tables(model: torch.nn.Module, max_len: int) -> Tuple[torch.Tensor, tor
 
 
 class StaggerPipeline:
-    """The groups of the staggered plan, their device-side row state and the CPU jobs (module docstring)."""
+    """The lanes of the staggered plan, their device-side row state and the CPU jobs (module docstring)."""
 
-    def __init__(self, kv: KVManager, width: int, hidden_size: int, rope: Tuple[torch.Tensor, torch.Tensor],
-                 device: torch.device, dtype: torch.dtype, max_model_len: int, threads: Optional[int] = None):
+    def __init__(self, kv: KVManager, width: int, hidden_size: int, num_heads: int,
+                 rope: Tuple[torch.Tensor, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                 max_model_len: int, threads: Optional[int] = None):
         if width < 1:
             raise ValueError(f"the staggered plan needs at least one row per step, got width {width}")
+        shape = kv.shape
         self.kv = kv
         self.width = width
-        self.num_layers = kv.shape.num_layers
+        self.num_layers = shape.num_layers
         self.device = device
         self.table_width = -(-max_model_len // kv.block_size)
-        self.groups: List[StaggerGroup] = [self._group([None] * width) for _ in range(self.num_layers + 1)]
+        self.lanes: List[List[StaggerGroup]] = [[self._group([None] * width) for _ in range(self.num_layers + 1)]
+                                                for _ in range(LANES)]
         self.joining: Deque[Request] = collections.deque()
-        self.residual = torch.zeros(self.num_layers, width, hidden_size, dtype=dtype, device=device)
         self.rope = rope
-        on_cuda = device.type == "cuda"
-        self._positions_host = torch.zeros(self.num_layers, width, dtype=torch.int64, pin_memory=on_cuda)
-        self.positions = self._positions_host.to(device) if on_cuda else self._positions_host
-        self._positions_copied: Optional[torch.cuda.Event] = None
-        self.executor = AsyncJobs(CudaCopies(device), threads=threads) if on_cuda else _SyncJobs()
         self.steps = 0
-        self.quiet = False  # while graphs are captured: attention launches and returns nothing
+        on_cuda = device.type == "cuda"
+        layers = self.num_layers
+
+        def device_buffer(*size, dtype=dtype):
+            return torch.zeros(*size, dtype=dtype, device=device)
+
+        # fixed-address device state the graphs read and write (the current lane's)
+        self.residual = device_buffer(layers, width, hidden_size)
+        self.positions = device_buffer(layers, width, dtype=torch.int64)
+        self.staged = [device_buffer(layers, width, num_heads, shape.head_dim),
+                       device_buffer(layers, width, shape.num_kv_heads, shape.head_dim),
+                       device_buffer(layers, width, shape.num_kv_heads, shape.head_dim)]
+        self.outputs = device_buffer(layers, width, num_heads, shape.head_dim)
+        self.lane_residual = [torch.zeros_like(self.residual) for _ in range(LANES)]  # each lane's own rows
+        self._positions_host = torch.zeros(layers, width, dtype=torch.int64, pin_memory=on_cuda)
+        self._positions_copied: Optional[torch.cuda.Event] = None
+        self.executor = AsyncJobs(CudaCopies(device), threads=threads) if on_cuda else SyncJobs()
 
     # ------------------------------------------------------------------------------------------------
     # requests
 
     @property
+    def groups(self) -> List[StaggerGroup]:
+        """The groups of the lane whose turn the current step is."""
+        return self.lanes[self.steps % LANES]
+
+    @property
     def capacity(self) -> int:
-        """Requests the pipeline holds at once (every row of every group)."""
-        return len(self.groups) * self.width
+        """Requests the pipeline holds at once (every row of every group of both lanes)."""
+        return LANES * (self.num_layers + 1) * self.width
+
+    def _inside(self) -> List[Request]:
+        return [r for lane in self.lanes for g in lane for r in g.requests if r is not None]
 
     def members(self) -> List[Request]:
         """Every request in the pipeline (in a group or waiting to join)."""
-        inside = [r for g in self.groups for r in g.requests if r is not None]
-        return inside + list(self.joining)
+        return self._inside() + list(self.joining)
 
     @property
     def active(self) -> bool:
         """Whether a group holds a request (then every step runs the staggered block)."""
-        return any(r is not None for g in self.groups for r in g.requests)
+        return bool(self._inside())
 
     def join(self, request: Request) -> None:
         """Queues a host-pool request whose prefill is done (its last token not yet computed)."""
         self.joining.append(request)
 
     def sampling_rows(self) -> List[Tuple[int, Request]]:
-        """(row, request) of the last group: the rows whose logits give a token this step."""
+        """(row, request) of the current lane's last group: the rows whose logits give a token this step."""
         return [(row, r) for row, r in enumerate(self.groups[-1].requests) if r is not None]
 
     def remove(self, request_ids) -> List[Request]:
-        """Takes these requests out of the pipeline (their CPU jobs drained first); returns them."""
+        """Takes these requests out of the pipeline (the CPU jobs drained first); returns them."""
         ids = set(request_ids)
         removed = [r for r in self.joining if r.request_id in ids]
         self.joining = collections.deque(r for r in self.joining if r.request_id not in ids)
-        if any(r is not None and r.request_id in ids for g in self.groups for r in g.requests):
+        if any(r.request_id in ids for r in self._inside()):
             self.executor.drain()
-            for group in self.groups:
-                for row, r in enumerate(group.requests):
-                    if r is not None and r.request_id in ids:
-                        removed.append(r)
-                        group.requests[row] = None
+            for lane in self.lanes:
+                for group in lane:
+                    for row, r in enumerate(group.requests):
+                        if r is not None and r.request_id in ids:
+                            removed.append(r)
+                            group.requests[row] = None
         return removed
 
     def finish(self, request: Request) -> None:
-        """The last group's request is done: its row is free from the next step on."""
+        """The last group's request is done: its row is free from the lane's next turn on."""
         last = self.groups[-1].requests
         last[last.index(request)] = None
 
-    def advance(self) -> None:
-        """Starts a step: the groups shift by one, the last group re-enters as group 0 and free rows of
-        group 0 take joining requests; then the positions of every layer's rows go to the device."""
-        last = self.groups.pop()
-        entering = last.requests
+    # ------------------------------------------------------------------------------------------------
+    # a step: begin (host to device), the forward, end (device to host, CPU job)
+
+    def begin_step(self) -> None:
+        """Before a step: the next lane's groups shift by one (the last re-enters as group 0, free rows of
+        group 0 take joining requests); its positions, residual rows and the attention outputs its CPU job
+        computed during the step before go to the fixed device buffers."""
+        self.steps += 1
+        lane = self.lanes[self.steps % LANES]
+        entering = lane.pop().requests
         for row in range(self.width):
             if entering[row] is None and self.joining:
                 entering[row] = self.joining.popleft()
-        self.groups.insert(0, self._group(entering))
-        self.steps += 1
+        lane.insert(0, self._group(entering))
         if self._positions_copied is not None:
-            self._positions_copied.synchronize()
+            self._positions_copied.synchronize()  # the pinned positions are not rewritten under their copy
         for layer in range(self.num_layers):
-            self._positions_host[layer] = torch.from_numpy(self.groups[layer].positions)
-        if self.positions is not self._positions_host:
-            self.positions.copy_(self._positions_host, non_blocking=True)
+            self._positions_host[layer] = torch.from_numpy(lane[layer].positions)
+        self.positions.copy_(self._positions_host, non_blocking=True)
+        if self.device.type == "cuda":
             self._positions_copied = torch.cuda.Event()
             self._positions_copied.record()
+        self.residual.copy_(self.lane_residual[self.steps % LANES])
+        self.executor.collect(self.steps % LANES, self.outputs)
+
+    def end_step(self, runner) -> None:
+        """After the step's forward: the lane keeps its residual rows, and its staged q/k/v of every layer go
+        to the CPU worker, which appends and attends them (done before the lane's next turn)."""
+        index = self.steps % LANES
+        self.lane_residual[index].copy_(self.residual)
+        lane = list(self.lanes[index])
+        if not any(g.size for g in lane[:self.num_layers]):
+            self.executor.launch(index, None, self.staged)
+            return
+        pool = self.kv.pools[HOST_POOL]
+
+        def job(query, key, value):
+            out = torch.zeros_like(query)
+            for layer in range(self.num_layers):
+                group = lane[layer]
+                if group.size:
+                    host_attention(runner, group, query[layer], key[layer], value[layer], pool.key_caches[layer],
+                                   pool.value_caches[layer], runner.stagger_scale, out[layer])
+            return out
+
+        self.executor.launch(index, job, self.staged)
 
     def _group(self, requests: List[Optional[Request]]) -> StaggerGroup:
-        """Group 0 of this step: each request attends its token at position num_computed (its last)."""
+        """Group 0 of a lane's turn: each request attends its token at position num_computed (its last)."""
         rows = [row for row, r in enumerate(requests) if r is not None]
         positions = np.zeros(self.width, dtype=np.int64)
         group = StaggerGroup(list(requests), positions=positions)
@@ -182,18 +234,26 @@ class StaggerPipeline:
         return group
 
     def input_ids(self) -> List[int]:
-        """The token each row of group 0 embeds (0 for a free row)."""
+        """The token each row of the current lane's group 0 embeds (0 for a free row)."""
         out = []
         for r in self.groups[0].requests:
             out.append(0 if r is None else (r.prompt_token_ids + r.output_token_ids)[r.num_computed])
         return out
 
     # ------------------------------------------------------------------------------------------------
-    # the graph's stagger ops (device copies at fixed addresses)
+    # the graph's side: device copies at fixed addresses
+
+    def exchange(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 out: torch.Tensor) -> None:
+        """The attention op's block rows at `layer`: their q/k/v are staged for the CPU, and `out` gets the
+        layer's outputs of the requests arriving from the attention (computed since the lane's last turn)."""
+        for buffer, rows in zip(self.staged, (query, key, value)):
+            buffer[layer].copy_(rows)
+        out.copy_(self.outputs[layer])
 
     def swap_residual(self, layer: int, residual: torch.Tensor) -> torch.Tensor:
         """The residual with the block's rows swapped: the rows' own value goes to the layer's store, the
-        stored one (the arriving requests', from the step before) comes back."""
+        stored one (the arriving requests', from the lane's last turn) comes back."""
         out = residual.clone(memory_format=torch.contiguous_format)
         flat_in = residual.reshape(-1, residual.shape[-1])
         out.view(-1, out.shape[-1])[:self.width].copy_(self.residual[layer])
@@ -207,33 +267,11 @@ class StaggerPipeline:
         flat[:self.width].copy_(self.rope[kind].index_select(0, self.positions[layer]))
         return out
 
-    # ------------------------------------------------------------------------------------------------
-    # attention of the block's rows
-
-    def attention(self, runner, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  scale: float, out: torch.Tensor) -> None:
-        """Launches group `layer`'s attention (rows of q/k/v) and writes group `layer + 1`'s, launched the step
-        before, into `out` (the block's rows of the layer's output)."""
-        if self.quiet:
-            out.zero_()
-            return
-        group = self.groups[layer]
-        job = None
-        if group.size:
-            pool = self.kv.pools[HOST_POOL]
-            key_cache, value_cache = pool.key_caches[layer], pool.value_caches[layer]
-
-            def job(q, k, v):
-                return host_attention(runner, group, q, k, v, key_cache, value_cache, scale)
-
-        self.executor.launch(layer, self.steps, job, query, key, value)
-        self.executor.collect(layer, self.steps, out)
-
 
 def host_attention(runner, group: StaggerGroup, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float) -> torch.Tensor:
-    """CPU side of one group at one layer: appends its rows' K/V and attends them; returns [rows, Hq, D] with
-    the free rows' outputs zero."""
+                   key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """CPU side of one group at one layer: appends its rows' K/V and writes their attention into `out`
+    (rows [width, Hq, D]; free rows are left as they are)."""
     if group.prefix:
         rows = slice(0, group.prefix)
         q, k, v = query[rows], key[rows], value[rows]
@@ -241,62 +279,54 @@ def host_attention(runner, group: StaggerGroup, query: torch.Tensor, key: torch.
         q, k, v = query[group.rows], key[group.rows], value[group.rows]
     runner._append[HOST_POOL](k, v, key_cache, value_cache, group.slots)
     attended = runner._paged_cpu(q, key_cache, value_cache, group.block_tables, group.context_lens, scale)
-    out = torch.zeros_like(query)
     if group.prefix:
         out[:group.prefix] = attended
     else:
         out[group.rows] = attended
-    return out
 
 
-class _SyncJobs:
-    """CPU-only run: a job runs when launched; its output is returned when its layer comes round again."""
+class SyncJobs:
+    """CPU-only run: a job runs when launched; its output is handed out by the next `collect` of its key."""
 
     def __init__(self):
-        self.stash: Dict[int, Optional[torch.Tensor]] = {}
+        self.results: Dict[int, Optional[torch.Tensor]] = {}
 
-    def launch(self, layer, step, job, query, key, value) -> None:
-        self._next = (layer, None if job is None else job(query, key, value))
+    def launch(self, key: int, job, inputs: List[torch.Tensor]) -> None:
+        self.results[key] = None if job is None else job(*inputs)
 
-    def collect(self, layer, step, out: torch.Tensor) -> None:
-        previous = self.stash.get(layer)
-        if previous is None:
+    def collect(self, key: int, out: torch.Tensor) -> None:
+        result = self.results.pop(key, None)
+        if result is None:
             out.zero_()
         else:
-            out.copy_(previous)
-        self.stash[layer] = self._next[1]
+            out.copy_(result)
 
     def drain(self) -> None:
         """Nothing runs in the background."""
 
 
 class CudaCopies:
-    """The copies of `AsyncJobs` on CUDA: q/k/v to pinned staging on a copy stream ordered after the compute
-    stream, outputs back on the compute stream; each returns an event."""
+    """The copies of `AsyncJobs` on CUDA, both on the compute stream (so the next step's writes to the staged
+    device buffers come after their copy out): inputs to pinned staging, outputs back; each returns an event."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.copy_stream = torch.cuda.Stream(device)
+
+    def _event(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def stage(self, pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
-        """Copies each (pinned dst, device src) after the work queued so far on the compute stream."""
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_event(ready)
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-                src.record_stream(self.copy_stream)
-        copied = torch.cuda.Event()
-        copied.record(self.copy_stream)
-        return copied
+        """Copies each (pinned dst, device src) after the work queued so far."""
+        for dst, src in pairs:
+            dst.copy_(src, non_blocking=True)
+        return self._event()
 
     def restore(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event:
-        """Copies the pinned `src` into the device `dst` on the compute stream."""
+        """Copies the pinned `src` into the device `dst`."""
         dst.copy_(src, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(self.device))
-        return done
+        return self._event()
 
 
 def worker_cores(threads: Optional[int] = None) -> List[int]:
@@ -320,10 +350,10 @@ def _pin_worker(cores: List[int]) -> None:
 
 
 class AsyncJobs:
-    """Asynchronous CPU jobs: q/k/v rows are staged into pinned buffers (`copies.stage`), a worker thread runs
-    the job into a pinned output buffer, and the next step copies it back (`copies.restore`). Staging and
-    output buffers alternate by step parity; an output buffer is rewritten only after the event of its last
-    copy back (the guard)."""
+    """Asynchronous CPU jobs, one in flight per key (a lane): `launch` stages the inputs into pinned buffers
+    (`copies.stage`) and a worker thread runs the job into the key's pinned output buffer; the key's next
+    `collect` waits for it and copies the output to the device (`copies.restore`). A job rewrites its output
+    buffer only after the event of that buffer's last copy to the device (the guard)."""
 
     def __init__(self, copies, pin_memory: bool = True, threads: Optional[int] = None):
         """threads: the worker's OpenMP threads, pinned to the last `threads` cores this process may use (None:
@@ -334,26 +364,23 @@ class AsyncJobs:
         self.worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="apex-stagger",
                                                             initializer=_pin_worker, initargs=(self.cores,))
         self.buffers: Dict[tuple, torch.Tensor] = {}
-        self.guards: Dict[tuple, object] = {}
-        self.pending: Dict[int, Tuple[Optional[concurrent.futures.Future], int]] = {}
-        self._launched: Optional[tuple] = None
+        self.guards: Dict[int, object] = {}
+        self.pending: Dict[int, Optional[concurrent.futures.Future]] = {}
 
-    def _buffer(self, name: str, layer: int, parity: int, like: torch.Tensor) -> torch.Tensor:
-        key = (name, layer, parity)
-        buf = self.buffers.get(key)
+    def _buffer(self, name: str, key: int, like: torch.Tensor) -> torch.Tensor:
+        buf = self.buffers.get((name, key))
         if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
-            buf = self.buffers[key] = torch.zeros(like.shape, dtype=like.dtype, pin_memory=self.pin_memory)
+            buf = self.buffers[(name, key)] = torch.zeros(like.shape, dtype=like.dtype, pin_memory=self.pin_memory)
         return buf
 
-    def launch(self, layer, step, job, query, key, value) -> None:
-        parity = step % 2
+    def launch(self, key: int, job, inputs: List[torch.Tensor]) -> None:
         if job is None:
-            self._launched = (layer, None, parity)
+            self.pending[key] = None
             return
-        staged = [self._buffer(name, layer, parity, t) for name, t in (("q", query), ("k", key), ("v", value))]
-        copied = self.copies.stage(list(zip(staged, (query, key, value))))
-        out_buf = self._buffer("out", layer, parity, query)
-        guard = self.guards.get(("out", layer, parity))
+        staged = [self._buffer(f"in{i}", key, t) for i, t in enumerate(inputs)]
+        copied = self.copies.stage(list(zip(staged, inputs)))
+        out_buf = self._buffer("out", key, inputs[0])
+        guard = self.guards.get(key)
 
         def run():
             copied.synchronize()
@@ -362,20 +389,18 @@ class AsyncJobs:
             with torch.inference_mode():
                 out_buf.copy_(job(*staged))
 
-        self._launched = (layer, self.worker.submit(run), parity)
+        self.pending[key] = self.worker.submit(run)
 
-    def collect(self, layer, step, out: torch.Tensor) -> None:
-        previous = self.pending.get(layer)
-        self.pending[layer] = self._launched[1:]
-        if previous is None or previous[0] is None:
+    def collect(self, key: int, out: torch.Tensor) -> None:
+        future = self.pending.pop(key, None)
+        if future is None:
             out.zero_()
             return
-        future, parity = previous
         future.result()
-        self.guards[("out", layer, parity)] = self.copies.restore(out, self.buffers[("out", layer, parity)])
+        self.guards[key] = self.copies.restore(out, self.buffers[("out", key)])
 
     def drain(self) -> None:
         """Waits for every launched job (before their requests' blocks are freed)."""
-        for future, _ in self.pending.values():
+        for future in self.pending.values():
             if future is not None:
                 future.result()

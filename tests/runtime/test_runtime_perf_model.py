@@ -7,7 +7,7 @@ from apex_compile.runtime.perf_model import (PLANS, AutoOffload, PerfModel, Prof
                                              cached_profile, interpolate, profile_path)
 
 ONE_BATCH_PLANS = ("never", "overlap", "pipeline")  # plans whose host rows share every layer of one step
-GROUPS = 33  # Llama-3-8B: 32 layers + 1 (host requests per staggered row)
+GROUPS = 66  # Llama-3-8B: 2 lanes x (32 layers + 1) host requests per staggered row
 
 KV_PER_TOKEN = 128 * 1024  # Llama-3-8B bf16: 2 * 32 layers * 8 kv heads * 128 dims * 2 bytes
 

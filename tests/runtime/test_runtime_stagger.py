@@ -78,16 +78,16 @@ def test_closing_a_stream_midway_drops_pipeline_requests():
 
 
 def test_pipeline_returns_a_request_after_every_layer():
-    """A request joining group 0 samples num_layers steps later (its token has crossed every layer)."""
+    """A request joining a lane's group 0 samples when that lane has had num_layers more turns (its token has
+    crossed every layer; the two lanes take turns, so 2 * num_layers steps later)."""
     torch.manual_seed(3)
     apex = staggered(sharp_model(), width=1, device_blocks=1)
     engine = apex.engine
     engine.add_request(list(range(3, 23)), SamplingParams(max_new_tokens=2))  # longer than the device pool
     engine.step()  # prefill in the host pool: the first token, then the request joins the pipeline
-    assert len(engine.stagger.joining) == 1
     (request,) = engine.stagger.joining
-    for step in range(LAYERS):
-        assert engine.step() == [] and engine.stagger.groups[step].requests[0] is request
+    for _ in range(2 * LAYERS):
+        assert engine.step() == [] and request in engine.stagger.members()
     assert engine.step() == [request] and request.is_finished and len(request.output_token_ids) == 2
     assert not engine.has_unfinished()
 
@@ -170,44 +170,43 @@ class FakeCopies:
         self.compute_stream.submit(lambda: None).result()
 
 
-def run_jobs(jobs, copies, steps, layers=2):
-    """Drives `jobs` as the pipeline does (per step and layer: launch, then collect); returns what each
-    collect delivered once its copy back ran."""
+def run_jobs(jobs, copies, steps):
+    """Drives `jobs` as the pipeline does (per step, for the step's lane: collect, then launch); returns what
+    each collect delivered once its copy back ran."""
     delivered = {}
     for step in range(1, steps + 1):
-        for layer in range(layers):
-            q = torch.full((2, 3), float(100 * step + layer))
+        lane = step % 2
+        out = torch.full((2, 3), float("nan"))
+        jobs.collect(lane, out)
+        delivered[step] = out
+        q = torch.full((2, 3), float(step))
 
-            def job(q, k, v):
-                return q + 0.5
+        def job(q, k, v):
+            return q + 0.5
 
-            jobs.launch(layer, step, job, q, q.clone(), q.clone())
-            out = torch.full((2, 3), float("nan"))
-            jobs.collect(layer, step, out)
-            delivered[step, layer] = out
+        jobs.launch(lane, job, [q, q.clone(), q.clone()])
     copies.flush()
     jobs.drain()
     return delivered
 
 
-def test_async_jobs_deliver_each_result_one_step_later():
+def expected(step):
+    return 0.0 if step <= 2 else step - 2 + 0.5  # a lane's job of two steps before
+
+
+def test_async_jobs_deliver_each_lane_result_at_its_next_turn():
     copies = FakeCopies(restore_delay=0.0)
-    delivered = run_jobs(AsyncJobs(copies, pin_memory=False), copies, steps=5)
-    for (step, layer), out in delivered.items():
-        expected = 0.0 if step == 1 else 100 * (step - 1) + layer + 0.5
-        assert torch.all(out == expected), (step, layer, out)
+    delivered = run_jobs(AsyncJobs(copies, pin_memory=False), copies, steps=6)
+    assert all(torch.all(out == expected(step)) for step, out in delivered.items()), delivered
 
 
 def test_output_buffer_is_not_rewritten_before_its_copy_back():
-    """The copy back of step s's output is slow; the job of step s + 2 writes the same (parity) buffer and must
-    wait for that copy (the guard event), else step s's delivery reads the newer result."""
+    """A lane's copy back is slow; its next job, launched right after, writes the same pinned buffer and must
+    wait for that copy (the guard event), else the delivery reads the newer result."""
     copies = FakeCopies(restore_delay=0.05)
     delivered = run_jobs(AsyncJobs(copies, pin_memory=False), copies, steps=6)
-    wrong = [(step, layer, out[0, 0].item()) for (step, layer), out in delivered.items()
-             if not torch.all(out == (0.0 if step == 1 else 100 * (step - 1) + layer + 0.5))]
+    wrong = [(step, out[0, 0].item()) for step, out in delivered.items() if not torch.all(out == expected(step))]
     assert not wrong
-
-
 def test_worker_threads_run_on_their_cores():
     from apex_compile.runtime.stagger import worker_cores
 
