@@ -218,3 +218,15 @@ def test_worker_threads_run_on_their_cores():
     jobs = AsyncJobs(FakeCopies(0.0), pin_memory=False, threads=1)
     seen = jobs.worker.submit(lambda: (sorted(os.sched_getaffinity(0)), torch.get_num_threads()))
     assert seen.result() == (cores[-1:], 1)
+
+
+def test_a_whole_step_graph_fill_computes_every_row():
+    """The fill of a captured staggered decode step: the device rows start after the block, are padded to the
+    graph's size, and the logits of every row (block and device) are computed (the engine picks its rows)."""
+    torch.manual_seed(4)
+    apex = staggered(sharp_model(), width=3)
+    engine = apex.engine
+    parts, rows = engine._fill_staggered([], [], pad_to=4)
+    assert rows == 3 + 4 and [(p.start, p.end) for p in parts] == [(3, 7)]
+    assert engine.buffers.logits_indices[:rows].tolist() == list(range(rows))
+    assert engine.buffers.rows[0].slot[:4].tolist() == [-1] * 4  # padding rows write no cache slot
