@@ -4,8 +4,9 @@ Per shape (random LLaMA-shaped bf16 model) and device KV pool size (emulating sm
 mode at steady state: the engine is kept supplied with requests (so every batch, and the staggered pipeline,
 stays full), and after a fill-in of --warm-steps steps the tokens generated over the next --window-steps steps
 give its tokens/s; the median step of that window is its step time. Modes: never, auto, a fixed host share
-(overlap plan), "staggered:W" (the staggered plan with W rows per step). Per configuration also: ideal_gain (the tokens/s the CPU's
-measured attention bandwidth could add: B_cpu / KV bytes a host request reads per step) with its inputs, auto's
+(overlap plan), "staggered:W" (the staggered plan with W rows per step). Per configuration also: ideal_gain
+(the tokens/s the CPU's measured attention bandwidth could add: B_cpu / KV bytes a host request reads per step)
+with its inputs, auto's
 offload efficiency (auto - never) / ideal_gain, and the model's predicted decode step against the measured one.
 
     python benchmarks/e2e_hybrid.py --out benchmarks/results/e2e_hybrid_<date>_h200.json

@@ -258,7 +258,8 @@ def main():
         return warmup_only(args)
     hf_batches = None if args.hf_batches is None else {int(b) for b in args.hf_batches.split(",")}
     print(f"{'shape':10} {'batch':>5} {'prompt':>6} | {'apex tok/s':>10} {'step ms':>8} {'floor ms':>8} "
-          f"{'x floor':>7} {'x mfloor':>8} {'HBM %':>6} | {'HF tok/s':>9} {'HF step':>8} {'apex/HF':>7} | warm-up s, host ms/step")
+          f"{'x floor':>7} {'x mfloor':>8} {'HBM %':>6} | {'HF tok/s':>9} {'HF step':>8} {'apex/HF':>7} | "
+          "warm-up s, host ms/step")
     for shape_name in args.shapes.split(","):
         shape = SHAPES[shape_name]
         torch.manual_seed(0)

@@ -31,8 +31,8 @@ from apex_compile.runtime.step_buffers import StepBuffers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 EAGER_ATTENTION_NAME = "apex_paged"
-_PROGRESS_MIN_TOKENS = 4096
-DEFAULT_STAGGER_WIDTH = 4  # offload="staggered" without a width  # default progress bar only for runs generating at least this many tokens
+_PROGRESS_MIN_TOKENS = 4096  # default progress bar only for runs generating at least this many tokens
+DEFAULT_STAGGER_WIDTH = 4  # offload="staggered" without a width
 
 
 @dataclasses.dataclass
@@ -206,10 +206,11 @@ class Engine:
                 and self.kv.pools[HOST_POOL].num_blocks):
             from apex_compile.runtime.perf_profile import engine_profile
 
-            self.auto_policy = AutoOffload(PerfModel(engine_profile(self)), stagger_groups=LANES * (self.shape.num_layers + 1))
+            self.auto_policy = AutoOffload(PerfModel(engine_profile(self)),
+                                           stagger_groups=LANES * (self.shape.num_layers + 1))
         self.stagger: Optional[StaggerPipeline] = None
         if self.config.offload == "staggered" and self.kv.pools[HOST_POOL].num_blocks:
-            # explicit only: "auto" does not pick it while its measured step on the H200 is host-bound (notes 24)
+            # explicit only: "auto" does not pick it while its measured step on the H200 is host-bound (notes item 25)
             self.stagger = self._stagger_pipeline(self.config.stagger_width or DEFAULT_STAGGER_WIDTH)
         self.scheduler = Scheduler(self.config, self.kv, self.max_model_len, self._auto_host_policy(), self.stagger)
         self.runner = PagedAttentionRunner(self.kv, self.device)
