@@ -60,6 +60,39 @@ def test_staggered_tokens_equal_hf_generate(kind, width):
     assert not apex.engine.stagger.members()
 
 
+class ImmediateEvent:
+    def synchronize(self):
+        pass
+
+
+class ImmediateCopies:
+    """Copies that complete when issued (the order CUDA's one compute stream gives the engine's step)."""
+
+    def stage(self, pairs):
+        for dst, src in pairs:
+            dst.copy_(src)
+        return ImmediateEvent()
+
+    def restore(self, dst, src):
+        dst.copy_(src)
+        return ImmediateEvent()
+
+
+def test_staggered_tokens_equal_hf_generate_with_the_worker_thread():
+    """The CUDA executor's order (a lane's job on the worker thread during the next step, collected at the
+    lane's next turn, guarded buffers) in the whole engine, with copies that complete when issued."""
+    torch.manual_seed(5)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (6, 11, 4, 9, 13, 5, 7)]
+    reference = hf_tokens(model, prompts, 9)
+    apex = staggered(model, width=2)
+    apex.engine.stagger.executor = AsyncJobs(ImmediateCopies(), pin_memory=False, threads=1)
+    done = apex.engine.generate(prompts, SamplingParams(max_new_tokens=9))
+    assert [c.token_ids for c in done] == reference
+    assert sum(1 for c in done if c.steps_per_pool["host"]) >= 3
+    assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+
+
 def test_closing_a_stream_midway_drops_pipeline_requests():
     torch.manual_seed(2)
     apex = staggered(sharp_model())
