@@ -238,7 +238,7 @@ def main():
     parser.add_argument("--prompts", default="128,1024")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prefill-tokens", type=int, default=8192, help="max_num_batched_tokens")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=2, help="runs per row; the fastest counts (the first JITs)")
     parser.add_argument("--no-hf", action="store_true", help="skip HF generate")
     parser.add_argument("--hf-batches", default=None, help="batches that also run HF (default: all)")
     parser.add_argument("--no-graphs", action="store_true", help="apex with cuda_graphs=False")
