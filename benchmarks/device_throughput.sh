@@ -2,14 +2,7 @@
 # One GPU-machine call: system CUDA tests, the engine's warm-up in two fresh processes (cold, then warm compile
 # cache), then the decode-throughput benchmark (logs and JSON under $OUT).
 # Usage (device tool, repo root): TESTS=... WARMUP=0 E2E_ARGS=... bash benchmarks/device_throughput.sh
-set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD APEX_COMPILE_BUILD_DIR=/tmp/apex_jit APEX_COMPILE_CACHE_DIR=/tmp/apex_cache
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -c "import apex_compile" 2>&1 | tail -2
-if [ -n "${TESTS-tests/e2e/test_e2e_cuda.py}" ]; then
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -m cuda --tb=short ${TESTS:-tests/e2e/test_e2e_cuda.py} \
-    > "$OUT/cuda_tests.log" 2>&1; tail -4 "$OUT/cuda_tests.log"
-fi
+source "$(dirname "$0")/device_common.sh"
 if [ "${WARMUP:-1}" = 1 ]; then
   for run in cold warm; do
     timeout 200 python3 benchmarks/e2e_throughput.py --warmup-only --shapes ${WARMUP_SHAPE:-llama3_8b} --batches 64 \
