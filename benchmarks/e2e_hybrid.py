@@ -33,11 +33,23 @@ from apex_compile.runtime.perf_profile import engine_profile  # noqa: E402
 GiB = 1 << 30
 
 
-def steady_state(engine, prompts, sampling, warm_steps, window_steps):
-    """(tokens/s, [(gpu rows, cpu rows, mean context, seconds)] per step) over `window_steps` steps after
-    `warm_steps`, the engine topped up from `prompts` (cycled) so requests always wait."""
+def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps=0):
+    """Tokens/s over `window_steps` steps after `warm_steps`, the engine topped up from `prompts` (cycled) so
+    requests always wait; with the staggered plan first up to `fill_steps` steps until its pipeline is full
+    (a host request lives 2 * (layers + 1) steps per token, so the window would otherwise be its ramp).
+    Returns {tokens_per_s, host_tokens, fill_steps, fill_s, steps: [(gpu rows, cpu rows, mean context,
+    seconds, prefill tokens)] of the window, prefill: [(seconds, prefill tokens)] of every step outside it}."""
     stagger = engine.stagger
     supplied = 0
+    scheduled = []
+    schedule = engine._schedule
+
+    def recording_schedule():
+        chunks = schedule()
+        scheduled.append(sum(c.num_tokens for c in chunks if not (c.num_tokens == 1 and c.start)))
+        return chunks
+
+    engine._schedule = recording_schedule
 
     def top_up():
         nonlocal supplied
@@ -45,24 +57,54 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps):
             engine.add_request(prompts[supplied % len(prompts)], sampling)
             supplied += 1
 
-    steps = []
-    for index in range(warm_steps + window_steps):
+    def one_step():
         top_up()
-        if index == warm_steps:
-            torch.cuda.synchronize()
-            begin, tokens = time.perf_counter(), engine.stats.generated_tokens
         running = list(engine.scheduler.running)
         on_host = sum(1 for r in running if engine.kv.pool_of(r.request_id) == HOST_POOL)
         staggered = stagger.width if stagger is not None and stagger.active else 0
         context = sum(r.num_tokens for r in running) / max(len(running), 1)
         start = time.perf_counter()
-        engine.step()
-        if index >= warm_steps:
-            steps.append((len(running) - on_host, on_host + staggered, context, time.perf_counter() - start))
+        sampled = engine.step()
+        seconds = time.perf_counter() - start
+        host = sum(1 for r in sampled if r.steps_per_pool[HOST_POOL])
+        return (len(running) - on_host, on_host + staggered, context, seconds, scheduled[-1]), host
+
+    begin = time.perf_counter()
+    filled, prefill = 0, []
+    while stagger is not None and filled < fill_steps and len(stagger.members()) < stagger.capacity:
+        step, _ = one_step()
+        prefill.append((step[3], step[4]))
+        filled += 1
+    fill_s = time.perf_counter() - begin
+    for _ in range(warm_steps):
+        step, _ = one_step()
+        prefill.append((step[3], step[4]))
+    torch.cuda.synchronize()
+    begin, tokens, host_tokens, steps = time.perf_counter(), engine.stats.generated_tokens, 0, []
+    for _ in range(window_steps):
+        step, host = one_step()
+        steps.append(step)
+        host_tokens += host
     seconds = time.perf_counter() - begin
     generated = engine.stats.generated_tokens - tokens
     engine.abort()
-    return generated / seconds, steps
+    engine._schedule = schedule
+    return {"tokens_per_s": generated / seconds, "window_s": seconds, "tokens": generated,
+            "host_tokens": host_tokens, "fill_steps": filled, "fill_s": fill_s, "steps": steps, "prefill": prefill}
+
+
+def amortized(run, prompt_len, new_tokens):
+    """Tokens/s of the window with the prefill time its host tokens' requests would need at steady state
+    added (a host request's prefill happens before the window: prompt_len / new_tokens prefill tokens per
+    generated token, at the measured seconds per prefill token of the steps outside the window over their
+    decode-only median)."""
+    decode = [s[3] for s in run["steps"] if not s[4]] or [s[3] for s in run["steps"]]
+    base = statistics.median(decode)
+    extra = sum(max(sec - base, 0.0) for sec, tok in run["prefill"] if tok)
+    tokens = sum(tok for _, tok in run["prefill"] if tok)
+    per_token = extra / tokens if tokens else 0.0
+    added = run["host_tokens"] * prompt_len / new_tokens * per_token
+    return run["tokens"] / (run["window_s"] + added), per_token
 
 
 def parse_mode(mode: str):
@@ -84,11 +126,19 @@ def run_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seq
     engine = apex.engine
     engine.warmup()
     sampling = SamplingParams(max_new_tokens=new_tokens)
-    steady_state(engine, prompts, sampling, args.warm_steps // 2, args.window_steps // 4)
-    tokens_per_s, steps = steady_state(engine, prompts, sampling, args.warm_steps, args.window_steps)
-    result = {"tokens_per_s": tokens_per_s, "decode_step_s": statistics.median(s[3] for s in steps),
-              "host_requests": engine.stats.requests_per_pool[HOST_POOL], "steps": steps,
-              "explain": apex.offload_decision()}
+    run = steady_state(engine, prompts, sampling, args.warm_steps, args.window_steps, args.fill_steps)
+    decode = [s[3] for s in run["steps"] if not s[4]]
+    run["amortized_tokens_per_s"], run["prefill_s_per_token"] = amortized(run, len(prompts[0]), new_tokens)
+    result = dict(run, decode_step_s=statistics.median(s[3] for s in run["steps"]),
+                  decode_only_step_s=statistics.median(decode) if decode else None,
+                  decode_only_steps=len(decode), host_requests=engine.stats.requests_per_pool[HOST_POOL],
+                  explain=apex.offload_decision())
+    jobs = getattr(engine.stagger, "executor", None) if engine.stagger is not None else None
+    if jobs is not None and getattr(jobs, "job_seconds", None):
+        window = list(jobs.job_seconds)[-args.window_steps:]
+        result["cpu_job_s"] = statistics.median(run for _, run in window)
+        result["cpu_job_ready_wait_s"] = statistics.median(wait for wait, _ in window)
+        result["collect_wait_s"] = statistics.median(list(jobs.collect_seconds)[-args.window_steps:])
     del apex, engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -98,7 +148,7 @@ def run_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seq
 def prediction_error(model: PerfModel, steps, staggered=False):
     """Median |predicted - measured| / measured over the decode steps (each at its own composition)."""
     errors = []
-    for gpu, cpu, context, seconds in steps:
+    for gpu, cpu, context, seconds, _ in steps:
         plan = ("staggered" if staggered else "overlap") if cpu else "never"
         errors.append(abs(model.predict(plan, gpu, cpu, context).step_s - seconds) / seconds)
     return statistics.median(errors) if errors else None
@@ -113,7 +163,9 @@ def main():
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--modes", default="never,auto,0.25,0.5")
-    parser.add_argument("--warm-steps", type=int, default=200, help="steps before the measured window")
+    parser.add_argument("--fill-steps", type=int, default=600,
+                        help="at most this many steps to fill the staggered pipeline before --warm-steps")
+    parser.add_argument("--warm-steps", type=int, default=100, help="steps before the measured window")
     parser.add_argument("--window-steps", type=int, default=300)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -140,11 +192,19 @@ def main():
                 begin = time.perf_counter()
                 runs[m] = run_mode(model, m, device_bytes, int(args.host_gib * GiB), prompts, args.new_tokens,
                                    args.max_seqs, args)
-                print(f"   {shape_name} {gib:g} GiB {m}: {runs[m]['tokens_per_s']:.0f} tokens/s, median step "
-                      f"{runs[m]['decode_step_s'] * 1e3:.2f} ms ({time.perf_counter() - begin:.0f} s); "
-                      f"{runs[m]['explain'].splitlines()[0][:150]}", flush=True)
+                r = runs[m]
+                cpu = (f"; CPU job {r['cpu_job_s'] * 1e3:.2f} ms (+{r['cpu_job_ready_wait_s'] * 1e3:.2f} waiting for "
+                       f"its inputs), collect wait {r['collect_wait_s'] * 1e3:.2f} ms" if "cpu_job_s" in r else "")
+                only = r["decode_only_step_s"]
+                print(f"   {shape_name} {gib:g} GiB {m}: {r['tokens_per_s']:.0f} tokens/s ({r['host_tokens']} of "
+                      f"{r['tokens']} from the host; {r['amortized_tokens_per_s']:.0f} with their prefill at "
+                      f"{r['prefill_s_per_token'] * 1e6:.0f} us/token), median step {r['decode_step_s'] * 1e3:.2f} ms"
+                      f" ({r['decode_only_steps']} decode-only: "
+                      f"{only * 1e3 if only else float('nan'):.2f} ms), fill {r['fill_steps']} steps "
+                      f"{r['fill_s']:.0f} s{cpu} ({time.perf_counter() - begin:.0f} s in all); "
+                      f"{r['explain'].splitlines()[0][:120]}", flush=True)
                 partial = {"shape": shape_name, "device_gib": gib, "partial": True,
-                           "modes": {k: {x: y for x, y in r.items() if x != "steps"} for k, r in runs.items()}}
+                           "modes": runs}
                 write_json(args.out, dict(result, rows=result["rows"] + [partial]))
             probe = optimize(model, ApexConfig(offload="never", gpu_cache_size=device_bytes,
                                                cpu_cache_size=1 << 30, max_num_seqs=args.max_seqs))
@@ -152,20 +212,20 @@ def main():
             del probe
             context = args.prompt + args.new_tokens / 2
             ideal = perf.ideal_gain(context)
-            never = runs["never"]["tokens_per_s"]
-            efficiency = (runs["auto"]["tokens_per_s"] - never) / ideal if "auto" in runs else None
+            never = runs["never"]["amortized_tokens_per_s"]
+            efficiency = (runs["auto"]["amortized_tokens_per_s"] - never) / ideal if "auto" in runs else None
             errors = {m: prediction_error(perf, r["steps"], m.startswith("staggered")) for m, r in runs.items()}
-            best = max(runs, key=lambda m: runs[m]["tokens_per_s"])
+            best = max(runs, key=lambda m: runs[m]["amortized_tokens_per_s"])
             row = {"shape": shape_name, "device_gib": gib, "requests": count, "context": context,
                    "ideal_gain": ideal, "cpu_attention_GBps": perf.cpu_bandwidth() / 1e9,
                    "gpu_attention_GBps": perf.gpu_bandwidth() / 1e9,
                    "kv_bytes_per_host_request_step": perf.profile.kv_bytes_per_token * context,
                    "auto_efficiency": efficiency, "model_error": errors, "best_mode": best,
-                   "best_efficiency": (runs[best]["tokens_per_s"] - never) / ideal,
+                   "best_efficiency": (runs[best]["amortized_tokens_per_s"] - never) / ideal,
                    "modes": {m: {k: v for k, v in r.items() if k != "steps"} for m, r in runs.items()},
                    "steps": {m: r["steps"] for m, r in runs.items()}}
             result["rows"].append(row)
-            cells = " | ".join(f"{runs[str(m)]['tokens_per_s']:7.0f} {runs[str(m)]['decode_step_s'] * 1e3:6.1f}ms"
+            cells = " | ".join(f"{runs[m]['amortized_tokens_per_s']:7.0f} {runs[m]['decode_step_s'] * 1e3:6.1f}ms"
                                for m in modes)
             err = errors.get("auto") if errors.get("auto") is not None else errors.get("never")
             eff = f"{efficiency:8.2f}" if efficiency is not None else "       -"

@@ -51,13 +51,14 @@ def main():
         apex = optimize(model, config)
         engine = apex.engine
         engine.warmup()
-        steady_state(engine, prompts, sampling, 40, 20)
         waits.clear()
-        tokens_per_s, steps = steady_state(engine, prompts, sampling, 60, 60)
+        run = steady_state(engine, prompts, sampling, 60, 60, fill_steps=400)
+        tokens_per_s, steps = run["tokens_per_s"], run["steps"]
         decode = sorted(s[3] * 1e3 for s in steps)
         print(f"{mode}: {tokens_per_s:.0f} tokens/s, step median {statistics.median(decode):.2f} ms, p10 "
               f"{decode[len(decode) // 10]:.2f} ms ({time.perf_counter() - start:.0f} s incl. compile)", flush=True)
         if mode == "staggered":
+            waits[:] = waits[-len(steps):]
             per_step = sum(waits) / max(len(steps), 1)
             print(f"  collect calls {len(waits)}: {per_step * 1e3:.2f} ms per step in collect (max one "
                   f"{max(waits) * 1e3:.2f} ms)", flush=True)

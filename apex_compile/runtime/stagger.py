@@ -28,6 +28,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import os
+import time
 from typing import Deque, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -197,14 +198,12 @@ class StaggerPipeline:
             return
         pool = self.kv.pools[HOST_POOL]
 
-        def job(query, key, value):
-            out = torch.zeros_like(query)
+        def job(query, key, value, out):
             for layer in range(self.num_layers):
                 group = lane[layer]
                 if group.size:
                     host_attention(runner, group, query[layer], key[layer], value[layer], pool.key_caches[layer],
                                    pool.value_caches[layer], runner.stagger_scale, out[layer])
-            return out
 
         self.executor.launch(index, job, self.staged)
 
@@ -286,13 +285,22 @@ def host_attention(runner, group: StaggerGroup, query: torch.Tensor, key: torch.
 
 
 class SyncJobs:
-    """CPU-only run: a job runs when launched; its output is handed out by the next `collect` of its key."""
+    """CPU-only run: a job runs when launched; its output is handed out by the next `collect` of its key.
+    A job is called as job(*inputs, out) and writes its rows of `out` (shaped like inputs[0])."""
 
     def __init__(self):
         self.results: Dict[int, Optional[torch.Tensor]] = {}
+        self.buffers: Dict[int, torch.Tensor] = {}
 
     def launch(self, key: int, job, inputs: List[torch.Tensor]) -> None:
-        self.results[key] = None if job is None else job(*inputs)
+        if job is None:
+            self.results[key] = None
+            return
+        out = self.buffers.get(key)
+        if out is None or out.shape != inputs[0].shape:
+            out = self.buffers[key] = torch.zeros_like(inputs[0])
+        job(*inputs, out)
+        self.results[key] = out
 
     def collect(self, key: int, out: torch.Tensor) -> None:
         result = self.results.pop(key, None)
@@ -366,6 +374,10 @@ class AsyncJobs:
         self.buffers: Dict[tuple, torch.Tensor] = {}
         self.guards: Dict[int, object] = {}
         self.pending: Dict[int, Optional[concurrent.futures.Future]] = {}
+        # recent timings, seconds: (waiting for the inputs' copy and the guard, running the job) per job, and
+        # the launching thread's wait in each collect (how far the CPU is behind the GPU)
+        self.job_seconds: Deque[Tuple[float, float]] = collections.deque(maxlen=4096)
+        self.collect_seconds: Deque[float] = collections.deque(maxlen=4096)
 
     def _buffer(self, name: str, key: int, like: torch.Tensor) -> torch.Tensor:
         buf = self.buffers.get((name, key))
@@ -383,11 +395,14 @@ class AsyncJobs:
         guard = self.guards.get(key)
 
         def run():
+            start = time.perf_counter()
             copied.synchronize()
             if guard is not None:
                 guard.synchronize()  # the last copy out of this buffer is done before it is rewritten
+            ready = time.perf_counter()
             with torch.inference_mode():
-                out_buf.copy_(job(*staged))
+                job(*staged, out_buf)
+            self.job_seconds.append((ready - start, time.perf_counter() - ready))
 
         self.pending[key] = self.worker.submit(run)
 
@@ -396,7 +411,9 @@ class AsyncJobs:
         if future is None:
             out.zero_()
             return
+        start = time.perf_counter()
         future.result()
+        self.collect_seconds.append(time.perf_counter() - start)
         self.guards[key] = self.copies.restore(out, self.buffers[("out", key)])
 
     def drain(self) -> None:
