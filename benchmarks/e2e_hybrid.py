@@ -97,12 +97,12 @@ def amortized(run, prompt_len, new_tokens):
     """Tokens/s of the window with the prefill time its host tokens' requests would need at steady state
     added (a host request's prefill happens before the window: prompt_len / new_tokens prefill tokens per
     generated token, at the measured seconds per prefill token of the steps outside the window over their
-    decode-only median)."""
+    decode-only median, the median over steps with at least 256 prefill tokens)."""
     decode = [s[3] for s in run["steps"] if not s[4]] or [s[3] for s in run["steps"]]
     base = statistics.median(decode)
-    extra = sum(max(sec - base, 0.0) for sec, tok in run["prefill"] if tok)
-    tokens = sum(tok for _, tok in run["prefill"] if tok)
-    per_token = extra / tokens if tokens else 0.0
+    # the median over steps with a sizeable prefill (a few steps outside the window also capture graphs)
+    per_step = [max(sec - base, 0.0) / tok for sec, tok in run["prefill"] if tok >= 256]
+    per_token = statistics.median(per_step) if per_step else 0.0
     added = run["host_tokens"] * prompt_len / new_tokens * per_token
     return run["tokens"] / (run["window_s"] + added), per_token
 

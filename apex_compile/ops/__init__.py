@@ -1,7 +1,7 @@
 """Every `apex::` op: schema, fake implementation and per-device kernels (Triton launches from
 apex_compile.kernels, C++ from csrc/openmp), all registered on import; plus the public Python entry points.
 
-    cpu_attention   cache_append_cpu, paged_attention_cpu, cpu_isa_code, cpu_attention_work_split (C++)
+    cpu_attention   cache_append_cpu(_multi), paged_attention_cpu(_multi), cpu_isa_code, cpu_attention_work_split (C++)
     gpu_attention   cache_append_gpu, paged_attention_gpu, paged_prefill_attention_gpu (Triton)
     norm            rms_norm (Triton)
     mlp             silu_mul, swiglu (Triton)
@@ -13,9 +13,11 @@ from apex_compile.ops import attention
 from apex_compile.ops.cpu_attention import (
     allocate_kv_cache_cpu,
     cache_append_cpu,
+    cache_append_cpu_multi,
     cpu_attention_work_split,
     cpu_isa,
     paged_attention_cpu,
+    paged_attention_cpu_multi,
 )
 from apex_compile.ops.gpu_attention import cache_append_gpu, paged_attention_gpu, paged_prefill_attention_gpu
 from apex_compile.ops.kv_layout import copy_blocks, gather_kv
@@ -24,7 +26,8 @@ from apex_compile.ops.mlp import silu_mul, swiglu
 from apex_compile.ops.norm import rms_norm
 
 __all__ = [
-    "allocate_kv_cache_cpu", "allocate_kv_cache_gpu", "attention", "cache_append_cpu", "cache_append_gpu",
-    "copy_blocks", "cpu_attention_work_split", "cpu_isa", "gather_kv", "paged_attention_cpu",
+    "allocate_kv_cache_cpu", "allocate_kv_cache_gpu", "attention", "cache_append_cpu", "cache_append_cpu_multi",
+    "cache_append_gpu",
+    "copy_blocks", "cpu_attention_work_split", "cpu_isa", "gather_kv", "paged_attention_cpu", "paged_attention_cpu_multi",
     "paged_attention_gpu", "paged_prefill_attention_gpu", "qkv_linear", "rms_norm", "silu_mul", "swiglu",
 ]

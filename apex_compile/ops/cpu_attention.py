@@ -12,13 +12,15 @@ Conventions:
 - ``query`` must have the cache's dtype; accumulation is fp32; the output has the query's dtype.
 - Threads: up to ``torch.get_num_threads()`` (fewer only when a call has fewer work items, or less than
   64 KiB of K+V per thread; see ``cpu_attention_work_split``).
+- ``*_multi`` variants take lists of cache pairs (one geometry and dtype) and an int32 ``cache_index`` naming
+  each row's pair: every layer's rows in one call.
 - Kernel path: best of avx512 > avx2 > scalar that the CPU supports, or the one named by the environment
   variable ``APEX_CPU_ISA`` (read on every call; see ``cpu_isa``).
 """
 import ctypes
 import mmap
 import sys
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -32,6 +34,14 @@ LIB.define(
 LIB.define(
     "paged_attention_cpu(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
     "Tensor context_lens, float? scale=None) -> Tensor"
+)
+LIB.define(
+    "cache_append_cpu_multi(Tensor key, Tensor value, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
+    "Tensor cache_index, Tensor slot_mapping) -> ()"
+)
+LIB.define(
+    "paged_attention_cpu_multi(Tensor query, Tensor[] key_caches, Tensor[] value_caches, Tensor cache_index, "
+    "Tensor block_tables, Tensor context_lens, float? scale=None) -> Tensor"
 )
 LIB.define("cpu_isa_code() -> int")
 LIB.define("cpu_attention_work_split(int items_per_thread, int min_item_bytes, int min_thread_bytes) -> int[]")
@@ -58,6 +68,20 @@ def _paged_attention_cpu_fake(query, key_cache, value_cache, block_tables, conte
                block_tables=block_tables, context_lens=context_lens)
     torch._check(query.dim() == 3, lambda: f"query must be [num_seqs, num_heads, head_dim], got {query.shape}")
     torch._check(query.dtype == key_cache.dtype, lambda: f"query dtype {query.dtype} must equal {key_cache.dtype}")
+    return query.new_empty(query.shape)
+
+
+@torch.library.register_fake("apex::cache_append_cpu_multi", lib=LIB)
+def _cache_append_cpu_multi_fake(key, value, key_caches, value_caches, cache_index, slot_mapping):
+    _check_cpu("cache_append_cpu_multi", key=key, value=value, cache_index=cache_index, slot_mapping=slot_mapping)
+
+
+@torch.library.register_fake("apex::paged_attention_cpu_multi", lib=LIB)
+def _paged_attention_cpu_multi_fake(query, key_caches, value_caches, cache_index, block_tables, context_lens,
+                                    scale=None):
+    _check_cpu("paged_attention_cpu_multi", query=query, cache_index=cache_index, block_tables=block_tables,
+               context_lens=context_lens)
+    torch._check(query.dim() == 3, lambda: f"query must be [num_seqs, num_heads, head_dim], got {query.shape}")
     return query.new_empty(query.shape)
 
 
@@ -128,6 +152,24 @@ def paged_attention_cpu(
     tokens; block_tables int32 [num_seqs, max_blocks], context_lens int32 [num_seqs] (>= 1). Returns
     [num_seqs, num_heads, head_dim] in the query's dtype; scale defaults to head_dim ** -0.5."""
     return torch.ops.apex.paged_attention_cpu(query, key_cache, value_cache, block_tables, context_lens, scale)
+
+
+def cache_append_cpu_multi(key: torch.Tensor, value: torch.Tensor, key_caches: List[torch.Tensor],
+                           value_caches: List[torch.Tensor], cache_index: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+    """`cache_append_cpu` over several cache pairs of one geometry and dtype (e.g. every layer's) in one call:
+    token t goes to key_caches[cache_index[t]] / value_caches[cache_index[t]] (cache_index int32 [num_tokens])."""
+    torch.ops.apex.cache_append_cpu_multi(key, value, key_caches, value_caches, cache_index, slot_mapping)
+
+
+def paged_attention_cpu_multi(query: torch.Tensor, key_caches: List[torch.Tensor], value_caches: List[torch.Tensor],
+                              cache_index: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                              scale: Optional[float] = None) -> torch.Tensor:
+    """`paged_attention_cpu` over several cache pairs of one geometry and dtype in one call (one work split and
+    one parallel region): sequence s reads key_caches[cache_index[s]] / value_caches[cache_index[s]]
+    (cache_index int32 [num_seqs]); block ids index that pair."""
+    return torch.ops.apex.paged_attention_cpu_multi(query, key_caches, value_caches, cache_index, block_tables,
+                                                    context_lens, scale)
 
 
 def cpu_isa() -> str:

@@ -34,6 +34,7 @@ from typing import Deque, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from apex_compile.ops import cache_append_cpu_multi, paged_attention_cpu_multi
 from apex_compile.runtime.kv_manager import HOST_POOL, KVManager
 from apex_compile.runtime.request import Request
 
@@ -197,13 +198,10 @@ class StaggerPipeline:
             self.executor.launch(index, None, self.staged)
             return
         pool = self.kv.pools[HOST_POOL]
+        groups = lane[:self.num_layers]
 
         def job(query, key, value, out):
-            for layer in range(self.num_layers):
-                group = lane[layer]
-                if group.size:
-                    host_attention(runner, group, query[layer], key[layer], value[layer], pool.key_caches[layer],
-                                   pool.value_caches[layer], runner.stagger_scale, out[layer])
+            host_attention(groups, query, key, value, pool.key_caches, pool.value_caches, runner.stagger_scale, out)
 
         self.executor.launch(index, job, self.staged)
 
@@ -267,21 +265,33 @@ class StaggerPipeline:
         return out
 
 
-def host_attention(runner, group: StaggerGroup, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-    """CPU side of one group at one layer: appends its rows' K/V and writes their attention into `out`
-    (rows [width, Hq, D]; free rows are left as they are)."""
-    if group.prefix:
-        rows = slice(0, group.prefix)
-        q, k, v = query[rows], key[rows], value[rows]
+def host_attention(groups: List[StaggerGroup], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   key_caches: List[torch.Tensor], value_caches: List[torch.Tensor], scale: float,
+                   out: torch.Tensor) -> None:
+    """CPU side of a lane's turn: group l's rows append their K/V to layer l's host cache and attend it, every
+    layer in one append and one attention call (one work split over all of them); query/out [layers, width,
+    Hq, D], key/value [layers, width, Hkv, D]. Rows without a request are left as they are."""
+    layers, width = query.shape[0], query.shape[1]
+    used = [(layer, g) for layer, g in enumerate(groups) if g.size]
+    if not used:
+        return
+    cache_index = torch.cat([torch.full((g.size,), layer, dtype=torch.int32) for layer, g in used])
+    tables = torch.cat([g.block_tables for _, g in used])
+    lens = torch.cat([g.context_lens for _, g in used])
+    slots = torch.cat([g.slots for _, g in used])
+    flat = [t.view(layers * width, *t.shape[2:]) for t in (query, key, value, out)]
+    if len(used) == layers and all(g.prefix == width for _, g in used):  # every row holds a request
+        q, k, v = flat[:3]
+        rows = None
     else:
-        q, k, v = query[group.rows], key[group.rows], value[group.rows]
-    runner._append[HOST_POOL](k, v, key_cache, value_cache, group.slots)
-    attended = runner._paged_cpu(q, key_cache, value_cache, group.block_tables, group.context_lens, scale)
-    if group.prefix:
-        out[:group.prefix] = attended
+        rows = torch.cat([g.rows + layer * width for layer, g in used])
+        q, k, v = (t.index_select(0, rows) for t in flat[:3])
+    cache_append_cpu_multi(k, v, key_caches, value_caches, cache_index, slots)
+    attended = paged_attention_cpu_multi(q, key_caches, value_caches, cache_index, tables, lens, scale)
+    if rows is None:
+        flat[3].copy_(attended)
     else:
-        out[group.rows] = attended
+        flat[3].index_copy_(0, rows, attended)
 
 
 class SyncJobs:

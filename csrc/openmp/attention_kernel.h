@@ -282,8 +282,9 @@ void process_item(const PagedAttentionArgs& args, const WorkPlanView& plan, cons
   }
   for (int64_t i = 0; i < int64_t(group) * head_dim; ++i) acc[i] = 0.0f;
 
-  const E* key_cache = static_cast<const E*>(args.key_cache);
-  const E* value_cache = static_cast<const E*>(args.value_cache);
+  const int cache = args.cache_index != nullptr ? args.cache_index[item.seq] : -1;
+  const E* key_cache = static_cast<const E*>(cache >= 0 ? args.key_caches[cache] : args.key_cache);
+  const E* value_cache = static_cast<const E*>(cache >= 0 ? args.value_caches[cache] : args.value_cache);
   const int32_t* block_table = args.block_tables + item.seq * args.block_table_stride;
   const int64_t slab_elems = int64_t(block_size) * head_dim;
   const int segment_tokens = segment_capacity(block_size);

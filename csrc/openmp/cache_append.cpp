@@ -18,8 +18,6 @@ template <class T>
 void append_rows(const CacheAppendArgs& a) {
   const T* key = static_cast<const T*>(a.key);
   const T* value = static_cast<const T*>(a.value);
-  T* key_cache = static_cast<T*>(a.key_cache);
-  T* value_cache = static_cast<T*>(a.value_cache);
   const int64_t rows = a.num_tokens * a.num_kv_heads;
   const int64_t slab_elems = int64_t(a.block_size) * a.head_dim;
 #pragma omp parallel for schedule(static) num_threads(a.num_threads) if (a.num_threads > 1 && rows >= kParallelRows)
@@ -31,6 +29,9 @@ void append_rows(const CacheAppendArgs& a) {
     const int64_t block = slot / a.block_size;
     const int offset = int(slot % a.block_size);
     const int64_t slab = (block * a.num_kv_heads + head) * slab_elems;
+    const int cache = a.cache_index != nullptr ? a.cache_index[token] : -1;
+    T* key_cache = static_cast<T*>(cache >= 0 ? a.key_caches[cache] : a.key_cache);
+    T* value_cache = static_cast<T*>(cache >= 0 ? a.value_caches[cache] : a.value_cache);
     const T* k = key + token * a.key_token_stride + head * a.key_head_stride;
     T* k_dst = key_cache + slab + int64_t(offset / kPanelTokens) * a.head_dim * kPanelTokens + offset % kPanelTokens;
     for (int d = 0; d < a.head_dim; ++d) k_dst[int64_t(d) * kPanelTokens] = k[d];

@@ -124,6 +124,11 @@ struct PagedAttentionArgs {
   int head_dim;
   int block_size;
   float scale;
+  // Several caches of one geometry (e.g. every layer's) in one call: when cache_index is set, sequence s reads
+  // key_caches[cache_index[s]] / value_caches[cache_index[s]] instead of key_cache / value_cache.
+  const void* const* key_caches = nullptr;
+  const void* const* value_caches = nullptr;
+  const int32_t* cache_index = nullptr;
 };
 
 // One unit of parallel work: all query heads of one kv head of one sequence over tokens [token_begin,
@@ -242,6 +247,10 @@ struct CacheAppendArgs {
   int head_dim;
   int block_size;
   int num_threads;
+  // As in PagedAttentionArgs: when cache_index is set, token t goes to the caches numbered cache_index[t].
+  void* const* key_caches = nullptr;
+  void* const* value_caches = nullptr;
+  const int32_t* cache_index = nullptr;
 };
 
 void cache_append(const CacheAppendArgs& args);

@@ -115,9 +115,41 @@ std::array<int64_t, 4> check_caches(const at::Tensor& key_cache, const at::Tenso
   return {key_cache.size(0), key_cache.size(1), block_size, head_dim};
 }
 
-at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                               const at::Tensor& block_tables, const at::Tensor& context_lens,
-                               std::optional<double> scale) {
+// Checks a list of cache pairs of one geometry and dtype and the int32 [count] index picking one per row;
+// returns the geometry and fills the raw pointers.
+std::array<int64_t, 4> check_cache_list(at::TensorList key_caches, at::TensorList value_caches,
+                                        const at::Tensor& cache_index, int64_t count, std::vector<void*>& keys,
+                                        std::vector<void*>& values) {
+  APEX_CHECK(!key_caches.empty() && key_caches.size() == value_caches.size(),
+             "key_caches and value_caches must be non-empty lists of one length, got ", int64_t(key_caches.size()),
+             " and ", int64_t(value_caches.size()));
+  const std::array<int64_t, 4> geometry = check_caches(key_caches[0], value_caches[0]);
+  for (size_t i = 0; i < key_caches.size(); ++i) {
+    APEX_CHECK(check_caches(key_caches[i], value_caches[i]) == geometry &&
+                   key_caches[i].scalar_type() == key_caches[0].scalar_type(),
+               "every cache must have the shape and dtype of the first: cache ", int64_t(i), " is ",
+               shape_of(key_caches[i]), " ", key_caches[i].scalar_type());
+    keys.push_back(key_caches[i].data_ptr());
+    values.push_back(value_caches[i].data_ptr());
+  }
+  check_cpu(cache_index, "cache_index");
+  APEX_CHECK(cache_index.scalar_type() == at::kInt && cache_index.dim() == 1 && cache_index.size(0) == count,
+             "cache_index must be int32 [", count, "], got ", cache_index.scalar_type(), " ", shape_of(cache_index));
+  APEX_CHECK(cache_index.is_contiguous(), "cache_index must be contiguous");
+  const int32_t* index = cache_index.data_ptr<int32_t>();
+  for (int64_t i = 0; i < count; ++i) {
+    APEX_CHECK(index[i] >= 0 && index[i] < int64_t(key_caches.size()), "cache_index[", i, "] = ", index[i],
+               " is out of range for ", int64_t(key_caches.size()), " caches");
+  }
+  return geometry;
+}
+
+// Shared body of paged_attention_cpu (one cache pair) and paged_attention_cpu_multi (cache_index defined: each
+// sequence reads the pair it names; key_cache / value_cache are then the first pair, for geometry).
+at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                const at::Tensor& block_tables, const at::Tensor& context_lens,
+                                std::optional<double> scale, const std::vector<void*>* keys,
+                                const std::vector<void*>* values, const at::Tensor* cache_index) {
   const std::array<int64_t, 4> geometry = check_caches(key_cache, value_cache);
   const int64_t num_blocks = geometry[0], num_kv_heads = geometry[1], block_size = geometry[2], head_dim = geometry[3];
   check_cpu(query, "query");
@@ -182,6 +214,11 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
   args.head_dim = int(head_dim);
   args.block_size = int(block_size);
   args.scale = float(scale.has_value() ? *scale : 1.0 / std::sqrt(double(head_dim)));
+  if (cache_index != nullptr) {
+    args.key_caches = const_cast<const void* const*>(keys->data());
+    args.value_caches = const_cast<const void* const*>(values->data());
+    args.cache_index = cache_index->data_ptr<int32_t>();
+  }
 
   const apex_cpu::WorkPlan plan = apex_cpu::plan_work(lens_ptr, int(num_seqs), int(num_kv_heads),
                                                       2 * head_dim * int64_t(key_cache.element_size()), threads);
@@ -209,8 +246,29 @@ at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_ca
   return out;
 }
 
-void cache_append_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
-                      const at::Tensor& slot_mapping) {
+at::Tensor paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                               const at::Tensor& block_tables, const at::Tensor& context_lens,
+                               std::optional<double> scale) {
+  return paged_attention_impl(query, key_cache, value_cache, block_tables, context_lens, scale, nullptr, nullptr,
+                              nullptr);
+}
+
+// One call over several caches of one geometry (the staggered plan attends every layer's rows at once: one
+// work split and one parallel region instead of one per layer).
+at::Tensor paged_attention_cpu_multi(const at::Tensor& query, at::TensorList key_caches, at::TensorList value_caches,
+                                     const at::Tensor& cache_index, const at::Tensor& block_tables,
+                                     const at::Tensor& context_lens, std::optional<double> scale) {
+  std::vector<void*> keys, values;
+  check_cpu(query, "query");
+  APEX_CHECK(query.dim() == 3, "query must be [num_seqs, num_heads, head_dim], got ", shape_of(query));
+  check_cache_list(key_caches, value_caches, cache_index, query.size(0), keys, values);
+  return paged_attention_impl(query, key_caches[0], value_caches[0], block_tables, context_lens, scale, &keys,
+                              &values, &cache_index);
+}
+
+void cache_append_impl(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                       const at::Tensor& value_cache, const at::Tensor& slot_mapping, const std::vector<void*>* keys,
+                       const std::vector<void*>* values, const at::Tensor* cache_index) {
   const std::array<int64_t, 4> geometry = check_caches(key_cache, value_cache);
   const int64_t num_blocks = geometry[0], num_kv_heads = geometry[1], block_size = geometry[2], head_dim = geometry[3];
   check_cpu(key, "key");
@@ -252,7 +310,28 @@ void cache_append_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor
   args.head_dim = int(head_dim);
   args.block_size = int(block_size);
   args.num_threads = std::max(1, at::get_num_threads());
+  if (cache_index != nullptr) {
+    args.key_caches = keys->data();
+    args.value_caches = values->data();
+    args.cache_index = cache_index->data_ptr<int32_t>();
+  }
   apex_cpu::cache_append(args);
+}
+
+void cache_append_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                      const at::Tensor& slot_mapping) {
+  cache_append_impl(key, value, key_cache, value_cache, slot_mapping, nullptr, nullptr, nullptr);
+}
+
+// cache_append_cpu over several caches of one geometry: token t goes to the pair cache_index[t].
+void cache_append_cpu_multi(const at::Tensor& key, const at::Tensor& value, at::TensorList key_caches,
+                            at::TensorList value_caches, const at::Tensor& cache_index,
+                            const at::Tensor& slot_mapping) {
+  std::vector<void*> keys, values;
+  check_cpu(key, "key");
+  APEX_CHECK(key.dim() == 3, "key must be [num_tokens, num_kv_heads, head_dim], got ", shape_of(key));
+  check_cache_list(key_caches, value_caches, cache_index, key.size(0), keys, values);
+  cache_append_impl(key, value, key_caches[0], value_caches[0], slot_mapping, &keys, &values, &cache_index);
 }
 
 // Code of the kernel path the next call will use: 0 scalar, 1 avx2, 2 avx512 (errors like the ops would).
@@ -275,6 +354,8 @@ std::vector<int64_t> cpu_attention_work_split(int64_t items_per_thread, int64_t 
 TORCH_LIBRARY_IMPL(apex, CPU, m) {
   m.impl("paged_attention_cpu", &paged_attention_cpu);
   m.impl("cache_append_cpu", &cache_append_cpu);
+  m.impl("paged_attention_cpu_multi", &paged_attention_cpu_multi);
+  m.impl("cache_append_cpu_multi", &cache_append_cpu_multi);
 }
 
 TORCH_LIBRARY_IMPL(apex, CompositeExplicitAutograd, m) {

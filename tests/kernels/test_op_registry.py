@@ -21,6 +21,8 @@ PACKAGE_DIR = os.path.join(REPO_ROOT, "apex_compile")
 EXPECTED_KERNELS = {
     "cache_append_cpu": {"CPU"},
     "paged_attention_cpu": {"CPU"},
+    "cache_append_cpu_multi": {"CPU"},
+    "paged_attention_cpu_multi": {"CPU"},
     "cpu_isa_code": {"CompositeExplicitAutograd"},
     "cpu_attention_work_split": {"CompositeExplicitAutograd"},
     "cache_append_gpu": {"CPU", "CUDA"},
@@ -63,6 +65,24 @@ def append_args():
     return key, value, key_cache, value_cache, torch.tensor([5, -1, 40])
 
 
+def multi_caches():
+    """Two cache pairs of one geometry (the second a shifted copy of the first)."""
+    key_cache, value_cache, block_tables, context_lens = paged_inputs()
+    return [key_cache, key_cache + 1.0], [value_cache, value_cache - 1.0], block_tables, context_lens
+
+
+def append_multi_args():
+    keys, values, _, _ = multi_caches()
+    key, value = torch.randn(3, KV_HEADS, DIM), torch.randn(3, KV_HEADS, DIM)
+    return key, value, keys, values, torch.tensor([1, 0, 1], dtype=torch.int32), torch.tensor([5, -1, 40])
+
+
+def decode_multi_args():
+    keys, values, block_tables, context_lens = multi_caches()
+    return (torch.randn(2, HEADS, DIM), keys, values, torch.tensor([1, 0], dtype=torch.int32), block_tables,
+            context_lens)
+
+
 def decode_args():
     return (torch.randn(2, HEADS, DIM), *paged_inputs())
 
@@ -82,6 +102,8 @@ def attention_args(token=False):
 CASES = [
     ("cache_append_cpu", append_args, {}),
     ("paged_attention_cpu", decode_args, {"scale": 0.3}),
+    ("cache_append_cpu_multi", append_multi_args, {}),
+    ("paged_attention_cpu_multi", decode_multi_args, {"scale": 0.3}),
     ("cache_append_gpu", append_args, {}),
     ("paged_attention_gpu", decode_args, {"scale": None, "max_context_len": 32}),
     ("paged_prefill_attention_gpu", prefill_args, {"max_query_len": 3}),
