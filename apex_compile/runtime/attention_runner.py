@@ -159,7 +159,7 @@ class PagedAttentionRunner:
         """The RoPE table with the staggered block's rows for the layer's requests (apex::stagger_rope)."""
         if not self.stagger_rows:
             return table.clone()
-        return self.stagger.rope_rows(layer_idx, table, kind)
+        return self.stagger.rope_rows_for(layer_idx, table, kind)
 
     def _host_rows_from_device(self, part: PoolPart, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
                                value: torch.Tensor, scale: float) -> torch.Tensor:

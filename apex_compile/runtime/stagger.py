@@ -106,6 +106,8 @@ class StaggerPipeline:
                        device_buffer(layers, width, shape.num_kv_heads, shape.head_dim)]
         self.outputs = device_buffer(layers, width, num_heads, shape.head_dim)
         self.lane_residual = [torch.zeros_like(self.residual) for _ in range(LANES)]  # each lane's own rows
+        # the block's RoPE cos / sin rows at every layer, gathered once per step (the graph only splices them in)
+        self.rope_rows = [torch.zeros(layers, width, t.shape[-1], dtype=t.dtype, device=device) for t in rope]
         self._positions_host = torch.zeros(layers, width, dtype=torch.int64, pin_memory=on_cuda)
         self._positions_copied: Optional[torch.cuda.Event] = None
         self.executor = AsyncJobs(CudaCopies(device), threads=threads) if on_cuda else SyncJobs()
@@ -185,6 +187,9 @@ class StaggerPipeline:
         if self.device.type == "cuda":
             self._positions_copied = torch.cuda.Event()
             self._positions_copied.record()
+        flat_positions = self.positions.view(-1)
+        for table, rows in zip(self.rope, self.rope_rows):
+            torch.index_select(table, 0, flat_positions, out=rows.view(-1, rows.shape[-1]))
         self.residual.copy_(self.lane_residual[self.steps % LANES])
         self.executor.collect(self.steps % LANES, self.outputs)
 
@@ -250,19 +255,18 @@ class StaggerPipeline:
 
     def swap_residual(self, layer: int, residual: torch.Tensor) -> torch.Tensor:
         """The residual with the block's rows swapped: the rows' own value goes to the layer's store, the
-        stored one (the arriving requests', from the lane's last turn) comes back."""
-        out = residual.clone(memory_format=torch.contiguous_format)
+        stored one (the arriving requests', from the lane's last turn) comes back (two kernels: a splice, a
+        store)."""
         flat_in = residual.reshape(-1, residual.shape[-1])
-        out.view(-1, out.shape[-1])[:self.width].copy_(self.residual[layer])
+        out = torch.cat([self.residual[layer], flat_in[self.width:]]).view(residual.shape)
         self.residual[layer].copy_(flat_in[:self.width])
         return out
 
-    def rope_rows(self, layer: int, table: torch.Tensor, kind: int) -> torch.Tensor:
-        """`table` (the step's RoPE cos or sin) with the block's rows at the positions of the layer's group."""
-        out = table.clone(memory_format=torch.contiguous_format)
-        flat = out.view(-1, out.shape[-1])
-        flat[:self.width].copy_(self.rope[kind].index_select(0, self.positions[layer]))
-        return out
+    def rope_rows_for(self, layer: int, table: torch.Tensor, kind: int) -> torch.Tensor:
+        """`table` (the step's RoPE cos or sin) with the block's rows at the positions of the layer's group
+        (gathered by `begin_step`; one splice kernel here)."""
+        flat = table.reshape(-1, table.shape[-1])
+        return torch.cat([self.rope_rows[kind][layer].to(table.dtype), flat[self.width:]]).view(table.shape)
 
 
 def host_attention(groups: List[StaggerGroup], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
