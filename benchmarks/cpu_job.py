@@ -47,8 +47,10 @@ def main():
         for width in (int(w) for w in args.widths.split(",")):
             per_row = -(-(args.context + 1) // bs)
             gen = torch.Generator().manual_seed(width)
-            tables = torch.randperm(blocks, generator=gen)[:layers * width * per_row].to(torch.int32)
-            tables = tables.view(layers, width, per_row)
+            if width * per_row > blocks:
+                sys.exit(f"--pool-gib {args.pool_gib} holds {blocks} blocks per layer, fewer than {width * per_row}")
+            tables = torch.stack([torch.randperm(blocks, generator=gen)[:width * per_row] for _ in range(layers)])
+            tables = tables.to(torch.int32).view(layers, width, per_row)  # each layer's blocks scattered
             lens = torch.full((width,), args.context, dtype=torch.int32)
             slots = tables[:, :, args.context // bs].long() * bs + args.context % bs
             q = torch.randn(layers, width, hq, dim).to(torch.bfloat16)

@@ -1,8 +1,15 @@
-"""Where a staggered decode step's time goes on one CUDA GPU: never vs the staggered plan at steady state on a
-LLaMA-3-8B-shaped model cut to a few layers (compiles in seconds), then a torch profile of staggered steps
-(host time per op) and the main thread's waits for CPU jobs.
+"""Where a staggered decode step's time goes on one CUDA GPU, against the GPU-only step, in one run (Llama-3-8B
+shape, cut to --layers layers; random weights). At steady state (pipeline full) per mode:
 
-    python benchmarks/stagger_profile.py --layers 8 --width 4
+- step: wall time of `engine.step()` (median over the window);
+- gpu: GPU time of the decode graph that step replays (the whole-step graph at the same padded size, timed
+  alone with CUDA events, no CPU job running): the GPU-side cost of the staggered rows' copies and splices;
+- host: the main thread's time in the staggered pipeline's `begin_step` / `end_step` per step;
+- no-job: the staggered step with the CPU job replaced by nothing (outputs zero, tokens meaningless): what the
+  job costs the step beyond its own time (contention for cores, memory, the GIL);
+- job / collect: the CPU job's run time and the main thread's wait for it.
+
+    python benchmarks/stagger_profile.py --layers 32 --width 4
 """
 import argparse
 import os
@@ -14,19 +21,49 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_hybrid import steady_state  # noqa: E402
-from e2e_throughput import SHAPES, kv_bytes_per_token, random_llama  # noqa: E402
+from e2e_throughput import SHAPES, kv_bytes_per_token, random_llama, write_json  # noqa: E402
 
 from apex_compile import ApexConfig, SamplingParams, optimize  # noqa: E402
 from apex_compile.runtime import stagger as stagger_module  # noqa: E402
 
 
+def graph_seconds(graphs, size: int, repeats: int = 30) -> float:
+    """Median GPU time of replaying the graph of `size` (its inputs as they are)."""
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graphs.replay(size)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def timed(cls, name, store):
+    """Wraps cls.name to append its wall seconds to `store`."""
+    original = getattr(cls, name)
+
+    def wrapper(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            store.append(time.perf_counter() - start)
+
+    setattr(cls, name, wrapper)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--width", type=int, default=4)
     parser.add_argument("--device-requests", type=int, default=12)
+    parser.add_argument("--host-gib", type=float, default=40)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--window-steps", type=int, default=60)
+    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     shape = dict(SHAPES["llama3_8b"], num_hidden_layers=args.layers)
     torch.manual_seed(0)
@@ -34,45 +71,52 @@ def main():
     per_request = (args.prompt + args.new_tokens + 16) * kv_bytes_per_token(shape)
     prompts = torch.randint(3, shape["vocab_size"], (64, args.prompt)).tolist()
     sampling = SamplingParams(max_new_tokens=args.new_tokens)
-    waits = []
-    collect = stagger_module.AsyncJobs.collect
-
-    def timed_collect(self, key, out):
-        start = time.perf_counter()
-        collect(self, key, out)
-        waits.append(time.perf_counter() - start)
-
-    stagger_module.AsyncJobs.collect = timed_collect
-    for mode in ("never", "staggered"):
-        config = ApexConfig(offload=mode, stagger_width=args.width, gpu_cache_size=args.device_requests * per_request,
-                            cpu_cache_size=8 << 30, max_num_seqs=64, max_num_batched_tokens=2048,
+    host = {"begin": [], "end": []}
+    timed(stagger_module.StaggerPipeline, "begin_step", host["begin"])
+    timed(stagger_module.StaggerPipeline, "end_step", host["end"])
+    launch = stagger_module.AsyncJobs.launch
+    result = {"benchmark": "stagger_profile", "args": vars(args), "gpu": torch.cuda.get_device_name(), "modes": {}}
+    for mode in ("never", "staggered", "staggered-no-job"):
+        if mode == "staggered-no-job":  # the job is dropped: collect then hands out zeros
+            stagger_module.AsyncJobs.launch = lambda self, key, job, inputs: launch(self, key, None, inputs)
+        config = ApexConfig(offload="never" if mode == "never" else "staggered", stagger_width=args.width,
+                            gpu_cache_size=args.device_requests * per_request, cpu_cache_size=int(args.host_gib * 2**30),
+                            max_num_seqs=64, max_num_batched_tokens=2048,
                             max_model_len=args.prompt + args.new_tokens + 64)
-        start = time.perf_counter()
+        begin = time.perf_counter()
         apex = optimize(model, config)
         engine = apex.engine
         engine.warmup()
-        waits.clear()
-        run = steady_state(engine, prompts, sampling, 60, 60, fill_steps=400)
-        tokens_per_s, steps = run["tokens_per_s"], run["steps"]
-        decode = sorted(s[3] * 1e3 for s in steps)
-        print(f"{mode}: {tokens_per_s:.0f} tokens/s, step median {statistics.median(decode):.2f} ms, p10 "
-              f"{decode[len(decode) // 10]:.2f} ms ({time.perf_counter() - start:.0f} s incl. compile)", flush=True)
-        if mode == "staggered":
-            waits[:] = waits[-len(steps):]
-            per_step = sum(waits) / max(len(steps), 1)
-            print(f"  collect calls {len(waits)}: {per_step * 1e3:.2f} ms per step in collect (max one "
-                  f"{max(waits) * 1e3:.2f} ms)", flush=True)
-            for p in prompts[:40]:
-                engine.add_request(p, sampling)
-            for _ in range(60):
-                engine.step()  # back to a pipeline in flight
-            from torch.profiler import ProfilerActivity, profile
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
-                    engine.step()
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=50))
+        for store in host.values():
+            store.clear()
+        run = steady_state(engine, prompts, sampling, 20, args.window_steps, fill_steps=600)
+        decode = [s[3] for s in run["steps"] if not s[4]]
+        row = {"tokens_per_s": run["tokens_per_s"], "step_s": statistics.median(decode) if decode else None,
+               "fill_steps": run["fill_steps"], "decode_steps": len(decode)}
+        rows = round(statistics.median(s[0] for s in run["steps"]))
+        if mode == "never":
+            size = engine.graphs.size_for(rows)
+            row["gpu_s"] = graph_seconds(engine.graphs, size)
+        else:
+            size = engine.stagger_graphs.size_for(rows)
+            row["gpu_s"] = graph_seconds(engine.stagger_graphs, size)
+            steps = max(len(run["steps"]), 1)
+            row["host_begin_s"] = sum(host["begin"][-steps:]) / steps
+            row["host_end_s"] = sum(host["end"][-steps:]) / steps
+            jobs = engine.stagger.executor
+            if jobs.job_seconds:
+                row["job_s"] = statistics.median(r for _, r in list(jobs.job_seconds)[-steps:])
+            if jobs.collect_seconds:
+                row["collect_s"] = statistics.median(list(jobs.collect_seconds)[-steps:])
+        row["graph_size"] = size
         engine.abort()
+        result["modes"][mode] = row
+        print(f"{mode:17}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" if k.endswith("_s") and v is not None else f"{k} {v}"
+                                         for k, v in row.items() if k != "tokens_per_s")
+              + f", {row['tokens_per_s']:.0f} tokens/s ({time.perf_counter() - begin:.0f} s)", flush=True)
         del apex, engine
+    stagger_module.AsyncJobs.launch = launch
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":
