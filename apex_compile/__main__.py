@@ -150,7 +150,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         tokens[event.index].append(event.token_id)
         if event.finish_reason is not None:
             i = event.index
-            answer = texts[i] if event.finish_reason == "stop" else tokenizer.decode(tokens[i], skip_special_tokens=True)
+            answer = (texts[i] if event.finish_reason == "stop"
+                      else tokenizer.decode(tokens[i], skip_special_tokens=True))
             print(f"\n[{i}] {prompts[i]}\n    -> {answer.strip()}\n    ({len(tokens[i])} tokens, "
                   f"{event.finish_reason}, {time.perf_counter() - start:.1f}s)", flush=True)
     apex_seconds = time.perf_counter() - start

@@ -80,7 +80,8 @@ def main():
         if mode == "staggered-no-job":  # the job is dropped: collect then hands out zeros
             stagger_module.AsyncJobs.launch = lambda self, key, job, inputs: launch(self, key, None, inputs)
         config = ApexConfig(offload="never" if mode == "never" else "staggered", stagger_width=args.width,
-                            gpu_cache_size=args.device_requests * per_request, cpu_cache_size=int(args.host_gib * 2**30),
+                            gpu_cache_size=args.device_requests * per_request,
+                            cpu_cache_size=int(args.host_gib * 2**30),
                             max_num_seqs=64, max_num_batched_tokens=2048,
                             max_model_len=args.prompt + args.new_tokens + 64)
         begin = time.perf_counter()
