@@ -122,6 +122,7 @@ def run_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seq
     steady state (a first, shorter run captures the graphs its step shapes need)."""
     offload, width = parse_mode(mode)
     config = ApexConfig(offload=offload, stagger_width=width, gpu_cache_size=device_bytes,
+                        cpu_attention_threads=args.cpu_threads,
                         cpu_cache_size=host_bytes, max_num_seqs=max_seqs, max_num_batched_tokens=2048,
                         max_model_len=len(prompts[0]) + new_tokens + 64)
     apex = optimize(model, config)
@@ -170,6 +171,8 @@ def main():
                         help="at most this many steps to fill the staggered pipeline before --warm-steps")
     parser.add_argument("--warm-steps", type=int, default=100, help="steps before the measured window")
     parser.add_argument("--window-steps", type=int, default=300)
+    parser.add_argument("--cpu-threads", type=int, default=None,
+                        help="cpu_attention_threads of the staggered plan's CPU worker (default: all cores but one)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():

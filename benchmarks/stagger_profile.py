@@ -63,6 +63,7 @@ def main():
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--window-steps", type=int, default=60)
+    parser.add_argument("--cpu-threads", type=int, default=None, help="cpu_attention_threads (default: all but one)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     shape = dict(SHAPES["llama3_8b"], num_hidden_layers=args.layers)
@@ -80,6 +81,7 @@ def main():
         if mode == "staggered-no-job":  # the job is dropped: collect then hands out zeros
             stagger_module.AsyncJobs.launch = lambda self, key, job, inputs: launch(self, key, None, inputs)
         config = ApexConfig(offload="never" if mode == "never" else "staggered", stagger_width=args.width,
+                            cpu_attention_threads=args.cpu_threads,
                             gpu_cache_size=args.device_requests * per_request,
                             cpu_cache_size=int(args.host_gib * 2**30),
                             max_num_seqs=64, max_num_batched_tokens=2048,
