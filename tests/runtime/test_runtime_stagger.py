@@ -60,6 +60,31 @@ def test_staggered_tokens_equal_hf_generate(kind, width):
     assert not apex.engine.stagger.members()
 
 
+def test_staggered_tokens_equal_hf_generate_with_a_full_pipeline(monkeypatch):
+    """Enough host requests that every group of a lane holds one: the CPU job then attends every layer's rows
+    without gathering them (the steady state of a long run)."""
+    from apex_compile.runtime import stagger as stagger_module
+
+    full_turns = []
+    original = stagger_module.host_attention
+
+    def recording(groups, query, *args):
+        full_turns.append(all(g.prefix == query.shape[1] for g in groups))
+        return original(groups, query, *args)
+
+    monkeypatch.setattr(stagger_module, "host_attention", recording)
+    torch.manual_seed(3)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4, 8, 6, 10, 5, 11, 4, 6, 9)]
+    reference = hf_tokens(model, prompts, 12)
+    apex = staggered(model, width=1)
+    assert apex.engine.stagger.capacity == 2 * (LAYERS + 1)
+    done = apex.engine.generate(prompts, SamplingParams(max_new_tokens=12))
+    assert [c.token_ids for c in done] == reference
+    assert sum(full_turns) >= 10 and not all(full_turns)  # both the whole-block and the gathered path ran
+    assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+
+
 class ImmediateEvent:
     def synchronize(self):
         pass
