@@ -79,7 +79,8 @@ def main():
     result = {"benchmark": "stagger_profile", "args": vars(args), "gpu": torch.cuda.get_device_name(), "modes": {}}
     for mode in ("never", "staggered", "staggered-no-job"):
         if mode == "staggered-no-job":  # the job is dropped: collect then hands out zeros
-            stagger_module.AsyncJobs.launch = lambda self, key, job, inputs: launch(self, key, None, inputs)
+            stagger_module.AsyncJobs.launch = lambda self, key, job, inputs, output: launch(self, key, None, inputs,
+                                                                                              output)
         config = ApexConfig(offload="never" if mode == "never" else "staggered", stagger_width=args.width,
                             cpu_attention_threads=args.cpu_threads,
                             gpu_cache_size=args.device_requests * per_request,

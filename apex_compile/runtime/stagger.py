@@ -101,9 +101,9 @@ class StaggerPipeline:
         # fixed-address device state the graphs read and write (the current lane's)
         self.residual = device_buffer(layers, width, hidden_size)
         self.positions = device_buffer(layers, width, dtype=torch.int64)
-        self.staged = [device_buffer(layers, width, num_heads, shape.head_dim),
-                       device_buffer(layers, width, shape.num_kv_heads, shape.head_dim),
-                       device_buffer(layers, width, shape.num_kv_heads, shape.head_dim)]
+        # the block's q, k, v heads side by side per row: one splice per layer in, one copy per step out
+        self.heads = (num_heads, shape.num_kv_heads, shape.num_kv_heads)
+        self.staged = device_buffer(layers, width, sum(self.heads), shape.head_dim)
         self.outputs = device_buffer(layers, width, num_heads, shape.head_dim)
         self.lane_residual = [torch.zeros_like(self.residual) for _ in range(LANES)]  # each lane's own rows
         # the block's RoPE cos / sin rows at every layer, gathered once per step (the graph only splices them in)
@@ -200,15 +200,16 @@ class StaggerPipeline:
         self.lane_residual[index].copy_(self.residual)
         lane = list(self.lanes[index])
         if not any(g.size for g in lane[:self.num_layers]):
-            self.executor.launch(index, None, self.staged)
+            self.executor.launch(index, None, [self.staged], self.outputs)
             return
         pool = self.kv.pools[HOST_POOL]
         groups = lane[:self.num_layers]
 
-        def job(query, key, value, out):
+        def job(staged, out):
+            query, key, value = staged.split(self.heads, dim=2)
             host_attention(groups, query, key, value, pool.key_caches, pool.value_caches, runner.stagger_scale, out)
 
-        self.executor.launch(index, job, self.staged)
+        self.executor.launch(index, job, [self.staged], self.outputs)
 
     def _group(self, requests: List[Optional[Request]]) -> StaggerGroup:
         """Group 0 of a lane's turn: each request attends its token at position num_computed (its last)."""
@@ -249,8 +250,7 @@ class StaggerPipeline:
                  out: torch.Tensor) -> None:
         """The attention op's block rows at `layer`: their q/k/v are staged for the CPU, and `out` gets the
         layer's outputs of the requests arriving from the attention (computed since the lane's last turn)."""
-        for buffer, rows in zip(self.staged, (query, key, value)):
-            buffer[layer].copy_(rows)
+        torch.cat([query, key, value], dim=1, out=self.staged[layer])
         out.copy_(self.outputs[layer])
 
     def swap_residual(self, layer: int, residual: torch.Tensor) -> torch.Tensor:
@@ -300,19 +300,19 @@ def host_attention(groups: List[StaggerGroup], query: torch.Tensor, key: torch.T
 
 class SyncJobs:
     """CPU-only run: a job runs when launched; its output is handed out by the next `collect` of its key.
-    A job is called as job(*inputs, out) and writes its rows of `out` (shaped like inputs[0])."""
+    A job is called as job(*inputs, out) and writes its rows of `out` (shaped like `output`)."""
 
     def __init__(self):
         self.results: Dict[int, Optional[torch.Tensor]] = {}
         self.buffers: Dict[int, torch.Tensor] = {}
 
-    def launch(self, key: int, job, inputs: List[torch.Tensor]) -> None:
+    def launch(self, key: int, job, inputs: List[torch.Tensor], output: torch.Tensor) -> None:
         if job is None:
             self.results[key] = None
             return
         out = self.buffers.get(key)
-        if out is None or out.shape != inputs[0].shape:
-            out = self.buffers[key] = torch.zeros_like(inputs[0])
+        if out is None or out.shape != output.shape:
+            out = self.buffers[key] = torch.zeros(output.shape, dtype=output.dtype)
         job(*inputs, out)
         self.results[key] = out
 
@@ -399,13 +399,15 @@ class AsyncJobs:
             buf = self.buffers[(name, key)] = torch.zeros(like.shape, dtype=like.dtype, pin_memory=self.pin_memory)
         return buf
 
-    def launch(self, key: int, job, inputs: List[torch.Tensor]) -> None:
+    def launch(self, key: int, job, inputs: List[torch.Tensor], output: torch.Tensor) -> None:
+        """Stages `inputs` and runs job(*staged, out) on the worker; out is pinned, shaped like `output` (the
+        device buffer the key's next `collect` fills)."""
         if job is None:
             self.pending[key] = None
             return
         staged = [self._buffer(f"in{i}", key, t) for i, t in enumerate(inputs)]
         copied = self.copies.stage(list(zip(staged, inputs)))
-        out_buf = self._buffer("out", key, inputs[0])
+        out_buf = self._buffer("out", key, output)
         guard = self.guards.get(key)
 
         def run():

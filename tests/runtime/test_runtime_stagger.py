@@ -242,7 +242,7 @@ def run_jobs(jobs, copies, steps):
         def job(q, k, v, out):
             out.copy_(q + 0.5)
 
-        jobs.launch(lane, job, [q, q.clone(), q.clone()])
+        jobs.launch(lane, job, [q, q.clone(), q.clone()], out)
     copies.flush()
     jobs.drain()
     return delivered
