@@ -163,7 +163,18 @@ class PagedAttentionRunner:
 
     def _host_rows_from_device(self, part: PoolPart, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
                                value: torch.Tensor, scale: float) -> torch.Tensor:
-        """Host-pool rows whose q/k/v are on the model's device: fresh chunks attend there, the rest on the CPU."""
+        """Host-pool rows whose q/k/v are on the model's device: fresh chunks attend there, the rest on the CPU.
+        When every row is a fresh prompt chunk only its K/V cross to the host (for the cache), not q or the
+        output."""
+        if part.paged_end == part.start:
+            out = torch.empty_like(query)
+            for begin, end in part.fresh:
+                begin, end = begin - part.start, end - part.start
+                out[begin:end] = prefill_attention(query[begin:end], key[begin:end], value[begin:end], scale)
+            pool = part.pool
+            self._append[HOST_POOL](key.cpu(), value.cpu(), pool.key_caches[layer_idx], pool.value_caches[layer_idx],
+                                    part.slot_mapping)
+            return out
         fresh_out = [(b - part.start, e - part.start,
                       prefill_attention(query[b - part.start:e - part.start], key[b - part.start:e - part.start],
                                         value[b - part.start:e - part.start], scale).cpu())

@@ -95,6 +95,29 @@ def test_attention_matches_float64_reference(mix, block_size):
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("mix", ["fresh_only", "everything"])
+def test_host_rows_from_the_model_device_match_reference_and_fill_the_cache(mix):
+    """The path of host-pool rows whose q/k/v sit on the GPU (run here on CPU tensors: the same code, the
+    copies to the host are no-ops): outputs equal the float64 reference and the host cache holds the chunk's
+    K/V as the pool's own path writes them."""
+    runner, ordered, history, new = build_step(11, MIXES[mix])
+    twin, *_ = build_step(11, MIXES[mix])
+    scale = D ** -0.5
+    for layer in range(LAYERS):
+        q, k, v = (t.float() for t in new[layer])
+        expected = reference(ordered, history, *new[layer], layer, scale)
+        for part, twin_part in zip(runner.parts, twin.parts):
+            if part.pool.index != HOST_POOL:
+                continue
+            rows = slice(part.start, part.end)
+            out = runner._host_rows_from_device(part, layer, q[rows], k[rows], v[rows], scale)
+            torch.testing.assert_close(out.double(), expected[rows], rtol=1e-5, atol=1e-5)
+            twin._run_part(twin_part, layer, q[rows], k[rows], v[rows], scale)
+    host, twin_host = runner.kv.pools[HOST_POOL], twin.kv.pools[HOST_POOL]
+    for mine, theirs in zip(host.key_caches + host.value_caches, twin_host.key_caches + twin_host.value_caches):
+        assert torch.equal(mine.nan_to_num(7.0), theirs.nan_to_num(7.0))
+
+
 def test_launch_device_wait_equals_attention():
     runner, ordered, history, new = build_step(7, MIXES["everything"])
     scale = 0.1
