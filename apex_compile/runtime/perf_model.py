@@ -274,8 +274,8 @@ class AutoOffload:
         lines = self.model.explain(gpu, cpu, context, plans=("never", "overlap"))
         choice = self.model.choose(gpu, staggered, context, ("never", "staggered"), self.stagger_groups)
         never = self.model.predict("never", gpu, 0, context)
-        lines.append(f"staggered plan (offload='staggered' only; auto leaves it out while its executor is "
-                     f"host-bound): {choice.cpu_requests} host row(s) per step "
+        lines.append(f"staggered plan (offload='staggered' only; auto leaves it out while its measured step "
+                     f"exceeds this model's, notes item 26): {choice.cpu_requests} host row(s) per step "
                      f"({choice.cpu_requests * self.stagger_groups} host requests in flight), model predicts "
                      f"{choice.tokens_per_s:.0f} vs {never.tokens_per_s:.0f} tokens/s GPU-only "
                      f"({choice.tokens_per_s / never.tokens_per_s - 1:+.1%})")
