@@ -1,7 +1,8 @@
 """The staggered plan's CPU job on this machine: append + decode attention of `width` rows at every layer of a
 Llama-3-8B-shaped host pool, one call per layer (as before) against one multi-layer call, on a worker thread
 pinned to all cores but the first (as the engine runs it) and on the main thread with every core; pinned
-(4 KiB pages) against unpinned (transparent huge pages) pools. Prints ms per job and GB/s of K+V read.
+(4 KiB pages) against unpinned (transparent huge pages) pools. Prints ms per job and GB/s of K+V read, and how
+much a step-like host workload on the launching thread slows while the job runs (contention).
 
     python benchmarks/cpu_job.py --widths 4,8 --context 640
 """
@@ -25,6 +26,49 @@ from apex_compile.ops import (  # noqa: E402
 from apex_compile.runtime.stagger import _pin_worker, worker_cores  # noqa: E402
 
 
+def host_work(rounds: int = 300) -> float:
+    """Seconds of a step-like host workload on this thread: small torch CPU ops and Python bookkeeping."""
+    x = torch.zeros(64, dtype=torch.int64)
+    start = time.perf_counter()
+    for i in range(rounds):
+        table = {j: [j] * 8 for j in range(32)}
+        y = (x + i).clamp_(0, 1000)
+        x.copy_(y[torch.arange(64) % 64])
+        sum(len(v) for v in table.values())
+    return time.perf_counter() - start
+
+
+def main_thread_slowdown(job, pinned: bool) -> dict:
+    """How much the launching thread's host work slows while the job runs back to back on the pinned worker
+    (cores, memory bandwidth and L3 shared), unpinned and pinned to the cores the worker leaves free."""
+    row = {"pinned": pinned, "what": "main-thread host work while the job runs"}
+    alone = min(host_work() for _ in range(5))
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    free = sorted(set(cores) - set(worker_cores())) if cores else []
+    for name, affinity in (("unpinned", None), ("pinned to the free cores", free or None)):
+        if affinity:
+            os.sched_setaffinity(0, affinity)
+        pool = concurrent.futures.ThreadPoolExecutor(1, initializer=_pin_worker, initargs=(worker_cores(),))
+        stop = []
+
+        def loop():
+            while not stop:
+                job()
+
+        future = pool.submit(loop)
+        time.sleep(0.05)
+        busy = min(host_work() for _ in range(5))
+        stop.append(True)
+        future.result()
+        pool.shutdown()
+        if cores:
+            os.sched_setaffinity(0, cores)
+        row[name] = busy / alone
+        print(f"pinned={pinned!s:5} main-thread host work with the job running, {name}: {busy / alone:.2f}x "
+              f"its time alone ({alone * 1e3:.1f} ms)", flush=True)
+    return row
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--widths", default="4,8")
@@ -44,7 +88,8 @@ def main():
             k.normal_()
             v.normal_()
         keys, values = [k for k, _ in caches], [v for _, v in caches]
-        for width in (int(w) for w in args.widths.split(",")):
+        widths = [int(w) for w in args.widths.split(",")]
+        for width in widths:
             per_row = -(-(args.context + 1) // bs)
             gen = torch.Generator().manual_seed(width)
             if width * per_row > blocks:
@@ -92,6 +137,8 @@ def main():
                           f"{read / best / 1e9:6.1f} GB/s", flush=True)
                 if where == "worker":
                     pool.shutdown()
+            if width == widths[0]:
+                results.append(main_thread_slowdown(multi, pinned))
         caches = keys = values = None  # the next pool replaces this one
     if args.out:
         with open(args.out, "w") as f:
