@@ -64,6 +64,7 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--window-steps", type=int, default=60)
     parser.add_argument("--cpu-threads", type=int, default=None, help="cpu_attention_threads (default: all but one)")
+    parser.add_argument("--modes", default="never,staggered,staggered-no-job")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     shape = dict(SHAPES["llama3_8b"], num_hidden_layers=args.layers)
@@ -77,7 +78,9 @@ def main():
     timed(stagger_module.StaggerPipeline, "end_step", host["end"])
     launch = stagger_module.AsyncJobs.launch
     result = {"benchmark": "stagger_profile", "args": vars(args), "gpu": torch.cuda.get_device_name(), "modes": {}}
-    for mode in ("never", "staggered", "staggered-no-job"):
+    for mode in args.modes.split(","):
+        if mode not in ("never", "staggered", "staggered-no-job"):
+            sys.exit(f"unknown mode {mode!r}: never, staggered, staggered-no-job")
         if mode == "staggered-no-job":  # the job is dropped: collect then hands out zeros
             stagger_module.AsyncJobs.launch = lambda self, key, job, inputs, output: launch(self, key, None, inputs,
                                                                                               output)
