@@ -67,6 +67,8 @@ def main():
     parser.add_argument("--modes", default="never,staggered,staggered-no-job")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("stagger_profile.py needs a CUDA GPU")
     shape = dict(SHAPES["llama3_8b"], num_hidden_layers=args.layers)
     torch.manual_seed(0)
     model = random_llama(shape)
