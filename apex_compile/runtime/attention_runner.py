@@ -42,6 +42,15 @@ def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return out[0].transpose(0, 1)
 
 
+def _attend_fresh(part: PoolPart, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                  out: torch.Tensor) -> None:
+    """Writes into `out` the causal attention of each fresh prompt chunk of `part` over its own K/V (the
+    tensors hold exactly the part's rows)."""
+    for begin, end in part.fresh:
+        begin, end = begin - part.start, end - part.start
+        out[begin:end] = prefill_attention(query[begin:end], key[begin:end], value[begin:end], scale)
+
+
 class PagedAttentionRunner:
     """Implements `apex_compile.runtime.context.AttentionRunner` over a `KVManager`'s two pools."""
 
@@ -121,9 +130,7 @@ class PagedAttentionRunner:
         out = torch.empty_like(query)
         if num_paged:
             out[:num_paged] = self._attend(part, layer_idx, query[:num_paged], scale)
-        for begin, end in part.fresh:
-            begin, end = begin - part.start, end - part.start
-            out[begin:end] = prefill_attention(query[begin:end], key[begin:end], value[begin:end], scale)
+        _attend_fresh(part, query, key, value, scale, out)
         return out
 
     def attention(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -168,9 +175,7 @@ class PagedAttentionRunner:
         output."""
         if part.paged_end == part.start:
             out = torch.empty_like(query)
-            for begin, end in part.fresh:
-                begin, end = begin - part.start, end - part.start
-                out[begin:end] = prefill_attention(query[begin:end], key[begin:end], value[begin:end], scale)
+            _attend_fresh(part, query, key, value, scale, out)
             pool = part.pool
             self._append[HOST_POOL](key.cpu(), value.cpu(), pool.key_caches[layer_idx], pool.value_caches[layer_idx],
                                     part.slot_mapping)

@@ -181,8 +181,7 @@ class StaggerPipeline:
         lane.insert(0, self._group(entering))
         if self._positions_copied is not None:
             self._positions_copied.synchronize()  # the pinned positions are not rewritten under their copy
-        for layer in range(self.num_layers):
-            self._positions_host[layer] = torch.from_numpy(lane[layer].positions)
+        np.stack([g.positions for g in lane[:self.num_layers]], out=self._positions_host.numpy())
         self.positions.copy_(self._positions_host, non_blocking=True)
         if self.device.type == "cuda":
             self._positions_copied = torch.cuda.Event()

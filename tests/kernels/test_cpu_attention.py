@@ -48,14 +48,6 @@ def isa(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture
-def threads():
-    """Restores torch's thread count after a test that changes it."""
-    saved = torch.get_num_threads()
-    yield
-    torch.set_num_threads(saved)
-
-
 class PagedCase:
     """Random K/V appended into NaN-poisoned caches through shuffled block tables, plus a random query."""
 

@@ -11,14 +11,6 @@ from apex_compile.ops import (
 from tests.kernels.test_cpu_attention import DTYPES, TOLERANCE, PagedCase
 
 
-@pytest.fixture
-def threads():
-    """Restores torch's thread count after a test that changes it."""
-    saved = torch.get_num_threads()
-    yield
-    torch.set_num_threads(saved)
-
-
 def cases(dtype, count=3, seed=0):
     """`count` independent paged cases of one geometry (same block count), as the layers of a host pool."""
     gen = torch.Generator().manual_seed(seed)
