@@ -33,12 +33,13 @@ from apex_compile.runtime.perf_profile import engine_profile  # noqa: E402
 GiB = 1 << 30
 
 
-def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps=0):
+def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps=0, probe=None):
     """Tokens/s over `window_steps` steps after `warm_steps`, the engine topped up from `prompts` (cycled) so
     requests always wait; with the staggered plan first up to `fill_steps` steps until its pipeline is full
     (a host request lives 2 * (layers + 1) steps per token, so the window would otherwise be its ramp).
     Returns {tokens_per_s, host_tokens, fill_steps, fill_s, steps: [(gpu rows, cpu rows, mean context,
-    seconds, prefill tokens)] of the window, prefill: [(seconds, prefill tokens)] of every step outside it}."""
+    seconds, prefill tokens)] of the window, prefill: [(seconds, prefill tokens)] of every step outside it}.
+    probe(one_step), when given, runs after the window with the engine still full (its result under "probe")."""
     stagger = engine.stagger
     supplied = 0
     scheduled = []
@@ -87,10 +88,12 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
         host_tokens += host
     seconds = time.perf_counter() - begin
     generated = engine.stats.generated_tokens - tokens
+    probed = probe(lambda: one_step()[0]) if probe is not None else None
     engine.abort()
     engine._schedule = schedule
     return {"tokens_per_s": generated / seconds, "window_s": seconds, "tokens": generated,
-            "host_tokens": host_tokens, "fill_steps": filled, "fill_s": fill_s, "steps": steps, "prefill": prefill}
+            "host_tokens": host_tokens, "fill_steps": filled, "fill_s": fill_s, "steps": steps, "prefill": prefill,
+            "probe": probed}
 
 
 def amortized(run, prompt_len, new_tokens):

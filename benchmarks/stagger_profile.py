@@ -7,7 +7,8 @@ shape, cut to --layers layers; random weights). At steady state (pipeline full) 
 - host: the main thread's time in the staggered pipeline's `begin_step` / `end_step` per step;
 - no-job: the staggered step with the CPU job replaced by nothing (outputs zero, tokens meaningless): what the
   job costs the step beyond its own time (contention for cores, memory, the GIL);
-- job / collect: the CPU job's run time and the main thread's wait for it.
+- job / collect: the CPU job's run time and the main thread's wait for it;
+- with --trace N: a torch.profiler trace of N steps after the window, its top GPU kernels and host ops per step.
 
     python benchmarks/stagger_profile.py --layers 32 --width 4
 """
@@ -40,6 +41,29 @@ def graph_seconds(graphs, size: int, repeats: int = 30) -> float:
     return statistics.median(times)
 
 
+def trace(steps: int, top: int = 12):
+    """A probe for steady_state: profiles `steps` engine steps; returns per step the top GPU kernels and host
+    ops by time, [(name, microseconds per step, calls per step)] each."""
+
+    def probe(one_step):
+        from torch.profiler import ProfilerActivity, profile
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                one_step()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+
+        def rows(key):
+            ranked = sorted((e for e in events if getattr(e, key) > 0), key=lambda e: -getattr(e, key))[:top]
+            return [(e.key[:70], getattr(e, key) / steps, e.count / steps) for e in ranked]
+
+        device_key = next(k for k in ("self_device_time_total", "self_cuda_time_total") if hasattr(events[0], k))
+        return {"gpu": rows(device_key), "host": rows("self_cpu_time_total")}
+
+    return probe
+
+
 def timed(cls, name, store):
     """Wraps cls.name to append its wall seconds to `store`."""
     original = getattr(cls, name)
@@ -65,6 +89,7 @@ def main():
     parser.add_argument("--window-steps", type=int, default=60)
     parser.add_argument("--cpu-threads", type=int, default=None, help="cpu_attention_threads (default: all but one)")
     parser.add_argument("--modes", default="never,staggered,staggered-no-job")
+    parser.add_argument("--trace", type=int, default=0, help="profile this many steps after the window")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -98,7 +123,16 @@ def main():
         engine.warmup()
         for store in host.values():
             store.clear()
-        run = steady_state(engine, prompts, sampling, 20, args.window_steps, fill_steps=600)
+        window = {}
+
+        def probe(one_step, engine=engine):  # the window's host timings kept before the traced steps add theirs
+            window.update({k: list(v) for k, v in host.items()})
+            jobs = getattr(engine.stagger, "executor", None)
+            window["job"] = list(getattr(jobs, "job_seconds", []))
+            window["collect"] = list(getattr(jobs, "collect_seconds", []))
+            return trace(args.trace)(one_step) if args.trace else None
+
+        run = steady_state(engine, prompts, sampling, 20, args.window_steps, fill_steps=600, probe=probe)
         decode = [s[3] for s in run["steps"] if not s[4]]
         row = {"tokens_per_s": run["tokens_per_s"], "step_s": statistics.median(decode) if decode else None,
                "fill_steps": run["fill_steps"], "decode_steps": len(decode)}
@@ -110,16 +144,19 @@ def main():
             size = engine.stagger_graphs.size_for(rows)
             row["gpu_s"] = graph_seconds(engine.stagger_graphs, size)
             steps = max(len(run["steps"]), 1)
-            row["host_begin_s"] = sum(host["begin"][-steps:]) / steps
-            row["host_end_s"] = sum(host["end"][-steps:]) / steps
-            jobs = engine.stagger.executor
-            if jobs.job_seconds:
-                row["job_s"] = statistics.median(r for _, r in list(jobs.job_seconds)[-steps:])
-            if jobs.collect_seconds:
-                row["collect_s"] = statistics.median(list(jobs.collect_seconds)[-steps:])
+            row["host_begin_s"] = sum(window["begin"][-steps:]) / steps
+            row["host_end_s"] = sum(window["end"][-steps:]) / steps
+            if window["job"]:
+                row["job_s"] = statistics.median(r for _, r in window["job"][-steps:])
+            if window["collect"]:
+                row["collect_s"] = statistics.median(window["collect"][-steps:])
         row["graph_size"] = size
         engine.abort()
         result["modes"][mode] = row
+        if run["probe"]:
+            row["trace"] = run["probe"]
+            for side, ranked in run["probe"].items():
+                print(f"  {mode} top {side} per step: " + "; ".join(f"{n} {us:.0f} us x{c:g}" for n, us, c in ranked))
         print(f"{mode:17}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" if k.endswith("_s") and v is not None else f"{k} {v}"
                                          for k, v in row.items() if k != "tokens_per_s")
               + f", {row['tokens_per_s']:.0f} tokens/s ({time.perf_counter() - begin:.0f} s)", flush=True)
