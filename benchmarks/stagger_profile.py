@@ -121,6 +121,7 @@ def main():
         apex = optimize(model, config)
         engine = apex.engine
         engine.warmup()
+        print(f"{mode}: warm-up done at {time.perf_counter() - begin:.0f} s", flush=True)
         for store in host.values():
             store.clear()
         window = {}
@@ -133,6 +134,8 @@ def main():
             return trace(args.trace)(one_step) if args.trace else None
 
         run = steady_state(engine, prompts, sampling, 20, args.window_steps, fill_steps=600, probe=probe)
+        print(f"{mode}: {run['fill_steps']} fill steps in {run['fill_s']:.1f} s, window done at "
+              f"{time.perf_counter() - begin:.0f} s", flush=True)
         decode = [s[3] for s in run["steps"] if not s[4]]
         row = {"tokens_per_s": run["tokens_per_s"], "step_s": statistics.median(decode) if decode else None,
                "fill_steps": run["fill_steps"], "decode_steps": len(decode)}
