@@ -80,7 +80,8 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     for _ in range(warm_steps):
         step, _ = one_step()
         prefill.append((step[3], step[4]))
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     begin, tokens, host_tokens, steps = time.perf_counter(), engine.stats.generated_tokens, 0, []
     for _ in range(window_steps):
         step, host = one_step()

@@ -472,7 +472,8 @@ class Engine:
     def _forward_staggered(self, chunks: List[ScheduledChunk], logit_rows: List[int]) -> torch.Tensor:
         """`_forward_chunks` of a step led by the staggered block: a whole-step graph when the device rows all
         decode, else the staggered graph in pieces or (without CUDA graphs, above their sizes) as compiled.
-        The block's host work is done before (`begin_step`) and after (`end_step`) the forward."""
+        The block's host work is done after the forward is queued: `end_step` (this step's q/k/v to the CPU),
+        then the next step's `begin_step`; only `collect` (the CPU's outputs to the device) comes before it."""
         stagger = self.stagger
         width = stagger.width
         num_tokens = width + sum(c.num_tokens for c in chunks)
@@ -496,17 +497,23 @@ class Engine:
         self.buffers.ids[:width] = stagger.input_ids()
         self.buffers.positions[:width] = stagger.groups[0].positions
         self.buffers.copy_to_device()
+        stagger.collect()
         start = time.perf_counter()
         self.runner.set_parts(parts, num_rows, width)
         if size is not None:
-            logits = self.stagger_graphs.replay(size)[torch.tensor(logit_rows, dtype=torch.long,
-                                                                    device=self.device)]
+            logits = self.stagger_graphs.replay(size)
+            if logit_rows == list(range(len(logit_rows))):  # a slice: no index copied to the device
+                logits = logits[:len(logit_rows)]
+            else:
+                logits = logits[torch.tensor(logit_rows, dtype=torch.long, device=self.device)]
         elif key is not None:
             with torch.inference_mode():
                 logits = pieces.replay(key, self.runner)[:num_logits]
         else:
             logits = self._run_model(parts, num_rows, len(padded_rows), stagger_rows=width)[:num_logits]
         stagger.end_step(self.runner)
+        if stagger.members():  # the next step's pipeline host work, while the GPU runs this one
+            stagger.begin_step()
         self.stats.forward_seconds += time.perf_counter() - start
         self.stats.steps += 1
         for chunk in chunks:
@@ -552,8 +559,9 @@ class Engine:
 
     def step(self) -> List[Request]:
         """Runs one forward step; returns the requests that got a new token (in scheduling order)."""
-        if self.stagger is not None and self.stagger.members():
-            self.stagger.begin_step()
+        stagger = self.stagger
+        if stagger is not None and stagger.members() and not (stagger.begun and stagger.active):
+            stagger.begin_step()  # else begun by the step before, while the GPU ran it
         chunks = self._schedule()
         captured = self.pieces.capture_seconds if self.pieces is not None else 0.0
         start = time.perf_counter()

@@ -92,6 +92,7 @@ class StaggerPipeline:
         self.joining: Deque[Request] = collections.deque()
         self.rope = rope
         self.steps = 0
+        self.begun = False  # begin_step ran for a step whose end_step has not
         on_cuda = device.type == "cuda"
         layers = self.num_layers
 
@@ -161,17 +162,25 @@ class StaggerPipeline:
         return removed
 
     def finish(self, request: Request) -> None:
-        """The last group's request is done: its row is free from the lane's next turn on."""
-        last = self.groups[-1].requests
-        last[last.index(request)] = None
+        """A last group's request is done: its row is free from the lane's next turn on (either lane: the next
+        step may be begun before this step's tokens are sampled)."""
+        for lane in self.lanes:
+            last = lane[-1].requests
+            for row, r in enumerate(last):
+                if r is request:
+                    last[row] = None
+                    return
+        raise ValueError(f"request {request.request_id} is not in a last group of the staggered pipeline")
 
     # ------------------------------------------------------------------------------------------------
     # a step: begin (host to device), the forward, end (device to host, CPU job)
 
     def begin_step(self) -> None:
-        """Before a step: the next lane's groups shift by one (the last re-enters as group 0, free rows of
-        group 0 take joining requests); its positions, residual rows and the attention outputs its CPU job
-        computed during the step before go to the fixed device buffers."""
+        """Before a step (the engine calls it while the GPU still runs the step before, after its `end_step`):
+        the next lane's groups shift by one (the last re-enters as group 0, free rows of group 0 take joining
+        requests); its positions and residual rows go to the fixed device buffers, queued behind the running
+        step. `collect` then brings the attention outputs of its CPU job."""
+        self.begun = True
         self.steps += 1
         lane = self.lanes[self.steps % LANES]
         entering = lane.pop().requests
@@ -190,11 +199,16 @@ class StaggerPipeline:
         for table, rows in zip(self.rope, self.rope_rows):
             torch.index_select(table, 0, flat_positions, out=rows.view(-1, rows.shape[-1]))
         self.residual.copy_(self.lane_residual[self.steps % LANES])
+
+    def collect(self) -> None:
+        """Just before a begun step's forward: the attention outputs its lane's CPU job computed during the step
+        before go to the device (waiting for the job only here, where the GPU would wait for it)."""
         self.executor.collect(self.steps % LANES, self.outputs)
 
     def end_step(self, runner) -> None:
         """After the step's forward: the lane keeps its residual rows, and its staged q/k/v of every layer go
         to the CPU worker, which appends and attends them (done before the lane's next turn)."""
+        self.begun = False
         index = self.steps % LANES
         self.lane_residual[index].copy_(self.residual)
         lane = list(self.lanes[index])
