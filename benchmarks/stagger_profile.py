@@ -13,6 +13,7 @@ shape, cut to --layers layers; random weights). At steady state (pipeline full) 
     python benchmarks/stagger_profile.py --layers 32 --width 4
 """
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -164,6 +165,8 @@ def main():
                                          for k, v in row.items() if k != "tokens_per_s")
               + f", {row['tokens_per_s']:.0f} tokens/s ({time.perf_counter() - begin:.0f} s)", flush=True)
         del apex, engine
+        gc.collect()  # the engine's cycles hold its pools: the next mode's pinned host pool would come on top
+        torch.cuda.empty_cache()
     stagger_module.AsyncJobs.launch = launch
     write_json(args.out, result)
 

@@ -17,6 +17,7 @@ double-buffered staging; CUDA events order copies against the compute stream), s
 device-pool attention. On a CPU-only machine both pools are host memory and everything runs synchronously.
 """
 import concurrent.futures
+import os
 from typing import List, Optional, Sequence
 
 import torch
@@ -73,6 +74,8 @@ class PagedAttentionRunner:
         self.num_rows = 0
         self._whole_paged: Optional[PoolPart] = None  # set when one pool's paged rows are the whole step
         self._async = _HostOffload(device) if device.type == "cuda" else None
+        # fresh host-pool chunks' K/V on their way to the host cache (in the background: `exports.wait`)
+        self.exports = KVExports(cache_append_cpu, background=device.type == "cuda")
         self._stash: dict = {}  # layer -> host rows' output (synchronous offload on a CPU-only machine)
         self.stagger = None  # the staggered plan's StaggerPipeline (its block: the step's first stagger_rows rows)
         self.stagger_rows = 0
@@ -173,13 +176,14 @@ class PagedAttentionRunner:
         """Host-pool rows whose q/k/v are on the model's device: fresh chunks attend there, the rest on the CPU.
         When every row is a fresh prompt chunk only its K/V cross to the host (for the cache), not q or the
         output."""
+        pool = part.pool
         if part.paged_end == part.start:
             out = torch.empty_like(query)
             _attend_fresh(part, query, key, value, scale, out)
-            pool = part.pool
-            self._append[HOST_POOL](key.cpu(), value.cpu(), pool.key_caches[layer_idx], pool.value_caches[layer_idx],
-                                    part.slot_mapping)
+            self.exports.submit(key, value, pool.key_caches[layer_idx], pool.value_caches[layer_idx],
+                                part.slot_mapping)
             return out
+        self.exports.wait()  # the paged rows read the host cache: earlier exports land first
         fresh_out = [(b - part.start, e - part.start,
                       prefill_attention(query[b - part.start:e - part.start], key[b - part.start:e - part.start],
                                         value[b - part.start:e - part.start], scale).cpu())
@@ -207,6 +211,7 @@ class PagedAttentionRunner:
         part = self.host_part
         if part is None:
             return query.new_zeros(1)
+        self.exports.wait()  # the host job reads and writes the host cache after earlier exports
         rows = slice(part.start, part.end)
         if self._async is None:
             self._stash[layer_idx] = self._run_part(part, layer_idx, query[rows], key[rows], value[rows], scale)
@@ -238,6 +243,58 @@ class PagedAttentionRunner:
         else:
             self._async.wait(layer_idx, out[rows])
         return out
+
+
+class KVExports:
+    """K/V of fresh host-pool prompt chunks computed on the GPU, appended to the host cache without stopping
+    the step: each layer's K/V are copied into pinned memory on the compute stream (ordered before whatever
+    reuses their memory), and one worker thread appends them after that copy's event, in submission order.
+    Whatever reads or writes the host cache, or frees its blocks, calls `wait` first. With background=False
+    (a CPU-only run) the append happens at once."""
+
+    def __init__(self, append, background: bool):
+        self.append = append
+        # a few OpenMP threads: the appends are copies, and the staggered plan's CPU job needs the cores
+        self.worker = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="apex-kv-export",
+                                                             initializer=torch.set_num_threads,
+                                                             initargs=(min(4, os.cpu_count() or 1),))
+                       if background else None)
+        self.pending: List[concurrent.futures.Future] = []
+
+    def submit(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               slots: torch.Tensor) -> None:
+        """Queues the append of key/value [n, Hkv, D] at `slots` (read now: the step's buffers are reused)."""
+        if self.worker is None:
+            self.append(key.cpu(), value.cpu(), key_cache, value_cache, slots)
+            return
+        on_cuda = key.is_cuda
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=on_cuda) for t in (key, value)]
+        for dst, src in zip(host, (key, value)):
+            dst.copy_(src, non_blocking=on_cuda)
+        copied = None
+        if on_cuda:
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(key.device))
+        slots = slots.to("cpu", copy=True)
+
+        def run():
+            if copied is not None:
+                copied.synchronize()
+            with torch.inference_mode():
+                self.append(host[0], host[1], key_cache, value_cache, slots)
+
+        self.pending.append(self.worker.submit(run))
+
+    def queued(self) -> List[concurrent.futures.Future]:
+        """The exports not yet done, for another thread to wait on (`wait` is the launching thread's)."""
+        self.pending = [f for f in self.pending if not f.done()]
+        return list(self.pending)
+
+    def wait(self) -> None:
+        """Returns when every queued export is in the host cache (raising the first error of one)."""
+        pending, self.pending = self.pending, []
+        for future in pending:
+            future.result()
 
 
 class _HostOffload:

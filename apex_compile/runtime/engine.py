@@ -364,6 +364,8 @@ class Engine:
 
     def _schedule(self) -> List[ScheduledChunk]:
         """The scheduler's next chunks in the runner's token order."""
+        if self.stagger is None:  # host blocks a swap or move touches hold their exported K/V first
+            self.runner.exports.wait()
         plan = self.scheduler.schedule()
         if not plan.chunks and not (self.stagger is not None and self.stagger.active):
             raise RuntimeError("scheduler found nothing to run although requests are pending")
@@ -630,6 +632,7 @@ class Engine:
                     if chunk.samples:
                         self.scheduler.finish(chunk.request, "length")
         finally:
+            self.runner.exports.wait()
             self.scheduler.abort(r.request_id for r in requests)
         return [torch.cat([piece for _, piece in sorted(pieces[r.request_id].items())]) for r in requests]
 
@@ -660,6 +663,7 @@ class Engine:
     def abort(self, request_ids: Optional[Sequence[int]] = None) -> int:
         """Cancels the unfinished requests with these ids (every one when None), returning their blocks; an
         open stream over them then ends. Returns how many were cancelled."""
+        self.runner.exports.wait()  # no export lands in a freed block
         dropped = self.scheduler.abort(request_ids)
         for request in dropped:
             self.sampler.forget(request.request_id)

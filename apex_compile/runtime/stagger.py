@@ -218,7 +218,11 @@ class StaggerPipeline:
         pool = self.kv.pools[HOST_POOL]
         groups = lane[:self.num_layers]
 
+        exports = runner.exports.queued()  # prompt K/V still on their way into the host cache
+
         def job(staged, out):
+            for export in exports:
+                export.result()
             query, key, value = staged.split(self.heads, dim=2)
             host_attention(groups, query, key, value, pool.key_caches, pool.value_caches, runner.stagger_scale, out)
 

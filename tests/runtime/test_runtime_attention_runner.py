@@ -2,12 +2,13 @@
 in both pools in one step; the synchronous and the launch/device/wait forms agree; the runner only reads cache
 slots that were written (caches start as NaN)."""
 import random
+import time
 
 import pytest
 import torch
 
 from apex_compile.ops import cache_append_cpu
-from apex_compile.runtime.attention_runner import PagedAttentionRunner, order_chunks
+from apex_compile.runtime.attention_runner import KVExports, PagedAttentionRunner, order_chunks
 from apex_compile.runtime.context import attention_runner, get_attention_runner
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, CacheShape, KVManager
 from apex_compile.runtime.request import Request, SamplingParams
@@ -95,12 +96,23 @@ def test_attention_matches_float64_reference(mix, block_size):
                                    rtol=1e-5, atol=1e-5)
 
 
+def slow_append(seconds):
+    def append(*args):
+        time.sleep(seconds)
+        cache_append_cpu(*args)
+    return append
+
+
+@pytest.mark.parametrize("background", [False, True])
 @pytest.mark.parametrize("mix", ["fresh_only", "everything"])
-def test_host_rows_from_the_model_device_match_reference_and_fill_the_cache(mix):
+def test_host_rows_from_the_model_device_match_reference_and_fill_the_cache(mix, background):
     """The path of host-pool rows whose q/k/v sit on the GPU (run here on CPU tensors: the same code, the
     copies to the host are no-ops): outputs equal the float64 reference and the host cache holds the chunk's
-    K/V as the pool's own path writes them."""
+    K/V as the pool's own path writes them (fresh chunks' K/V exported by a worker when `background`, as on
+    CUDA, slowed down so that reading the cache before `exports.wait` would find it unwritten)."""
     runner, ordered, history, new = build_step(11, MIXES[mix])
+    if background:
+        runner.exports = KVExports(slow_append(0.05), background=True)
     twin, *_ = build_step(11, MIXES[mix])
     scale = D ** -0.5
     for layer in range(LAYERS):
@@ -113,9 +125,57 @@ def test_host_rows_from_the_model_device_match_reference_and_fill_the_cache(mix)
             out = runner._host_rows_from_device(part, layer, q[rows], k[rows], v[rows], scale)
             torch.testing.assert_close(out.double(), expected[rows], rtol=1e-5, atol=1e-5)
             twin._run_part(twin_part, layer, q[rows], k[rows], v[rows], scale)
+    runner.exports.wait()
     host, twin_host = runner.kv.pools[HOST_POOL], twin.kv.pools[HOST_POOL]
     for mine, theirs in zip(host.key_caches + host.value_caches, twin_host.key_caches + twin_host.value_caches):
         assert torch.equal(mine.nan_to_num(7.0), theirs.nan_to_num(7.0))
+
+
+def test_paged_host_rows_read_the_cache_only_after_pending_exports():
+    """A continued prompt chunk reads the host cache that an earlier fresh chunk's export fills: with the
+    prior context still on its way (a slow background export), the paged rows wait for it (without the wait
+    they would read the NaN the caches start with)."""
+    runner, ordered, history, new = build_step(13, [(HOST_POOL, 20, 5), (HOST_POOL, 33, 1)])
+    kv, host = runner.kv, runner.kv.pools[HOST_POOL]
+    for cache in host.key_caches + host.value_caches:
+        cache.fill_(float("nan"))
+    runner.exports = KVExports(slow_append(0.1), background=True)
+    bs = kv.block_size
+    for chunk in ordered:
+        blocks = kv.tables[chunk.request.request_id].block_ids
+        slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(chunk.start)])
+        for layer in range(LAYERS):
+            k, v = history[chunk.request.request_id][layer]
+            runner.exports.submit(k.float(), v.float(), host.key_caches[layer], host.value_caches[layer], slots)
+    assert runner.exports.queued()
+    part = runner.host_part
+    for layer in range(LAYERS):
+        q, k, v = (t.float() for t in new[layer])
+        out = runner._host_rows_from_device(part, layer, q, k, v, 0.2)
+        torch.testing.assert_close(out.double(), reference(ordered, history, *new[layer], layer, 0.2),
+                                   rtol=1e-5, atol=1e-5)
+    assert not runner.exports.queued()
+
+
+def test_exports_keep_their_order_and_report_errors():
+    shape = (3, HKV, D)
+    cache = torch.zeros(4, HKV, 16, D), torch.zeros(4, HKV, 16, D)
+    exports = KVExports(slow_append(0.02), background=True)
+    slots = torch.tensor([0, 1, 2])
+    first, second = torch.ones(shape), torch.full(shape, 2.0)
+    exports.submit(first, first, *cache, slots)
+    exports.submit(second, second, *cache, slots)  # the same slots: the later export must win
+    slots.fill_(5)  # the caller's slot buffer is reused at once: the export keeps what it was given
+    second.fill_(9.0)
+    exports.wait()
+    written = KVExports(cache_append_cpu, background=False)
+    expected = torch.zeros(4, HKV, 16, D), torch.zeros(4, HKV, 16, D)
+    written.submit(torch.full(shape, 2.0), torch.full(shape, 2.0), *expected, torch.tensor([0, 1, 2]))
+    assert torch.equal(cache[0], expected[0]) and torch.equal(cache[1], expected[1])
+    exports.submit(first, first, *cache, torch.tensor([0, 1, 99999]))  # a slot past the cache
+    with pytest.raises(Exception):
+        exports.wait()
+    assert not exports.queued()
 
 
 def test_launch_device_wait_equals_attention():
