@@ -72,7 +72,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
 
     begin = time.perf_counter()
     filled, prefill = 0, []
-    while stagger is not None and filled < fill_steps and len(stagger.members()) < stagger.capacity:
+    while stagger is not None and filled < fill_steps and stagger.num_members < stagger.capacity:
         step, _ = one_step()
         prefill.append((step[3], step[4]))
         filled += 1

@@ -514,7 +514,7 @@ class Engine:
         else:
             logits = self._run_model(parts, num_rows, len(padded_rows), stagger_rows=width)[:num_logits]
         stagger.end_step(self.runner)
-        if stagger.members():  # the next step's pipeline host work, while the GPU runs this one
+        if stagger.num_members:  # the next step's pipeline host work, while the GPU runs this one
             stagger.begin_step()
         self.stats.forward_seconds += time.perf_counter() - start
         self.stats.steps += 1
@@ -562,7 +562,7 @@ class Engine:
     def step(self) -> List[Request]:
         """Runs one forward step; returns the requests that got a new token (in scheduling order)."""
         stagger = self.stagger
-        if stagger is not None and stagger.members() and not (stagger.begun and stagger.active):
+        if stagger is not None and stagger.num_members and not (stagger.begun and stagger.active):
             stagger.begin_step()  # else begun by the step before, while the GPU ran it
         chunks = self._schedule()
         captured = self.pieces.capture_seconds if self.pieces is not None else 0.0

@@ -108,7 +108,7 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting, running, parked or in the staggered pipeline."""
-        return bool(self.waiting or self.running or self.parked or (self.stagger and self.stagger.members()))
+        return bool(self.waiting or self.running or self.parked or (self.stagger and self.stagger.num_members))
 
     def to_pipeline(self, request: Request) -> None:
         """A host-pool request finished its prefill: it decodes in the staggered pipeline from now on."""
@@ -279,7 +279,7 @@ class Scheduler:
         if HOST_POOL not in fitting:
             return None
         prefilling = sum(1 for r in self.running if self.kv.pool_of(r.request_id) == HOST_POOL)
-        if len(self.stagger.members()) + prefilling >= self.stagger.capacity:
+        if self.stagger.num_members + prefilling >= self.stagger.capacity:
             return None
         if self.kv.grow(request.request_id, HOST_POOL, self.max_tokens(request)):
             return HOST_POOL

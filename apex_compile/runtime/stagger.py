@@ -90,6 +90,7 @@ class StaggerPipeline:
         self.lanes: List[List[StaggerGroup]] = [[self._group([None] * width) for _ in range(self.num_layers + 1)]
                                                 for _ in range(LANES)]
         self.joining: Deque[Request] = collections.deque()
+        self.inside = 0  # requests in the groups of both lanes (kept by begin_step, finish, remove)
         self.rope = rope
         self.steps = 0
         self.begun = False  # begin_step ran for a step whose end_step has not
@@ -134,9 +135,14 @@ class StaggerPipeline:
         return self._inside() + list(self.joining)
 
     @property
+    def num_members(self) -> int:
+        """len(members()), without walking the groups (asked several times per step)."""
+        return self.inside + len(self.joining)
+
+    @property
     def active(self) -> bool:
         """Whether a group holds a request (then every step runs the staggered block)."""
-        return bool(self._inside())
+        return self.inside > 0
 
     def join(self, request: Request) -> None:
         """Queues a host-pool request whose prefill is done (its last token not yet computed)."""
@@ -159,6 +165,7 @@ class StaggerPipeline:
                         if r is not None and r.request_id in ids:
                             removed.append(r)
                             group.requests[row] = None
+                            self.inside -= 1
         return removed
 
     def finish(self, request: Request) -> None:
@@ -169,6 +176,7 @@ class StaggerPipeline:
             for row, r in enumerate(last):
                 if r is request:
                     last[row] = None
+                    self.inside -= 1
                     return
         raise ValueError(f"request {request.request_id} is not in a last group of the staggered pipeline")
 
@@ -187,6 +195,7 @@ class StaggerPipeline:
         for row in range(self.width):
             if entering[row] is None and self.joining:
                 entering[row] = self.joining.popleft()
+                self.inside += 1
         lane.insert(0, self._group(entering))
         if self._positions_copied is not None:
             self._positions_copied.synchronize()  # the pinned positions are not rewritten under their copy
@@ -257,7 +266,12 @@ class StaggerPipeline:
         """The token each row of the current lane's group 0 embeds (0 for a free row)."""
         out = []
         for r in self.groups[0].requests:
-            out.append(0 if r is None else (r.prompt_token_ids + r.output_token_ids)[r.num_computed])
+            if r is None:
+                out.append(0)
+            else:
+                prompt = len(r.prompt_token_ids)
+                at = r.num_computed
+                out.append(r.prompt_token_ids[at] if at < prompt else r.output_token_ids[at - prompt])
         return out
 
     # ------------------------------------------------------------------------------------------------

@@ -124,8 +124,11 @@ def test_closing_a_stream_midway_drops_pipeline_requests():
     prompts = [torch.randint(3, 96, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4)]
     stream = apex.engine.stream(prompts, SamplingParams(max_new_tokens=30))
     events = [next(stream) for _ in range(40)]
-    assert apex.engine.stagger.active  # requests are in flight in the pipeline
+    stagger = apex.engine.stagger
+    assert stagger.active  # requests are in flight in the pipeline
+    assert stagger.num_members == len(stagger.members()) > 0  # the kept count equals the groups' contents
     stream.close()
+    assert stagger.num_members == 0 and not stagger.active
     assert len(events) == 40
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
     assert not apex.engine.stagger.members() and not apex.engine.has_unfinished()
@@ -146,8 +149,9 @@ def test_pipeline_returns_a_request_after_every_layer():
     (request,) = engine.stagger.joining
     for _ in range(2 * LAYERS):
         assert engine.step() == [] and request in engine.stagger.members()
+        assert engine.stagger.num_members == 1 and engine.stagger.active
     assert engine.step() == [request] and request.is_finished and len(request.output_token_ids) == 2
-    assert not engine.has_unfinished()
+    assert not engine.has_unfinished() and engine.stagger.num_members == 0 and not engine.stagger.active
 
 
 def test_config_checks():
