@@ -160,12 +160,14 @@ class StaggerPipeline:
         if any(r.request_id in ids for r in self._inside()):
             self.executor.drain()
             for lane in self.lanes:
-                for group in lane:
-                    for row, r in enumerate(group.requests):
-                        if r is not None and r.request_id in ids:
-                            removed.append(r)
-                            group.requests[row] = None
-                            self.inside -= 1
+                for index, group in enumerate(lane):
+                    hits = [row for row, r in enumerate(group.requests) if r is not None and r.request_id in ids]
+                    for row in hits:
+                        removed.append(group.requests[row])
+                        group.requests[row] = None
+                    if hits:  # its CPU metadata rebuilt too: no later job appends into the freed blocks
+                        self.inside -= len(hits)
+                        lane[index] = self._group(group.requests)
         return removed
 
     def finish(self, request: Request) -> None:

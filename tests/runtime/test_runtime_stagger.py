@@ -138,6 +138,54 @@ def test_closing_a_stream_midway_drops_pipeline_requests():
         hf_tokens(model, prompts[:3], 6)
 
 
+def test_aborting_one_pipeline_request_writes_nothing_into_its_freed_blocks(monkeypatch):
+    """A request cancelled halfway through the layers: its blocks go back to the pool, no later CPU job appends
+    into them (its group's metadata is rebuilt), and the others' tokens stay HF's."""
+    from apex_compile.runtime import stagger as stagger_module
+
+    torch.manual_seed(4)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4)]
+    reference = hf_tokens(model, prompts, 10)
+    apex = staggered(model, width=2)
+    engine = apex.engine
+    requests = [engine.add_request(p, SamplingParams(max_new_tokens=10)) for p in prompts]
+    stagger = engine.stagger
+
+    def middle_member():
+        for lane in stagger.lanes:
+            for group in lane[1:-1]:
+                for r in group.requests:
+                    if r is not None:
+                        return r
+        return None
+
+    for _ in range(200):
+        engine.step()
+        victim = middle_member()
+        if victim is not None and not engine.scheduler.waiting:
+            break
+    assert victim is not None and not engine.scheduler.waiting
+    bs = engine.kv.block_size
+    freed = set(engine.kv.tables[victim.request_id].block_ids)
+    written = []
+    original = stagger_module.cache_append_cpu_multi
+
+    def recording(key, value, key_caches, value_caches, cache_index, slots):
+        written.extend(int(s) // bs for s in slots)
+        return original(key, value, key_caches, value_caches, cache_index, slots)
+
+    monkeypatch.setattr(stagger_module, "cache_append_cpu_multi", recording)
+    assert engine.abort([victim.request_id]) == 1
+    assert stagger.num_members == len(stagger.members())
+    while engine.has_unfinished():
+        engine.step()
+    assert written and not freed & set(written)
+    kept = [(r, ref) for r, ref in zip(requests, reference) if r is not victim]
+    assert [r.output_token_ids for r, _ in kept] == [ref for _, ref in kept]
+    assert victim.finish_reason == "abort" and engine.blocks_in_use() == {"device": 0, "host": 0}
+
+
 def test_pipeline_returns_a_request_after_every_layer():
     """A request joining a lane's group 0 samples when that lane has had num_layers more turns (its token has
     crossed every layer; the two lanes take turns, so 2 * num_layers steps later)."""
