@@ -145,11 +145,18 @@ class PagedAttentionRunner:
             self._append[pool.index](key, value, pool.key_caches[layer_idx], pool.value_caches[layer_idx],
                                      whole.slot_mapping)
             return self._attend(whole, layer_idx, query, scale)
-        out = torch.empty_like(query)
         if self.stagger_rows:
             block = slice(0, self.stagger_rows)
             self.stagger_scale = scale  # the CPU job attends with it after the step
-            self.stagger.exchange(layer_idx, query[block], key[block], value[block], out[block])
+            part = self.parts[0] if len(self.parts) == 1 else None
+            if part is not None and (part.start, part.end) == (self.stagger_rows, query.shape[0]) and (
+                    part.pool.device == query.device):  # a decode step: the block's outputs and the pool's, one cat
+                rows = slice(part.start, part.end)
+                rest = self._run_part(part, layer_idx, query[rows], key[rows], value[rows], scale)
+                return self.stagger.exchange(layer_idx, query[block], key[block], value[block], rest=rest)
+        out = torch.empty_like(query)
+        if self.stagger_rows:
+            self.stagger.exchange(layer_idx, query[block], key[block], value[block], out=out[block])
         for part in self.parts:
             rows = slice(part.start, part.end)
             if part.pool.device == query.device:

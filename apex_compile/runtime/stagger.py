@@ -280,11 +280,15 @@ class StaggerPipeline:
     # the graph's side: device copies at fixed addresses
 
     def exchange(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 out: torch.Tensor) -> None:
-        """The attention op's block rows at `layer`: their q/k/v are staged for the CPU, and `out` gets the
-        layer's outputs of the requests arriving from the attention (computed since the lane's last turn)."""
+                 out: Optional[torch.Tensor] = None, rest: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """The attention op's block rows at `layer`: their q/k/v are staged for the CPU, and the block gets the
+        layer's outputs of the requests arriving from the attention (computed since the lane's last turn):
+        copied into `out`, or, given the other rows' output `rest`, returned ahead of it (one kernel)."""
         torch.cat([query, key, value], dim=1, out=self.staged[layer])
+        if rest is not None:
+            return torch.cat([self.outputs[layer], rest])
         out.copy_(self.outputs[layer])
+        return None
 
     def swap_residual(self, layer: int, residual: torch.Tensor) -> torch.Tensor:
         """The residual with the block's rows swapped: the rows' own value goes to the layer's store, the
