@@ -14,9 +14,12 @@ shape, cut to --layers layers; random weights). At steady state (pipeline full) 
 """
 import argparse
 import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -65,6 +68,30 @@ def trace(steps: int, top: int = 12):
     return probe
 
 
+def run_isolated(args, modes):
+    """Runs each mode in a child process of this script (same arguments) and merges their JSON."""
+    result = None
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in modes:
+            out = os.path.join(tmp, f"{mode}.json")
+            argv = [sys.executable, os.path.abspath(__file__), "--modes", mode, "--out", out]
+            for key, value in vars(args).items():
+                if key not in ("modes", "out", "one_process") and value is not None:
+                    argv += [f"--{key.replace('_', '-')}", str(value)]
+            code = subprocess.call(argv)
+            if code or not os.path.exists(out):
+                print(f"{mode}: the child process failed (exit code {code})", flush=True)
+                continue
+            with open(out) as f:
+                child = json.load(f)
+            if result is None:
+                result = dict(child, args=vars(args))
+            else:
+                result["modes"].update(child["modes"])
+    if result is not None:
+        write_json(args.out, result)
+
+
 def timed(cls, name, store):
     """Wraps cls.name to append its wall seconds to `store`."""
     original = getattr(cls, name)
@@ -92,9 +119,15 @@ def main():
     parser.add_argument("--modes", default="never,staggered,staggered-no-job")
     parser.add_argument("--trace", type=int, default=0, help="profile this many steps after the window")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--one-process", action="store_true",
+                        help="run every mode in this process (default: one child process per mode, so that no "
+                             "mode inherits another's pinned pool, caches or threads)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("stagger_profile.py needs a CUDA GPU")
+    modes = args.modes.split(",")
+    if len(modes) > 1 and not args.one_process:
+        return run_isolated(args, modes)
     shape = dict(SHAPES["llama3_8b"], num_hidden_layers=args.layers)
     torch.manual_seed(0)
     model = random_llama(shape)
