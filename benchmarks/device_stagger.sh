@@ -13,12 +13,12 @@ if [ "${JOB_TIMEOUT:-0}" -gt 0 ]; then
   grep -v "^\s*$" "$OUT/cpu_job.log" | tail -20
 fi
 timeout ${PROFILE_TIMEOUT:-400} python3 benchmarks/stagger_profile.py --layers ${LAYERS:-32} --trace ${TRACE:-0} \
-  --modes ${MODES:-staggered,staggered-no-job,never} --host-gib ${HOST_GIB:-16} \
+  --modes ${MODES:-staggered,staggered-no-job,never} --host-gib ${HOST_GIB:-32} \
   --out "$OUT/stagger_profile.json" > "$OUT/stagger_profile.log" 2>&1
 grep -aE "^ *(never|staggered)" "$OUT/stagger_profile.log" | cut -c1-1200
 for threads in ${MORE_THREADS:-}; do
   timeout ${MORE_TIMEOUT:-150} python3 benchmarks/stagger_profile.py --layers ${LAYERS:-32} --modes staggered \
-    --cpu-threads "$threads" --host-gib ${HOST_GIB:-16} --out "$OUT/stagger_profile_t$threads.json" \
+    --cpu-threads "$threads" --host-gib ${HOST_GIB:-32} --out "$OUT/stagger_profile_t$threads.json" \
     > "$OUT/stagger_profile_t$threads.log" 2>&1
   echo "--- cpu threads $threads"; grep -aE "^staggered" "$OUT/stagger_profile_t$threads.log" | cut -c1-600
 done
