@@ -7,7 +7,8 @@ give its tokens/s; the median step of that window is its step time. Modes: never
 (overlap plan), "staggered:W" (the staggered plan with W rows per step). Per configuration also: ideal_gain
 (the tokens/s the CPU's measured attention bandwidth could add: B_cpu / KV bytes a host request reads per step)
 with its inputs, auto's
-offload efficiency (auto - never) / ideal_gain, and the model's predicted decode step against the measured one.
+offload efficiency (auto - never) / ideal_gain, the model's predicted decode step against the measured one, and
+HF generate with its offloaded cache (KV in host memory) over as many requests as the device pool holds.
 
     python benchmarks/e2e_hybrid.py --out benchmarks/results/e2e_hybrid_<date>_h200.json
 """
@@ -153,6 +154,41 @@ def run_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seq
     return result
 
 
+def hf_generate(model, prompts, new_tokens: int, batch: int, cache_implementation="offloaded") -> dict:
+    """HF `generate` (greedy, no EOS) over the first `batch` prompts with that cache (HF's own answer to a KV
+    cache larger than the GPU: "offloaded" keeps it in host memory and prefetches a layer at a time):
+    tokens/s of the whole call (prefill included) and the decode step (the difference of two lengths, so the
+    prefill cancels). An error (e.g. out of memory) is returned, not raised: a baseline does not stop a run."""
+    device = next(model.parameters()).device
+    ids = torch.tensor(prompts[:batch], device=device)
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    if cache_implementation is not None:
+        kwargs["cache_implementation"] = cache_implementation
+
+    def timed(tokens):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start, out.shape[1] - ids.shape[1]
+
+    try:
+        timed(2)  # warm-up (kernel selection, allocator)
+        short_s, short = timed(max(new_tokens // 2, 1))
+        long_s, generated = timed(new_tokens)
+    except Exception as error:  # noqa: BLE001 (recorded with the row)
+        return {"cache": cache_implementation, "batch": batch, "error": f"{type(error).__name__}: {error}"[:300]}
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    step = (long_s - short_s) / max(generated - short, 1)
+    return {"cache": cache_implementation, "batch": batch, "tokens_per_s": batch * generated / long_s,
+            "decode_step_s": step, "decode_tokens_per_s": batch / step if step > 0 else None}
+
+
 def prediction_error(model: PerfModel, steps, staggered=False):
     """Median |predicted - measured| / measured over the decode steps (each at its own composition)."""
     errors = []
@@ -177,6 +213,9 @@ def main():
     parser.add_argument("--window-steps", type=int, default=300)
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="cpu_attention_threads of the staggered plan's CPU worker (default: all cores but one)")
+    parser.add_argument("--hf-batch", type=int, default=0,
+                        help="HF generate with its offloaded cache over this many requests (0: as many as the "
+                             "device pool holds; -1: skip)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -217,6 +256,13 @@ def main():
                 partial = {"shape": shape_name, "device_gib": gib, "partial": True,
                            "modes": runs}
                 write_json(args.out, dict(result, rows=result["rows"] + [partial]))
+            hf = None
+            if args.hf_batch >= 0:
+                hf = hf_generate(model, prompts, args.new_tokens, args.hf_batch or count)
+                print(f"   {shape_name} {gib:g} GiB HF generate, offloaded cache, batch {hf['batch']}: "
+                      + (hf["error"] if "error" in hf else f"{hf['tokens_per_s']:.0f} tokens/s, decode step "
+                         f"{hf['decode_step_s'] * 1e3:.1f} ms ({hf['decode_tokens_per_s']:.0f} tokens/s)"),
+                      flush=True)
             probe = optimize(model, ApexConfig(offload="never", gpu_cache_size=device_bytes,
                                                cpu_cache_size=1 << 30, max_num_seqs=args.max_seqs))
             perf = PerfModel(engine_profile(probe.engine))
@@ -231,7 +277,7 @@ def main():
                    "ideal_gain": ideal, "cpu_attention_GBps": perf.cpu_bandwidth() / 1e9,
                    "gpu_attention_GBps": perf.gpu_bandwidth() / 1e9,
                    "kv_bytes_per_host_request_step": perf.profile.kv_bytes_per_token * context,
-                   "auto_efficiency": efficiency, "model_error": errors, "best_mode": best,
+                   "auto_efficiency": efficiency, "model_error": errors, "best_mode": best, "hf_offloaded": hf,
                    "best_efficiency": (runs[best]["tokens_per_s"] - never) / ideal,
                    "modes": {m: {k: v for k, v in r.items() if k != "steps"} for m, r in runs.items()},
                    "steps": {m: r["steps"] for m, r in runs.items()}}

@@ -1,5 +1,6 @@
 """Plots an e2e_hybrid.py result: tokens/s against the device KV pool size, one line per mode, and the bound
-never + ideal_gain (what the CPU's measured attention bandwidth could add). One PNG per shape.
+never + ideal_gain (what the CPU's measured attention bandwidth could add), and HF generate with its offloaded
+cache where the result has it. One PNG per shape.
 
     python benchmarks/plot_hybrid.py benchmarks/results/e2e_hybrid_<date>_h200.json
 """
@@ -37,6 +38,10 @@ def main():
         bound = [r["modes"]["never"]["tokens_per_s"] + r["ideal_gain"] for r in shape_rows if "never" in r["modes"]]
         if len(bound) == len(pools):
             ax.plot(pools, bound, linestyle="--", color="gray", label="never + ideal_gain")
+        hf = [(r["device_gib"], r["hf_offloaded"]["tokens_per_s"]) for r in shape_rows
+              if (r.get("hf_offloaded") or {}).get("tokens_per_s")]
+        if hf:  # HF generate with its offloaded cache, batch = the requests the device pool holds
+            ax.plot(*zip(*hf), marker="x", linestyle=":", color="black", label="HF generate, offloaded cache")
         ax.set_xlabel("device KV pool (GiB)")
         ax.set_ylabel("tokens/s (steady-state window)")
         machine = result.get("machine", {})
