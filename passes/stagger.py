@@ -7,8 +7,9 @@ carry a row's identity across that boundary besides the attention output (which 
 
 - the residual stream: the residual add after each `apex.attention` reads the layer's input; it now reads
   `apex.stagger_residual(input, L)` (the requests leaving keep theirs, the arriving ones get theirs back);
-- the RoPE tables, computed once from the step's positions before the first layer: each layer's uses of cos
-  and sin read `apex.stagger_rope(table, L, kind)` (their rows for the positions of the layer's requests).
+- the RoPE tables, computed once from the step's positions before the first layer: `apex.stagger_rope_layers`
+  gives every layer's table at once (the block's rows for the positions of each layer's requests), and each
+  layer's uses of cos and sin read its slice.
 
 Runs after partition_attention (attention ops numbered, the mask code gone) and before the fusions.
 """
@@ -95,13 +96,15 @@ def stagger_rows(gm: fx.GraphModule, report: PassReport) -> int:
         by_layer: Dict[int, List[fx.Node]] = {}
         for user in table.users:
             by_layer.setdefault(layer_of(user), []).append(user)
+        with graph.inserting_after(table):  # every layer's table in one op, each layer reads its slice
+            every = insert_call(graph, "call_function", ops.stagger_rope_layers.default,
+                                (table, len(attentions), ROPE_KINDS.index(kind)), like=table)
         for layer, users in by_layer.items():
             if layer is None:
                 continue
             first = min(users, key=order.__getitem__)
             with graph.inserting_before(first):
-                rows = insert_call(graph, "call_function", ops.stagger_rope.default,
-                                   (table, layer, ROPE_KINDS.index(kind)), like=first)
+                rows = insert_call(graph, "call_function", torch.select, (every, 0, layer), like=first)
             for user in users:
                 user.replace_input_with(table, rows)
     report.staggered_layers = len(attentions)

@@ -5,7 +5,7 @@
     apex::device_attention(Tensor q, Tensor k, Tensor v, int layer_idx, float scale, Tensor token) -> Tensor
     apex::offload_wait(Tensor token, Tensor device_out, int layer_idx) -> Tensor
     apex::stagger_residual(Tensor residual, int layer_idx) -> Tensor
-    apex::stagger_rope(Tensor table, int layer_idx, int kind) -> Tensor
+    apex::stagger_rope_layers(Tensor table, int num_layers, int kind) -> Tensor   ([num_layers, *table.shape])
 
 q: [T, Hq, D], k/v: [T, Hkv, D] for the step's T flattened tokens (RoPE applied); outputs [T, Hq, D].
 The ops take no cache or metadata arguments: they delegate to the `AttentionRunner` the runtime installed for
@@ -18,9 +18,10 @@ data dependency alone.
 The two stagger ops serve the "staggered" plan (apex_compile.runtime.stagger): the step's first rows are host
 requests that each advance one layer per step, so at every layer those rows belong to other requests. They
 return their input with those rows swapped for the layer's own: `stagger_residual` the residual stream (the
-requests leaving the layer's attention store theirs, the ones entering it get theirs back), `stagger_rope` the
-RoPE cos (kind 0) or sin (kind 1) rows of the layer's requests' positions. They are pure device copies at
-fixed addresses, so CUDA graphs capture them.
+requests leaving the layer's attention store theirs, the ones entering it get theirs back);
+`stagger_rope_layers` gives every layer's RoPE cos (kind 0) or sin (kind 1) table at once, the block's rows at
+the positions of each layer's requests (one op per step, each layer reads its slice). They are pure device
+copies at fixed addresses, so CUDA graphs capture them.
 
 The first four are tagged `cudagraph_unsafe` (where this torch has the tag): they run Python that reads
 per-step runner state and touch the CPU, so inductor keeps them out of CUDA graphs (graph partition).
@@ -38,7 +39,7 @@ LIB.define("device_attention(Tensor q, Tensor k, Tensor v, int layer_idx, float 
            tags=_TAGS)
 LIB.define("offload_wait(Tensor token, Tensor device_out, int layer_idx) -> Tensor", tags=_TAGS)
 LIB.define("stagger_residual(Tensor residual, int layer_idx) -> Tensor")
-LIB.define("stagger_rope(Tensor table, int layer_idx, int kind) -> Tensor")
+LIB.define("stagger_rope_layers(Tensor table, int num_layers, int kind) -> Tensor")
 
 
 @torch.library.register_fake("apex::attention", lib=LIB)
@@ -66,9 +67,9 @@ def _stagger_residual_fake(residual, layer_idx):
     return torch.empty_like(residual, memory_format=torch.contiguous_format)
 
 
-@torch.library.register_fake("apex::stagger_rope", lib=LIB)
-def _stagger_rope_fake(table, layer_idx, kind):
-    return torch.empty_like(table, memory_format=torch.contiguous_format)
+@torch.library.register_fake("apex::stagger_rope_layers", lib=LIB)
+def _stagger_rope_layers_fake(table, num_layers, kind):
+    return table.new_empty((num_layers, *table.shape))
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -103,8 +104,8 @@ def _stagger_residual(residual, layer_idx):
     return _fresh(get_attention_runner().stagger_residual(layer_idx, residual), residual)
 
 
-def _stagger_rope(table, layer_idx, kind):
-    return _fresh(get_attention_runner().stagger_rope(layer_idx, table, kind), table)
+def _stagger_rope_layers(table, num_layers, kind):
+    return _fresh(get_attention_runner().stagger_rope_layers(num_layers, table, kind), table)
 
 
 # Device-generic Python: the runner picks the kernels.
@@ -113,4 +114,4 @@ LIB.impl("offload_launch", _offload_launch, "CompositeExplicitAutograd")
 LIB.impl("device_attention", _device_attention, "CompositeExplicitAutograd")
 LIB.impl("offload_wait", _offload_wait, "CompositeExplicitAutograd")
 LIB.impl("stagger_residual", _stagger_residual, "CompositeExplicitAutograd")
-LIB.impl("stagger_rope", _stagger_rope, "CompositeExplicitAutograd")
+LIB.impl("stagger_rope_layers", _stagger_rope_layers, "CompositeExplicitAutograd")

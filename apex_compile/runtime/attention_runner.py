@@ -172,11 +172,12 @@ class PagedAttentionRunner:
             return residual.clone()
         return self.stagger.swap_residual(layer_idx, residual)
 
-    def stagger_rope(self, layer_idx: int, table: torch.Tensor, kind: int) -> torch.Tensor:
-        """The RoPE table with the staggered block's rows for the layer's requests (apex::stagger_rope)."""
+    def stagger_rope_layers(self, num_layers: int, table: torch.Tensor, kind: int) -> torch.Tensor:
+        """Every layer's RoPE table, the staggered block's rows for that layer's requests, [num_layers,
+        *table.shape] (apex::stagger_rope_layers)."""
         if not self.stagger_rows:
-            return table.clone()
-        return self.stagger.rope_rows_for(layer_idx, table, kind)
+            return table.unsqueeze(0).expand(num_layers, *table.shape).contiguous()
+        return self.stagger.rope_rows_layers(table, kind)
 
     def _host_rows_from_device(self, part: PoolPart, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
                                value: torch.Tensor, scale: float) -> torch.Tensor:

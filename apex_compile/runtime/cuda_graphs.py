@@ -107,7 +107,7 @@ def weak_ref(tensor: torch.Tensor) -> torch.Tensor:
 _ASYNC_READERS = ("offload_launch",)
 RUNNER_METHODS = ("attention", "offload_launch", "device_attention", "offload_wait")
 # Runner methods that only copy between device buffers at fixed addresses: captured inside the piece.
-CAPTURED_METHODS = ("stagger_residual", "stagger_rope")
+CAPTURED_METHODS = ("stagger_residual", "stagger_rope_layers")
 
 
 @dataclasses.dataclass

@@ -299,11 +299,13 @@ class StaggerPipeline:
         self.residual[layer].copy_(flat_in[:self.width])
         return out
 
-    def rope_rows_for(self, layer: int, table: torch.Tensor, kind: int) -> torch.Tensor:
-        """`table` (the step's RoPE cos or sin) with the block's rows at the positions of the layer's group
-        (gathered by `begin_step`; one splice kernel here)."""
+    def rope_rows_layers(self, table: torch.Tensor, kind: int) -> torch.Tensor:
+        """`table` (the step's RoPE cos or sin) for every layer, [layers, *table.shape], the block's rows at the
+        positions of each layer's group (gathered by `begin_step`): one splice kernel per step."""
         flat = table.reshape(-1, table.shape[-1])
-        return torch.cat([self.rope_rows[kind][layer].to(table.dtype), flat[self.width:]]).view(table.shape)
+        rest = flat[self.width:].unsqueeze(0).expand(self.num_layers, -1, -1)
+        out = torch.cat([self.rope_rows[kind].to(table.dtype), rest], dim=1)
+        return out.view(self.num_layers, *table.shape)
 
 
 def host_attention(groups: List[StaggerGroup], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -37,7 +37,7 @@ EXPECTED_KERNELS = {
     "device_attention": {"CompositeExplicitAutograd"},
     "offload_wait": {"CompositeExplicitAutograd"},
     "stagger_residual": {"CompositeExplicitAutograd"},
-    "stagger_rope": {"CompositeExplicitAutograd"},
+    "stagger_rope_layers": {"CompositeExplicitAutograd"},
 }
 NO_TENSOR_OPS = {"cpu_isa_code": (), "cpu_attention_work_split": (0, 0, 0)}  # read-only calls, no fake needed
 
@@ -119,7 +119,7 @@ CASES = [
     ("device_attention", lambda: attention_args(token=True), {}),
     ("offload_wait", lambda: (torch.zeros(1), torch.randn(3, KV_HEADS, DIM), 0), {}),
     ("stagger_residual", lambda: (torch.randn(1, 3, 32), 0), {}),
-    ("stagger_rope", lambda: (torch.randn(1, 3, DIM), 1, 0), {}),
+    ("stagger_rope_layers", lambda: (torch.randn(1, 3, DIM), 4, 1), {}),
 ]
 
 
@@ -141,8 +141,8 @@ class StubRunner:
     def stagger_residual(self, layer_idx, residual):
         return residual  # an alias too
 
-    def stagger_rope(self, layer_idx, table, kind):
-        return table * (kind + 1)
+    def stagger_rope_layers(self, num_layers, table, kind):
+        return table.expand(num_layers, *table.shape) * (kind + 1)
 
 
 @pytest.fixture

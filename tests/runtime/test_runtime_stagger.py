@@ -225,17 +225,23 @@ def test_pass_swaps_residual_and_rope_rows_per_layer(kind):
     assert stagger_rows(gm, report) == LAYERS == report.staggered_layers
     ops = torch.ops.apex
     assert count_calls(gm, ops.stagger_residual.default) == LAYERS
-    assert count_calls(gm, ops.stagger_rope.default) == 2 * LAYERS
+    assert count_calls(gm, ops.stagger_rope_layers.default) == 2  # cos and sin, every layer's in one op
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     attentions = [n for n in gm.graph.nodes if n.target is ops.attention.default]
+    tables = [n for n in gm.graph.nodes if n.target is ops.stagger_rope_layers.default]
+    assert sorted(n.args[1:] for n in tables) == [(LAYERS, 0), (LAYERS, 1)]
+    for table in tables:  # each layer reads its own slice, before its attention
+        slices = sorted(table.users, key=order.__getitem__)
+        assert [u.target for u in slices] == [torch.select] * LAYERS
+        assert [u.args[1:] for u in slices] == [(0, layer) for layer in range(LAYERS)]
+        assert all(order[u] < order[attentions[u.args[2]]] for u in slices)
+        assert order[table] < order[attentions[0]]
     for node in gm.graph.nodes:
         if node.target is ops.stagger_residual.default:  # after its layer's attention, read by the residual add
             layer = node.args[1]
             assert order[node] > order[attentions[layer]]
             (add,) = node.users
             assert layer + 1 == len(attentions) or order[add] < order[attentions[layer + 1]]
-        if node.target is ops.stagger_rope.default:  # before its layer's attention
-            assert order[node] < order[attentions[node.args[1]]]
     assert "staggered host rows" in str(report)
 
 
