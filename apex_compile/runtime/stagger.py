@@ -34,6 +34,8 @@ from typing import Deque, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from apex_compile.kernels._common import INTERPRET
+from apex_compile.kernels.stagger import swap_rows
 from apex_compile.ops import cache_append_cpu_multi, paged_attention_cpu_multi
 from apex_compile.runtime.kv_manager import HOST_POOL, KVManager
 from apex_compile.runtime.request import Request
@@ -292,9 +294,11 @@ class StaggerPipeline:
 
     def swap_residual(self, layer: int, residual: torch.Tensor) -> torch.Tensor:
         """The residual with the block's rows swapped: the rows' own value goes to the layer's store, the
-        stored one (the arriving requests', from the lane's last turn) comes back (two kernels: a splice, a
-        store)."""
+        stored one (the arriving requests', from the lane's last turn) comes back (one Triton kernel on a GPU
+        or under the interpreter; a splice and a copy in torch otherwise)."""
         flat_in = residual.reshape(-1, residual.shape[-1])
+        if (flat_in.is_cuda or INTERPRET) and flat_in.stride(-1) == 1:
+            return swap_rows(flat_in, self.residual[layer]).view(residual.shape)
         out = torch.cat([self.residual[layer], flat_in[self.width:]]).view(residual.shape)
         self.residual[layer].copy_(flat_in[:self.width])
         return out
