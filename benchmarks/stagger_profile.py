@@ -16,6 +16,7 @@ import argparse
 import gc
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -71,6 +72,7 @@ def trace(steps: int, top: int = 12):
 def run_isolated(args, modes):
     """Runs each mode in a child process of this script (same arguments) and merges their JSON."""
     result = None
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"stopped by SIGTERM during {modes}"))
     with tempfile.TemporaryDirectory() as tmp:
         for mode in modes:
             out = os.path.join(tmp, f"{mode}.json")
@@ -78,7 +80,12 @@ def run_isolated(args, modes):
             for key, value in vars(args).items():
                 if key not in ("modes", "out", "one_process") and value is not None:
                     argv += [f"--{key.replace('_', '-')}", str(value)]
-            code = subprocess.call(argv)
+            child = subprocess.Popen(argv)
+            try:
+                code = child.wait()
+            finally:  # a parent stopped (a timeout's SIGTERM) takes its child with it
+                if child.poll() is None:
+                    child.kill()
             if code or not os.path.exists(out):
                 print(f"{mode}: the child process failed (exit code {code})", flush=True)
                 continue
