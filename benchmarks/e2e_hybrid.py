@@ -24,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_throughput import SHAPES, kv_bytes_per_token, random_llama, write_json  # noqa: E402
+from e2e_throughput import SHAPES, kv_bytes_per_token, random_llama, timed_generate, write_json  # noqa: E402
 
 from apex_compile import ApexConfig, SamplingParams, optimize  # noqa: E402
 from apex_compile.runtime.kv_manager import HOST_POOL  # noqa: E402
@@ -161,19 +161,12 @@ def hf_generate(model, prompts, new_tokens: int, batch: int, cache_implementatio
     prefill cancels). An error (e.g. out of memory) is returned, not raised: a baseline does not stop a run."""
     device = next(model.parameters()).device
     ids = torch.tensor(prompts[:batch], device=device)
-    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=0)
+    kwargs = dict(pad_token_id=0)
     if cache_implementation is not None:
         kwargs["cache_implementation"] = cache_implementation
 
     def timed(tokens):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - start, out.shape[1] - ids.shape[1]
+        return timed_generate(model, ids, tokens, **kwargs)
 
     try:
         timed(2)  # warm-up (kernel selection, allocator)

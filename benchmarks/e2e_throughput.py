@@ -176,19 +176,25 @@ def run_apex(model, shape, batch, prompt_len, new_tokens, prompts, args):
             "host_breakdown_s": breakdown}
 
 
+def timed_generate(model, ids: torch.Tensor, tokens: int, **kwargs):
+    """(seconds, new tokens per row) of one greedy HF `generate` of exactly `tokens` new tokens (GPU synced)."""
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                             min_new_tokens=tokens, do_sample=False, **kwargs)
+    if ids.is_cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, out.shape[1] - ids.shape[1]
+
+
 def run_hf(model, batch, prompt_len, prompts):
     """HF generate with the static cache (compiled by transformers): tokens/s of 128 tokens, decode step."""
     ids = torch.tensor(prompts, device="cuda")
-    mask = torch.ones_like(ids)
 
     def generate(n):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           cache_implementation="static")
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
+        return timed_generate(model, ids, n, cache_implementation="static")[0]
 
     start = time.perf_counter()
     generate(8)  # compile for this batch size

@@ -145,18 +145,20 @@ class PagedAttentionRunner:
             self._append[pool.index](key, value, pool.key_caches[layer_idx], pool.value_caches[layer_idx],
                                      whole.slot_mapping)
             return self._attend(whole, layer_idx, query, scale)
+        arriving = None  # the staggered block's rows: the layer's outputs of the requests arriving
         if self.stagger_rows:
             block = slice(0, self.stagger_rows)
             self.stagger_scale = scale  # the CPU job attends with it after the step
+            arriving = self.stagger.exchange(layer_idx, query[block], key[block], value[block])
             part = self.parts[0] if len(self.parts) == 1 else None
             if part is not None and (part.start, part.end) == (self.stagger_rows, query.shape[0]) and (
                     part.pool.device == query.device):  # a decode step: the block's outputs and the pool's, one cat
                 rows = slice(part.start, part.end)
-                rest = self._run_part(part, layer_idx, query[rows], key[rows], value[rows], scale)
-                return self.stagger.exchange(layer_idx, query[block], key[block], value[block], rest=rest)
+                return torch.cat([arriving, self._run_part(part, layer_idx, query[rows], key[rows], value[rows],
+                                                           scale)])
         out = torch.empty_like(query)
-        if self.stagger_rows:
-            self.stagger.exchange(layer_idx, query[block], key[block], value[block], out=out[block])
+        if arriving is not None:
+            out[:self.stagger_rows] = arriving
         for part in self.parts:
             rows = slice(part.start, part.end)
             if part.pool.device == query.device:
@@ -184,10 +186,10 @@ class PagedAttentionRunner:
         """Host-pool rows whose q/k/v are on the model's device: fresh chunks attend there, the rest on the CPU.
         When every row is a fresh prompt chunk only its K/V cross to the host (for the cache), not q or the
         output."""
-        pool = part.pool
         if part.paged_end == part.start:
             out = torch.empty_like(query)
             _attend_fresh(part, query, key, value, scale, out)
+            pool = part.pool
             self.exports.submit(key, value, pool.key_caches[layer_idx], pool.value_caches[layer_idx],
                                 part.slot_mapping)
             return out

@@ -281,16 +281,12 @@ class StaggerPipeline:
     # ------------------------------------------------------------------------------------------------
     # the graph's side: device copies at fixed addresses
 
-    def exchange(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 out: Optional[torch.Tensor] = None, rest: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """The attention op's block rows at `layer`: their q/k/v are staged for the CPU, and the block gets the
-        layer's outputs of the requests arriving from the attention (computed since the lane's last turn):
-        copied into `out`, or, given the other rows' output `rest`, returned ahead of it (one kernel)."""
+    def exchange(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """The attention op's block rows at `layer`: stages their q/k/v for the CPU and returns the block's
+        output rows, the layer's attention of the requests arriving (computed since the lane's last turn; a
+        view of the fixed buffer `collect` fills, for the caller to copy or splice)."""
         torch.cat([query, key, value], dim=1, out=self.staged[layer])
-        if rest is not None:
-            return torch.cat([self.outputs[layer], rest])
-        out.copy_(self.outputs[layer])
-        return None
+        return self.outputs[layer]
 
     def swap_residual(self, layer: int, residual: torch.Tensor) -> torch.Tensor:
         """The residual with the block's rows swapped: the rows' own value goes to the layer's store, the
