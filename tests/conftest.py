@@ -13,3 +13,12 @@ def tiny_llama():
 
     torch.manual_seed(0)
     return LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).eval()
+
+
+@pytest.fixture(autouse=True)
+def _seeded():
+    """Every test starts from the same torch and random seeds, so its inputs do not depend on which tests ran before."""
+    import random
+
+    random.seed(0)
+    torch.manual_seed(0)

@@ -25,7 +25,7 @@ def hf_filter(logits, temperature, top_k, top_p):
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.9), (0.5, 20, 0.6),
                                                      (1.0, 1, 1.0), (2.0, 0, 0.05)])
 def test_filter_keeps_the_same_tokens_as_hf_warpers(temperature, top_k, top_p):
-    torch.manual_seed(hash((temperature, top_k, top_p)) % 10_000)
+    torch.manual_seed(int(temperature * 1000) + top_k * 7 + int(top_p * 100))  # stable per case
     logits = torch.randn(6, 300) * 3
     n = logits.shape[0]
     ours = filter_logits(logits, torch.full((n,), temperature), torch.full((n,), top_k, dtype=torch.int64),
