@@ -46,6 +46,16 @@ class ApexModel:
         self.apex_config = config or ApexConfig()
         self.engine = Engine(hf_model, self.apex_config, tokenizer)
 
+    def close(self) -> None:
+        """Frees the engine's KV pools, threads and graphs (`Engine.close`); the HF model stays as it is."""
+        self.engine.close()
+
+    def __enter__(self) -> "ApexModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def config(self):
         """The HF model's config (`apex_config` holds the engine's settings)."""

@@ -120,6 +120,7 @@ def throughput(device, args):
         print(f"offload={mode:6} {tokens} tokens in {seconds:7.2f}s = {row['tokens_per_s']:8.1f} tok/s, "
               f"{row['steps']} steps, {host_requests}/{args.requests} requests on the host (compile "
               f"{compile_seconds:.0f}s)", flush=True)
+        apex.close()  # its pools and threads go now, not at a later garbage collection
         del apex
         torch.cuda.empty_cache()
     return {"requests": args.requests, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,

@@ -148,6 +148,7 @@ def run_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seq
         result["cpu_job_s"] = statistics.median(run for _, run in window)
         result["cpu_job_ready_wait_s"] = statistics.median(wait for wait, _ in window)
         result["collect_wait_s"] = statistics.median(list(jobs.collect_seconds)[-args.window_steps:])
+    apex.close()  # its pools and threads go now, not at a later garbage collection
     del apex, engine
     gc.collect()
     torch.cuda.empty_cache()

@@ -171,6 +171,7 @@ def run_apex(model, shape, batch, prompt_len, new_tokens, prompts, args):
         results.append((total, statistics.median(step_times), decode_steps))
     total, step, decode_steps = min(results)
     breakdown = {k: v / max(decode_steps * args.repeats, 1) for k, v in timer.seconds.items()}
+    apex.close()  # its pools and threads go now, not at a later garbage collection
     del apex, engine
     return {"tokens_per_s": batch * new_tokens / total, "decode_step_s": step, "warmup_s": warmup_seconds,
             "host_breakdown_s": breakdown}

@@ -8,6 +8,8 @@ shape, cut to --layers layers; random weights). At steady state (pipeline full) 
 - no-job: the staggered step with the CPU job replaced by nothing (outputs zero, tokens meaningless): what the
   job costs the step beyond its own time (contention for cores, memory, the GIL);
 - job / collect: the CPU job's run time and the main thread's wait for it;
+- phases: the main thread's time per part of a decode step (`EngineStats.phase_seconds`, medians): what is
+  not "wait" (for the sampled ids) is host time between two graphs, on the step's critical path;
 - with --trace N: a torch.profiler trace of N steps after the window, its top GPU kernels and host ops per step.
 
     python benchmarks/stagger_profile.py --layers 32 --width 4
@@ -166,12 +168,24 @@ def main():
         for store in host.values():
             store.clear()
         window = {}
+        phases = []  # per step: the main thread's seconds per part of engine.step() (EngineStats.phase_seconds)
+        step = engine.step
+
+        def phased_step(engine=engine, step=step):
+            before = dict(engine.stats.phase_seconds)
+            try:
+                return step()
+            finally:
+                phases.append({k: v - before[k] for k, v in engine.stats.phase_seconds.items()})
+
+        engine.step = phased_step
 
         def probe(one_step, engine=engine):  # the window's host timings kept before the traced steps add theirs
             window.update({k: list(v) for k, v in host.items()})
             jobs = getattr(engine.stagger, "executor", None)
             window["job"] = list(getattr(jobs, "job_seconds", []))
             window["collect"] = list(getattr(jobs, "collect_seconds", []))
+            window["phases"] = list(phases)
             return trace(args.trace)(one_step) if args.trace else None
 
         run = steady_state(engine, prompts, sampling, 20, args.window_steps, fill_steps=600, probe=probe)
@@ -195,15 +209,24 @@ def main():
             if window["collect"]:
                 row["collect_s"] = statistics.median(window["collect"][-steps:])
         row["graph_size"] = size
+        window_phases = window["phases"][-len(run["steps"]):]
+        decode_phases = [p for p, s in zip(window_phases, run["steps"]) if not s[4]]
+        if decode_phases:  # median per part of a decode step: where its wall time goes on the main thread
+            row["phase_s"] = {k: statistics.median(p[k] for p in decode_phases) for k in decode_phases[0]}
         engine.abort()
         result["modes"][mode] = row
         if run["probe"]:
             row["trace"] = run["probe"]
             for side, ranked in run["probe"].items():
                 print(f"  {mode} top {side} per step: " + "; ".join(f"{n} {us:.0f} us x{c:g}" for n, us, c in ranked))
-        print(f"{mode:17}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" if k.endswith("_s") and v is not None else f"{k} {v}"
-                                         for k, v in row.items() if k != "tokens_per_s")
+        print(f"{mode:17}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" if k.endswith("_s") and isinstance(v, float)
+                                         else f"{k} {v}" for k, v in row.items()
+                                         if k not in ("tokens_per_s", "phase_s", "trace"))
               + f", {row['tokens_per_s']:.0f} tokens/s ({time.perf_counter() - begin:.0f} s)", flush=True)
+        if "phase_s" in row:
+            print(f"  {mode} decode step, main thread: " + ", ".join(f"{k} {v * 1e3:.3f} ms"
+                                                                     for k, v in row["phase_s"].items()), flush=True)
+        apex.close()  # its pools and threads go now, not at a later garbage collection
         del apex, engine
         gc.collect()  # the engine's cycles hold its pools: the next mode's pinned host pool would come on top
         torch.cuda.empty_cache()

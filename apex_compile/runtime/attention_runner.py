@@ -78,6 +78,14 @@ class PagedAttentionRunner:
         self.exports = KVExports(cache_append_cpu, background=device.type == "cuda")
         self._stash: dict = {}  # layer -> host rows' output (synchronous offload on a CPU-only machine)
         self.stagger = None  # the staggered plan's StaggerPipeline (its block: the step's first stagger_rows rows)
+
+    def close(self) -> None:
+        """Stops the runner's worker threads (exports land first)."""
+        try:
+            self.exports.close()
+        finally:
+            if self._async is not None:
+                self._async.close()
         self.stagger_rows = 0
         self.stagger_scale = 1.0
 
@@ -306,6 +314,15 @@ class KVExports:
         for future in pending:
             future.result()
 
+    def close(self) -> None:
+        """Waits for the queued exports and stops the worker thread."""
+        try:
+            self.wait()
+        finally:
+            if self.worker is not None:
+                self.worker.shutdown(wait=True)
+                self.worker = None
+
 
 class _HostOffload:
     """CUDA side of the host-pool rows: pinned double-buffered staging, a CPU worker thread, CUDA events.
@@ -363,6 +380,14 @@ class _HostOffload:
                 out_buf.copy_(runner._host_work(part, layer_idx, staged["q"], staged["k"], staged["v"], scale))
 
         self.pending[layer_idx] = (self.worker.submit(host_job), out_buf, fresh_out, parity)
+
+    def close(self) -> None:
+        """Stops the worker thread after the jobs it runs (their outputs are dropped)."""
+        pending, self.pending = self.pending, {}
+        for future, *_ in pending.values():
+            future.exception()
+        self.worker.shutdown(wait=True)
+        self.staging = [{}, {}]
 
     def wait(self, layer_idx: int, out_rows: torch.Tensor) -> None:
         """Joins the layer's CPU job and writes its rows (and the fresh chunks' rows) into `out_rows`."""

@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import sys
 import time
-from typing import Callable, Iterator, List, Optional, Sequence, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -58,6 +58,9 @@ class Completion:
     num_preemptions: int
 
 
+PHASES = ("schedule", "prepare", "forward", "pipeline", "wait", "finish")
+
+
 @dataclasses.dataclass
 class EngineStats:
     """Counters of the engine since it was built (or since `reset`)."""
@@ -70,6 +73,11 @@ class EngineStats:
     moved: int = 0
     parked: int = 0
     recomputed: int = 0
+    # the main thread's time per part of `step()`, seconds: schedule (the pipeline's begin when not begun
+    # earlier, the scheduler), prepare (step buffers, their copy, the CPU job's outputs), forward (queuing the
+    # graphs or running the step), pipeline (the staggered block's host work behind it), wait (for the sampled
+    # ids: where the GPU sets the pace), finish (stop checks, the scheduler's updates)
+    phase_seconds: Dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
     def as_dict(self) -> dict:
         """Plain dict for printing / JSON."""
@@ -209,6 +217,9 @@ class Engine:
             self.auto_policy = AutoOffload(PerfModel(engine_profile(self)),
                                            stagger_groups=LANES * (self.shape.num_layers + 1))
         self.stagger: Optional[StaggerPipeline] = None
+        self._pipeline_due = False  # a staggered forward was queued and its `_advance_pipeline` not yet run
+        self._closed = False
+        self._last_tick: Optional[float] = None  # inside `step()`: the time of its last phase tick
         if self.config.offload == "staggered" and self.kv.pools[HOST_POOL].num_blocks:
             # explicit only: "auto" does not pick it while its measured step on the H200 is host-bound (notes item 25)
             self.stagger = self._stagger_pipeline(self.config.stagger_width or DEFAULT_STAGGER_WIDTH)
@@ -324,6 +335,7 @@ class Engine:
         return request
 
     def _new_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> Request:
+        self._check_open()
         """A validated Request with the next id (not queued); raises on an empty, too long or unfitting prompt."""
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
@@ -342,7 +354,33 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         """Whether any request is not finished."""
-        return self.scheduler.has_unfinished()
+        return not self._closed and self.scheduler.has_unfinished()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this engine is closed (Engine.close() freed its KV pools and graphs): build a "
+                               "new one with apex_compile.optimize(model)")
+
+    def close(self) -> None:
+        """Frees what this engine holds: cancels its requests, stops its worker threads and drops its KV pools,
+        step buffers, CUDA graphs and compiled steps, so that another engine can take the memory (torch's
+        caching allocators keep it for reuse: `torch.cuda.empty_cache()` returns the device's). A second call
+        does nothing; any other use afterwards raises RuntimeError."""
+        if self._closed:
+            return
+        try:
+            self.abort()
+        finally:
+            self._closed = True
+            try:
+                if self.stagger is not None:
+                    self.stagger.close()
+            finally:
+                self.runner.close()
+                self.kv.close()
+                for name in ("kv", "scheduler", "runner", "stagger", "buffers", "graphs", "pieces", "stagger_graphs",
+                             "stagger_pieces", "auto_policy", "_step_fn", "_stagger_step_fn"):
+                    setattr(self, name, None)
 
     def _stop_reason(self, request: Request) -> Optional[str]:
         last = request.output_token_ids[-1]
@@ -477,6 +515,7 @@ class Engine:
         The block's host work is done after the forward is queued: `end_step` (this step's q/k/v to the CPU),
         then the next step's `begin_step`; only `collect` (the CPU's outputs to the device) comes before it."""
         stagger = self.stagger
+        self._advance_pipeline()  # a caller that skipped it (nothing does): the lanes stay in order anyway
         width = stagger.width
         num_tokens = width + sum(c.num_tokens for c in chunks)
         size = None
@@ -500,7 +539,7 @@ class Engine:
         self.buffers.positions[:width] = stagger.groups[0].positions
         self.buffers.copy_to_device()
         stagger.collect()
-        start = time.perf_counter()
+        start = self._tick("prepare")
         self.runner.set_parts(parts, num_rows, width)
         if size is not None:
             logits = self.stagger_graphs.replay(size)
@@ -513,14 +552,25 @@ class Engine:
                 logits = pieces.replay(key, self.runner)[:num_logits]
         else:
             logits = self._run_model(parts, num_rows, len(padded_rows), stagger_rows=width)[:num_logits]
-        stagger.end_step(self.runner)
-        if stagger.num_members:  # the next step's pipeline host work, while the GPU runs this one
-            stagger.begin_step()
-        self.stats.forward_seconds += time.perf_counter() - start
+        self._pipeline_due = True  # `_advance_pipeline`, once the caller queued what it wants before it
+        self.stats.forward_seconds += self._tick("forward") - start
         self.stats.steps += 1
         for chunk in chunks:
             chunk.request.num_computed += chunk.num_tokens
         return logits
+
+    def _advance_pipeline(self) -> None:
+        """After a staggered forward is queued (and the sampled ids' copy behind it): `end_step` (this step's
+        q/k/v to the CPU job), then the next step's `begin_step`, host work done while the GPU runs the step;
+        their device copies queue behind the sampled ids, so the host gets its tokens without waiting for them."""
+        if not self._pipeline_due:
+            return
+        self._pipeline_due = False
+        stagger = self.stagger
+        stagger.end_step(self.runner)
+        if stagger.num_members:
+            stagger.begin_step()
+        self._tick("pipeline")
 
     def _forward_chunks(self, chunks: List[ScheduledChunk], logit_rows: List[int]) -> torch.Tensor:
         """Runs the model on the chunks (flattened in order) and returns the logits of `logit_rows`: a whole
@@ -539,7 +589,7 @@ class Engine:
         logit_rows = (logit_rows + [num_tokens - 1] * padded_logits)[:padded_logits]
         parts, num_rows = self.buffers.fill(chunks, logit_rows, pad_to=size, total_rows=key and key[0])
         self.buffers.copy_to_device()
-        start = time.perf_counter()
+        start = self._tick("prepare")
         if size is not None:
             logits = self.graphs.replay(size)
             logit_rows = logit_rows[:num_logits]
@@ -553,20 +603,37 @@ class Engine:
                 logits = self.pieces.replay(key, self.runner)[:num_logits]
         else:
             logits = self._run_model(parts, num_rows, len(logit_rows))[:num_logits]
-        self.stats.forward_seconds += time.perf_counter() - start
+        self.stats.forward_seconds += self._tick("forward") - start
         self.stats.steps += 1
         for chunk in chunks:
             chunk.request.num_computed += chunk.num_tokens
         return logits
 
+    def _tick(self, phase: str) -> float:
+        """Adds the time since the last tick of this `step()` to `phase` (stats.phase_seconds); returns now."""
+        now = time.perf_counter()
+        if self._last_tick is not None:
+            self.stats.phase_seconds[phase] += now - self._last_tick
+            self._last_tick = now
+        return now
+
     def step(self) -> List[Request]:
         """Runs one forward step; returns the requests that got a new token (in scheduling order)."""
+        self._check_open()
+        self._last_tick = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self._tick("finish")
+            self._last_tick = None
+
+    def _step(self) -> List[Request]:
         stagger = self.stagger
         if stagger is not None and stagger.num_members and not (stagger.begun and stagger.active):
             stagger.begin_step()  # else begun by the step before, while the GPU ran it
         chunks = self._schedule()
         captured = self.pieces.capture_seconds if self.pieces is not None else 0.0
-        start = time.perf_counter()
+        start = self._tick("schedule")
         sampled = self._step_chunks(chunks)
         policy = self.scheduler.host_policy
         capture_free = self.pieces is None or self.pieces.capture_seconds == captured
@@ -594,13 +661,17 @@ class Engine:
                 logit_rows.append(row - 1)
                 sampled.append(chunk.request)
         logits = self._forward_chunks(chunks, logit_rows)
+        pending = self.sampler.launch(logits, sampled) if sampled else None
+        self._advance_pipeline()
         in_pipeline = {request.request_id for _, request in staggered}
         for _, request in staggered:
             request.num_computed += 1
             request.steps_per_pool[HOST_POOL] += 1
-        if not sampled:
+        if pending is None:
             return []
-        for request, token in zip(sampled, self.sampler.sample(logits, sampled)):
+        tokens = pending.result()
+        self._tick("wait")
+        for request, token in zip(sampled, tokens):
             request.output_token_ids.append(token)
             self.stats.generated_tokens += 1
             reason = self._stop_reason(request)
@@ -624,6 +695,7 @@ class Engine:
                 chunks = self._schedule()
                 logit_rows = list(range(sum(c.num_tokens for c in chunks)))
                 logits = self._forward_chunks(chunks, logit_rows)
+                self._advance_pipeline()
                 row = 0
                 for chunk in chunks:
                     # a copy: a replayed CUDA graph rewrites its logits buffer on the next step
@@ -663,6 +735,8 @@ class Engine:
     def abort(self, request_ids: Optional[Sequence[int]] = None) -> int:
         """Cancels the unfinished requests with these ids (every one when None), returning their blocks; an
         open stream over them then ends. Returns how many were cancelled."""
+        if self._closed:
+            return 0
         self.runner.exports.wait()  # no export lands in a freed block
         dropped = self.scheduler.abort(request_ids)
         for request in dropped:
@@ -758,6 +832,7 @@ class Engine:
     def warmup(self) -> None:
         """Compiles the step a run meets and captures the decode CUDA graphs, so that neither lands inside a
         timed run; the compiled step is shared by every engine of the model, the graphs belong to this one."""
+        self._check_open()
         prompt = [int(self.model.config.bos_token_id or 1)] * 3
         # A prefill of two prompts, then two decode rows: with CUDA graphs the decode captures every size and
         # the one compiled graph (both dimensions dynamic) serves every step.
@@ -777,4 +852,5 @@ class Engine:
 
     def blocks_in_use(self) -> dict:
         """Blocks held by requests in each pool (all zero when idle)."""
+        self._check_open()
         return {POOL_NAMES[p]: self.kv.num_used(p) for p in (DEVICE_POOL, HOST_POOL)}

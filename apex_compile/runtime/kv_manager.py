@@ -4,6 +4,7 @@ A request's KV lives in exactly one pool at a time. The cache layout is the same
 notes/CONVENTIONS.md), so moving a request between pools is a plain copy of its blocks, layer by layer.
 """
 import dataclasses
+import warnings
 from typing import Dict, List, Optional
 
 import torch
@@ -57,6 +58,88 @@ class CacheShape:
         return 2 * self.num_layers * self.num_kv_heads * self.block_size * self.head_dim * elem
 
 
+def _cuda_status(result) -> int:
+    return int(getattr(result, "value", result))
+
+
+# host memory of registrations collected without `close`: unregistered at the next safe point (a new host pool,
+# an explicit close), never in the collector, which may run while a CUDA graph is being captured
+_UNRELEASED: List[List[torch.Tensor]] = []
+
+
+def _unregister(tensors: List[torch.Tensor]) -> None:
+    torch.cuda.synchronize()  # no copy still reads or writes the memory
+    for tensor in tensors:
+        torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+
+
+def release_unclosed() -> None:
+    """Unregisters (and lets go) the host memory of registrations that were collected without `close`."""
+    while _UNRELEASED:
+        _unregister(_UNRELEASED.pop())
+
+
+class HostRegistration:
+    """Page-locks plain host tensors with cudaHostRegister, at their exact size: torch's pinned allocator rounds
+    each allocation up to a power of two (a 40 GiB pool of 640 MiB layers would pin 64 GiB) and keeps freed
+    blocks cached. `close` unregisters them, after the device's queued copies, while the tensors are still held
+    here, so no registered memory is freed first; one collected without `close` is unregistered later
+    (`release_unclosed`)."""
+
+    def __init__(self):
+        release_unclosed()
+        self.tensors: List[torch.Tensor] = []
+        self.refused = False  # the driver refused once: later layers are not tried
+
+    def register(self, tensor: torch.Tensor) -> bool:
+        """Page-locks `tensor`'s memory; False (nothing changed) when the driver refuses (a memlock limit)."""
+        if self.refused:
+            return False
+        if _cuda_status(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0)):
+            torch.cuda.cudart().cudaGetLastError()  # the failure is not left for the next CUDA call to report
+            self.refused = True
+            return False
+        self.tensors.append(tensor)
+        return True
+
+    def release(self, tensors: List[torch.Tensor]) -> None:
+        """Unregisters these tensors (after the device's queued work) and lets them go."""
+        if not tensors:
+            return
+        _unregister(tensors)
+        ids = {id(t) for t in tensors}
+        self.tensors = [t for t in self.tensors if id(t) not in ids]
+
+    def close(self) -> None:
+        self.release(list(self.tensors))
+        release_unclosed()
+
+    def __del__(self):
+        if self.tensors:  # no CUDA call here (see _UNRELEASED): the memory stays held until then
+            _UNRELEASED.append(self.tensors)
+
+
+def _host_pinned_kv_cache(num_blocks: int, shape: "CacheShape", registration: HostRegistration):
+    """A host layer's (key, value) cache, page-locked at its exact size (torch's pinned allocator if the
+    driver refuses to register plain memory)."""
+    from apex_compile.ops import allocate_kv_cache_cpu
+
+    args = (num_blocks, shape.num_kv_heads, shape.block_size, shape.head_dim, shape.dtype)
+    pair = allocate_kv_cache_cpu(*args)  # plain memory, huge pages advised (fewer TLB misses for the CPU op)
+    registered = []
+    for tensor in pair:
+        if not registration.register(tensor):
+            break
+        registered.append(tensor)
+    if len(registered) == len(pair):
+        return pair
+    registration.release(registered)
+    del pair, registered
+    warnings.warn("cudaHostRegister refused the host KV pool (memlock limit?): it is pinned by torch's "
+                  "allocator instead, which rounds each layer's size up to a power of two", RuntimeWarning)
+    return allocate_kv_cache_cpu(*args, pin_memory=True)
+
+
 class KVPool:
     """The per-layer K/V caches of one pool and its block allocator."""
 
@@ -71,17 +154,28 @@ class KVPool:
         self.allocator = BlockAllocator(num_blocks)
         self.key_caches: List[torch.Tensor] = []
         self.value_caches: List[torch.Tensor] = []
+        self.registration: Optional[HostRegistration] = None  # the host pool's page-locking (on CUDA)
         if num_blocks == 0:
             return
         for _ in range(shape.num_layers):
-            if index == HOST_POOL:
+            if index == HOST_POOL and pin_host:
+                if self.registration is None:
+                    self.registration = HostRegistration()
+                k, v = _host_pinned_kv_cache(num_blocks, shape, self.registration)
+            elif index == HOST_POOL:
                 k, v = allocate_kv_cache_cpu(num_blocks, shape.num_kv_heads, shape.block_size, shape.head_dim,
-                                             shape.dtype, pin_memory=pin_host)
+                                             shape.dtype)
             else:
                 k, v = allocate_kv_cache_gpu(num_blocks, shape.num_kv_heads, shape.block_size, shape.head_dim,
                                              shape.dtype, device)
             self.key_caches.append(k)
             self.value_caches.append(v)
+
+    def close(self) -> None:
+        """Drops the caches (unregistering the host pool's page-locking first)."""
+        if self.registration is not None:
+            self.registration.close()
+        self.key_caches, self.value_caches = [], []
 
 
 @dataclasses.dataclass
@@ -181,6 +275,13 @@ class KVManager:
         for layer in range(len(src.key_caches)):
             copy_blocks(src.key_caches[layer], dst.key_caches[layer], src_t, dst_t)
             copy_blocks(src.value_caches[layer], dst.value_caches[layer], src_t, dst_t)
+
+    def close(self) -> None:
+        """Drops both pools' caches (after the moves in flight); block tables are forgotten."""
+        self.wait_for_moves()
+        for pool in self.pools:
+            pool.close()
+        self.tables = {}
 
     def wait_for_moves(self) -> None:
         """Orders the compute stream (and host code) after every block move issued so far."""

@@ -13,8 +13,9 @@ predicted slower than GPU-only:
   while the GPU runs the device sub-batch's, and the reverse; each sub-batch's linear layers read every weight,
   so the GPU sweeps the weights twice: max(T_lin(n_g) + T_lin(n_c) + T_gatt(ctx_g), T_catt(ctx_c) + T_copy).
 - "staggered" (apex_compile.runtime.stagger): n_c host rows per step, each a request one layer further on
-  than the step before, join the device rows' GEMMs; each CPU attention has a whole step to finish:
-  max(T_lin(n_g + n_c) + T_gatt(ctx_g), T_catt(ctx_c) + T_copy), n_c tokens per step from
+  than the step before, join the device rows' GEMMs; each CPU attention has a whole step to finish, and the
+  block's copies (its q/k/v out, the outputs in) run on the compute stream between the graphs:
+  max(T_lin(n_g + n_c) + T_gatt(ctx_g) + T_copy, T_catt(ctx_c)), n_c tokens per step from
   2 * (num_layers + 1) * n_c host requests in flight (two lanes take turns).
 
 In one batch the CPU's attention hides only behind the device rows' attention (overlap) or costs another
@@ -122,8 +123,9 @@ class PerfModel:
         cpu = self.cpu_attention_s(int(cpu_requests * context)) + self.copy_s(cpu_requests)
         if plan == "overlap":
             step = self.linear_s(n) + max(gpu_attention, cpu)
-        elif plan == "staggered":
-            step = max(self.linear_s(n) + gpu_attention, cpu)
+        elif plan == "staggered":  # its copies serialize with the GPU's work, not the CPU's
+            step = max(self.linear_s(n) + gpu_attention + self.copy_s(cpu_requests),
+                       self.cpu_attention_s(int(cpu_requests * context)))
         else:
             step = max(self.linear_s(gpu_requests) + self.linear_s(cpu_requests) + gpu_attention, cpu)
         return Prediction(plan, gpu_requests, cpu_requests, step)

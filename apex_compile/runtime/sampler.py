@@ -1,6 +1,6 @@
 """Next-token choice from a step's logits: greedy, or temperature -> top-k -> top-p sampling (HF's order),
 as batched ops on the logits' device."""
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -78,6 +78,19 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
     return logits
 
 
+class PendingTokens:
+    """Sampled ids on their way to the host: `result()` waits for their copy (an event) and returns them."""
+
+    def __init__(self, host: torch.Tensor, copied: Optional["torch.cuda.Event"]):
+        self.host = host
+        self.copied = copied
+
+    def result(self) -> List[int]:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host.tolist()
+
+
 class Sampler:
     """Chooses one token per logits row with batched ops on the logits' device and one copy to the host.
 
@@ -88,6 +101,7 @@ class Sampler:
 
     def __init__(self):
         self._draws: Dict[int, int] = {}
+        self._pinned: Optional[torch.Tensor] = None  # the sampled ids' host copy (CUDA logits)
 
     def forget(self, request_id: int) -> None:
         """Drops a finished request's draw counter."""
@@ -95,12 +109,33 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> List[int]:
         """Next token of each request from its logits row (logits [len(requests), vocab])."""
+        return self.launch(logits, requests).result()
+
+    def launch(self, logits: torch.Tensor, requests: Sequence[Request]) -> "PendingTokens":
+        """`sample` without waiting: the tokens are chosen by ops queued on the logits' device and copied to
+        pinned host memory behind them; `result()` waits for that copy only. The caller may queue more device
+        work in between (it runs after the copy, not before it) and must take the result before the next
+        launch (one pinned buffer is reused)."""
+        tokens = self._choose(logits, requests)
+        if tokens.device.type != "cuda":
+            return PendingTokens(tokens, None)
+        n = tokens.numel()
+        if self._pinned is None or self._pinned.numel() < n:
+            self._pinned = torch.empty(max(n, 64), dtype=torch.int64, pin_memory=True)
+        host = self._pinned[:n]
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(tokens.device))
+        return PendingTokens(host, copied)
+
+    def _choose(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """The chosen token ids [len(requests)] int64 on the logits' device."""
         params: List[SamplingParams] = [r.sampling for r in requests]
         logits = process_logits(logits, requests)
         greedy = logits.argmax(dim=-1)
         sampled_rows = [i for i, p in enumerate(params) if p.do_sample]
         if not sampled_rows:
-            return greedy.tolist()
+            return greedy
         device = logits.device
         temperature = torch.tensor([p.temperature if p.do_sample else 1.0 for p in params], device=device)
         top_k = torch.tensor([p.top_k if p.do_sample else 1 for p in params], device=device)
@@ -122,4 +157,4 @@ class Sampler:
             noise = seeded_uniform(torch.tensor([params[i].seed for i in seeded], device=device),
                                    torch.tensor(counters, device=device), logits.shape[-1])
             tokens[index] = (probs[index] / -torch.log(noise)).argmax(dim=-1)
-        return tokens.tolist()
+        return tokens

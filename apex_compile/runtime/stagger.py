@@ -50,16 +50,44 @@ class StaggerGroup:
     their CPU attention, fixed while their token crosses the layers."""
 
     requests: List[Optional[Request]]
-    rows: Optional[torch.Tensor] = None  # int64 rows holding a request (None: no request)
-    slots: Optional[torch.Tensor] = None  # int64 [n]: each row's cache slot of its token
-    block_tables: Optional[torch.Tensor] = None  # int32 [n, width]
-    context_lens: Optional[torch.Tensor] = None  # int32 [n]
+    rows: Optional[np.ndarray] = None  # int64 rows holding a request (None: no request)
+    slots: Optional[np.ndarray] = None  # int64 [n]: each row's cache slot of its token
+    block_tables: Optional[np.ndarray] = None  # int32 [n, table width]
+    context_lens: Optional[np.ndarray] = None  # int32 [n]
     positions: Optional[np.ndarray] = None  # int64 [rows]: each row's token position (0 for a free row)
     prefix: int = 0  # rows 0..prefix-1 are exactly the rows holding a request (slicing instead of gathering)
 
     @property
     def size(self) -> int:
-        return 0 if self.rows is None else int(self.rows.numel())
+        return 0 if self.rows is None else len(self.rows)
+
+
+@dataclasses.dataclass
+class HostJob:
+    """A lane turn's CPU attention metadata over every layer's group, one row per request-layer: built on the
+    launching thread while the GPU runs, so the worker thread runs only ops that release the GIL (its Python
+    work would otherwise take the GIL from the main thread in the host gap between two steps)."""
+
+    cache_index: torch.Tensor  # int32 [n]: the layer (host cache) of each row
+    block_tables: torch.Tensor  # int32 [n, table width]
+    context_lens: torch.Tensor  # int32 [n]
+    slots: torch.Tensor  # int64 [n]
+    rows: Optional[torch.Tensor]  # int64 [n]: the rows in the [layers * width] block; None: all, in order
+
+    @classmethod
+    def of(cls, groups: List[StaggerGroup], width: int) -> Optional["HostJob"]:
+        """The job of groups[l] at layer l (None: no group holds a request)."""
+        used = [(layer, g) for layer, g in enumerate(groups) if g.size]
+        if not used:
+            return None
+        sizes = [g.size for _, g in used]
+        cache_index = np.repeat(np.array([layer for layer, _ in used], dtype=np.int32), sizes)
+        full = len(used) == len(groups) and all(g.prefix == width for _, g in used)
+        rows = None if full else torch.from_numpy(np.concatenate([g.rows + layer * width for layer, g in used]))
+        return cls(torch.from_numpy(cache_index),
+                   torch.from_numpy(np.concatenate([g.block_tables for _, g in used])),
+                   torch.from_numpy(np.concatenate([g.context_lens for _, g in used])),
+                   torch.from_numpy(np.concatenate([g.slots for _, g in used])), rows)
 
 
 def rope_tables(model: torch.nn.Module, max_len: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -213,6 +241,10 @@ class StaggerPipeline:
             torch.index_select(table, 0, flat_positions, out=rows.view(-1, rows.shape[-1]))
         self.residual.copy_(self.lane_residual[self.steps % LANES])
 
+    def close(self) -> None:
+        """Stops the CPU jobs' worker (its running job finishes first)."""
+        self.executor.close()
+
     def collect(self) -> None:
         """Just before a begun step's forward: the attention outputs its lane's CPU job computed during the step
         before go to the device (waiting for the job only here, where the GPU would wait for it)."""
@@ -229,15 +261,14 @@ class StaggerPipeline:
             self.executor.launch(index, None, [self.staged], self.outputs)
             return
         pool = self.kv.pools[HOST_POOL]
-        groups = lane[:self.num_layers]
-
+        plan = HostJob.of(lane[:self.num_layers], self.width)
         exports = runner.exports.queued()  # prompt K/V still on their way into the host cache
 
         def job(staged, out):
             for export in exports:
                 export.result()
             query, key, value = staged.split(self.heads, dim=2)
-            host_attention(groups, query, key, value, pool.key_caches, pool.value_caches, runner.stagger_scale, out)
+            host_attention(plan, query, key, value, pool.key_caches, pool.value_caches, runner.stagger_scale, out)
 
         self.executor.launch(index, job, [self.staged], self.outputs)
 
@@ -259,10 +290,10 @@ class StaggerPipeline:
             slots.append(block_ids[position // bs] * bs + position % bs)
             lens.append(position + 1)
             positions[row] = position
-        group.rows = torch.tensor(rows, dtype=torch.int64)
-        group.slots = torch.tensor(slots, dtype=torch.int64)
-        group.block_tables = torch.from_numpy(tables)
-        group.context_lens = torch.tensor(lens, dtype=torch.int32)
+        group.rows = np.array(rows, dtype=np.int64)
+        group.slots = np.array(slots, dtype=np.int64)
+        group.block_tables = tables
+        group.context_lens = np.array(lens, dtype=np.int32)
         group.prefix = len(rows) if rows == list(range(len(rows))) else 0
         return group
 
@@ -308,29 +339,21 @@ class StaggerPipeline:
         return out.view(self.num_layers, *table.shape)
 
 
-def host_attention(groups: List[StaggerGroup], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def host_attention(job: Optional[HostJob], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    key_caches: List[torch.Tensor], value_caches: List[torch.Tensor], scale: float,
                    out: torch.Tensor) -> None:
     """CPU side of a lane's turn: group l's rows append their K/V to layer l's host cache and attend it, every
     layer in one append and one attention call (one work split over all of them); query/out [layers, width,
     Hq, D], key/value [layers, width, Hkv, D]. Rows without a request are left as they are."""
-    layers, width = query.shape[0], query.shape[1]
-    used = [(layer, g) for layer, g in enumerate(groups) if g.size]
-    if not used:
+    if job is None:
         return
-    cache_index = torch.cat([torch.full((g.size,), layer, dtype=torch.int32) for layer, g in used])
-    tables = torch.cat([g.block_tables for _, g in used])
-    lens = torch.cat([g.context_lens for _, g in used])
-    slots = torch.cat([g.slots for _, g in used])
+    layers, width = query.shape[0], query.shape[1]
     flat = [t.view(layers * width, *t.shape[2:]) for t in (query, key, value, out)]
-    if len(used) == layers and all(g.prefix == width for _, g in used):  # every row holds a request
-        q, k, v = flat[:3]
-        rows = None
-    else:
-        rows = torch.cat([g.rows + layer * width for layer, g in used])
-        q, k, v = (t.index_select(0, rows) for t in flat[:3])
-    cache_append_cpu_multi(k, v, key_caches, value_caches, cache_index, slots)
-    attended = paged_attention_cpu_multi(q, key_caches, value_caches, cache_index, tables, lens, scale)
+    rows = job.rows
+    q, k, v = flat[:3] if rows is None else (t.index_select(0, rows) for t in flat[:3])
+    cache_append_cpu_multi(k, v, key_caches, value_caches, job.cache_index, job.slots)
+    attended = paged_attention_cpu_multi(q, key_caches, value_caches, job.cache_index, job.block_tables,
+                                         job.context_lens, scale)
     if rows is None:
         flat[3].copy_(attended)
     else:
@@ -364,6 +387,10 @@ class SyncJobs:
 
     def drain(self) -> None:
         """Nothing runs in the background."""
+
+    def close(self) -> None:
+        self.results.clear()
+        self.buffers.clear()
 
 
 class CudaCopies:
@@ -476,3 +503,13 @@ class AsyncJobs:
         for future in self.pending.values():
             if future is not None:
                 future.result()
+
+    def close(self) -> None:
+        """Stops the worker thread after the jobs it runs (their outputs are dropped) and frees the buffers."""
+        pending, self.pending = self.pending, {}
+        for future in pending.values():
+            if future is not None:
+                future.exception()
+        self.worker.shutdown(wait=True)
+        self.buffers.clear()
+        self.guards.clear()

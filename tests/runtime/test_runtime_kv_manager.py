@@ -90,3 +90,42 @@ def test_empty_pool_allocates_nothing():
     assert kv.pools[DEVICE_POOL].key_caches == []
     assert not kv.grow(1, DEVICE_POOL, 1)
     assert 1 not in kv.tables
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_host_pool_is_page_locked_at_its_exact_size_and_unlocked_at_close():
+    """cudaHostRegister on plain memory instead of torch's pinned allocator (which rounds each layer's cache up
+    to a power of two): the caches are pinned, hold exactly their blocks, and move to and from the GPU."""
+    shape = CacheShape(num_layers=3, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    kv = KVManager(shape, 4, 37, torch.device("cuda"))  # 37 blocks: no power of two
+    host = kv.pools[HOST_POOL]
+    assert host.registration is not None and len(host.registration.tensors) == 2 * shape.num_layers
+    for cache in host.key_caches + host.value_caches:
+        assert cache.is_pinned() and cache.nbytes == 37 * 2 * 16 * 64 * 2
+    kv.grow(1, HOST_POOL, 20)
+    filled = torch.randn(host.key_caches[0].shape, dtype=torch.bfloat16, device="cuda")
+    host.key_caches[0].copy_(filled, non_blocking=True)  # device to registered host memory
+    torch.cuda.synchronize()
+    kv.move(1, DEVICE_POOL)  # and back, on the swap stream
+    kv.wait_for_moves()
+    blocks = kv.tables[1].block_ids
+    torch.cuda.synchronize()
+    assert torch.equal(kv.pools[DEVICE_POOL].key_caches[0][blocks].cpu(), filled[[0, 1]].cpu())
+    kv.close()
+    assert not host.registration.tensors and not host.key_caches
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_host_pool_collected_without_close_is_unregistered_by_the_next_one():
+    import gc
+
+    from apex_compile.runtime import kv_manager
+
+    shape = CacheShape(num_layers=2, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    kv = KVManager(shape, 2, 9, torch.device("cuda"))
+    del kv
+    gc.collect()
+    assert len(kv_manager._UNRELEASED) == 1  # no CUDA call in the collector (it may run during a capture)
+    again = KVManager(shape, 2, 9, torch.device("cuda"))
+    assert not kv_manager._UNRELEASED
+    again.close()

@@ -39,7 +39,8 @@ def test_plans_predict_the_documented_formulas():
     assert pipeline.step_s == pytest.approx(max(model.linear_s(16) + model.linear_s(8)
                                                 + model.gpu_attention_s(16 * 1024), cpu))
     staggered = model.predict("staggered", 16, 8, 1024)
-    assert staggered.step_s == pytest.approx(max(model.linear_s(24) + model.gpu_attention_s(16 * 1024), cpu))
+    assert staggered.step_s == pytest.approx(max(model.linear_s(24) + model.gpu_attention_s(16 * 1024)
+                                                 + model.copy_s(8), model.cpu_attention_s(8 * 1024)))
     with pytest.raises(ValueError):
         model.predict("never", 16, 1, 1024)
     with pytest.raises(ValueError):

@@ -99,3 +99,22 @@ def test_invalid_sampling_parameters_are_rejected():
         SamplingParams(do_sample=True, top_k=-1)
     with pytest.raises(ValueError, match="max_new_tokens"):
         SamplingParams(max_new_tokens=0)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_launched_sampling_gives_the_tokens_of_sample(device):
+    torch.manual_seed(5)
+    logits = torch.randn(6, 300, device=device)
+    params = [SamplingParams(), SamplingParams(do_sample=True, top_k=4, seed=3), SamplingParams(),
+              SamplingParams(do_sample=True, top_p=0.7, seed=9), SamplingParams(), SamplingParams()]
+    expected = Sampler().sample(logits, requests_with(params))
+    sampler = Sampler()
+    first = sampler.launch(logits, requests_with(params))
+    logits.neg_()  # device work queued after the launch does not change its tokens
+    assert first.result() == expected
+    greedy = requests_with([SamplingParams()] * 2)
+    again = sampler.launch(logits[:2], greedy)  # the pinned buffer is reused, shorter
+    assert again.result() == logits[:2].argmax(-1).tolist()
+    if device == "cuda":
+        assert first.host.is_pinned()

@@ -68,9 +68,10 @@ def test_staggered_tokens_equal_hf_generate_with_a_full_pipeline(monkeypatch):
     full_turns = []
     original = stagger_module.host_attention
 
-    def recording(groups, query, *args):
-        full_turns.append(all(g.prefix == query.shape[1] for g in groups))
-        return original(groups, query, *args)
+    def recording(job, query, *args):
+        if job is not None:
+            full_turns.append(job.rows is None)
+        return original(job, query, *args)
 
     monkeypatch.setattr(stagger_module, "host_attention", recording)
     torch.manual_seed(3)
@@ -116,6 +117,55 @@ def test_staggered_tokens_equal_hf_generate_with_the_worker_thread():
     assert [c.token_ids for c in done] == reference
     assert sum(1 for c in done if c.steps_per_pool["host"]) >= 3
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+
+
+def test_a_staggered_step_queues_its_sampling_before_the_pipelines_host_work():
+    """The sampled ids' copy goes ahead of end_step's / begin_step's device copies on the stream, so the host
+    gets its tokens without waiting for them; and every step's main-thread time is split into its phases."""
+    torch.manual_seed(3)
+    apex = staggered(sharp_model(), width=2)
+    engine = apex.engine
+    order = []
+    for obj, name in ((engine, "step"), (engine.sampler, "launch"), (engine.stagger, "end_step"),
+                      (engine.stagger, "begin_step")):
+        original = getattr(obj, name)
+
+        def spy(*args, _name=name, _original=original, **kwargs):
+            order.append(_name.upper() if _name == "step" else _name)
+            return _original(*args, **kwargs)
+
+        setattr(obj, name, spy)
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (6, 11, 4, 9, 13, 5, 7)]
+    stats_before = dict(engine.stats.phase_seconds)
+    done = engine.generate(prompts, SamplingParams(max_new_tokens=8))
+    assert [c.token_ids for c in done] == hf_tokens(sharp_model(), prompts, 8)
+    steps = [seg.split() for seg in " ".join(order).split("STEP") if seg.strip()]
+    sampling = [seg for seg in steps if "launch" in seg and "end_step" in seg]
+    assert len(sampling) > 10
+    assert all(seg.index("launch") < seg.index("end_step") for seg in sampling)
+    spent = {k: v - stats_before[k] for k, v in engine.stats.phase_seconds.items()}
+    assert set(spent) == {"schedule", "prepare", "forward", "pipeline", "wait", "finish"}
+    assert all(v > 0 for v in spent.values())
+
+
+def test_engine_close_stops_the_stagger_worker_midway():
+    import threading
+
+    torch.manual_seed(6)
+    apex = staggered(sharp_model(), width=2)
+    apex.engine.stagger.executor = AsyncJobs(ImmediateCopies(), pin_memory=False, threads=1)
+    stream = apex.engine.stream([torch.randint(3, 96, (n,)).tolist() for n in (6, 11, 4, 9, 13, 5, 7)],
+                                SamplingParams(max_new_tokens=30))
+    for _, _ in zip(range(20), stream):  # the pipeline holds requests, a CPU job is in flight
+        pass
+    assert apex.engine.stagger.num_members
+    worker = apex.engine.stagger.executor.worker
+    assert any(t.name.startswith("apex-stagger") for t in threading.enumerate())
+    apex.close()
+    assert worker._shutdown and not any(t.name.startswith("apex-stagger") for t in threading.enumerate())
+    list(stream)  # it ends (its requests were cancelled) without stepping the closed engine
+    with pytest.raises(RuntimeError, match="engine is closed"):
+        apex.engine.step()
 
 
 def test_closing_a_stream_midway_drops_pipeline_requests():

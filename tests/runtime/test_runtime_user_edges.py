@@ -131,3 +131,23 @@ def test_main_job_shows_progress_and_streams_answers():
     order = [out.index(s) for s in ("compiling the apex step", "compiled the apex step", "first token after", "[0]",
                                     "apex: ")]
     assert order == sorted(order)
+
+
+def test_close_frees_the_pools_and_later_use_raises(tiny):
+    import gc
+    import weakref
+
+    with optimize(tiny, ApexConfig(offload=0.5, gpu_cache_size=4 * MB, cpu_cache_size=4 * MB)) as apex:
+        engine = apex.engine
+        caches = [weakref.ref(pool.key_caches[0]) for pool in engine.kv.pools]
+        stream = engine.stream(PROMPTS, LONG)
+        next(iter(stream))  # a request is mid-generation when the engine closes
+    del stream
+    gc.collect()
+    assert [ref() for ref in caches] == [None, None]  # both pools' memory is free
+    assert not engine.has_unfinished() and engine.abort() == 0
+    for call in (engine.step, lambda: engine.generate(PROMPTS, LONG), lambda: engine.add_request([1, 2]),
+                 engine.warmup, lambda: apex.generate(torch.tensor([[1, 2]]))):
+        with pytest.raises(RuntimeError, match="engine is closed"):
+            call()
+    apex.close()  # a second close does nothing
