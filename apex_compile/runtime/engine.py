@@ -335,8 +335,8 @@ class Engine:
         return request
 
     def _new_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> Request:
-        self._check_open()
         """A validated Request with the next id (not queued); raises on an empty, too long or unfitting prompt."""
+        self._check_open()
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
             raise ValueError("empty prompt: a request needs at least one prompt token")
