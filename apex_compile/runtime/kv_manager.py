@@ -95,8 +95,8 @@ class HostRegistration:
         """Page-locks `tensor`'s memory; False (nothing changed) when the driver refuses (a memlock limit)."""
         if self.refused:
             return False
+        # torch's binding clears a failure's sticky error itself (C10_CUDA_ERROR_HANDLED)
         if _cuda_status(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0)):
-            torch.cuda.cudart().cudaGetLastError()  # the failure is not left for the next CUDA call to report
             self.refused = True
             return False
         self.tensors.append(tensor)
