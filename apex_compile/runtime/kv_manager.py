@@ -3,6 +3,7 @@
 A request's KV lives in exactly one pool at a time. The cache layout is the same in both pools (see
 notes/CONVENTIONS.md), so moving a request between pools is a plain copy of its blocks, layer by layer.
 """
+import ctypes
 import dataclasses
 import warnings
 from typing import Dict, List, Optional
@@ -67,6 +68,19 @@ def _cuda_status(result) -> int:
 _UNRELEASED: List[List[torch.Tensor]] = []
 
 
+def _clear_cuda_error() -> None:
+    """cudaGetLastError through the libcudart torch loaded (torch's binding does not expose it), so that a refused
+    registration is not reported by the next kernel launch's error check (best effort: a torch linked with a
+    static runtime shows no libcudart here)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart" in line}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except OSError:
+        pass
+
+
 def _unregister(tensors: List[torch.Tensor]) -> None:
     torch.cuda.synchronize()  # no copy still reads or writes the memory
     for tensor in tensors:
@@ -95,8 +109,8 @@ class HostRegistration:
         """Page-locks `tensor`'s memory; False (nothing changed) when the driver refuses (a memlock limit)."""
         if self.refused:
             return False
-        # torch's binding clears a failure's sticky error itself (C10_CUDA_ERROR_HANDLED)
         if _cuda_status(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0)):
+            _clear_cuda_error()
             self.refused = True
             return False
         self.tensors.append(tensor)
