@@ -39,7 +39,8 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     requests always wait; with the staggered plan first up to `fill_steps` steps until its pipeline is full
     (a host request lives 2 * (layers + 1) steps per token, so the window would otherwise be its ramp).
     Returns {tokens_per_s, host_tokens, fill_steps, fill_s, steps: [(gpu rows, cpu rows, mean context,
-    seconds, prefill tokens)] of the window, prefill: [(seconds, prefill tokens)] of every step outside it}.
+    seconds, prefill tokens)] of the window, prefill: [(seconds, prefill tokens)] of every step outside it,
+    decode_phase_s: the median main-thread seconds per part of `engine.step()` over the window's decode steps}.
     probe(one_step), when given, runs after the window with the engine still full (its result under "probe")."""
     stagger = engine.stagger
     supplied = 0
@@ -65,12 +66,15 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
         on_host = sum(1 for r in running if engine.kv.pool_of(r.request_id) == HOST_POOL)
         staggered = stagger.width if stagger is not None and stagger.active else 0
         context = sum(r.num_tokens for r in running) / max(len(running), 1)
+        before = dict(engine.stats.phase_seconds)
         start = time.perf_counter()
         sampled = engine.step()
         seconds = time.perf_counter() - start
+        phases.append({k: v - before[k] for k, v in engine.stats.phase_seconds.items()})
         host = sum(1 for r in sampled if r.steps_per_pool[HOST_POOL])
         return (len(running) - on_host, on_host + staggered, context, seconds, scheduled[-1]), host
 
+    phases = []  # per step: the main thread's seconds per part of engine.step() (EngineStats.phase_seconds)
     begin = time.perf_counter()
     filled, prefill = 0, []
     while stagger is not None and filled < fill_steps and stagger.num_members < stagger.capacity:
@@ -89,13 +93,16 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
         steps.append(step)
         host_tokens += host
     seconds = time.perf_counter() - begin
+    window_phases = phases[-window_steps:] if window_steps else []
+    decode_phases = [p for p, s in zip(window_phases, steps) if not s[4]]
     generated = engine.stats.generated_tokens - tokens
     probed = probe(lambda: one_step()[0]) if probe is not None else None
     engine.abort()
     engine._schedule = schedule
     return {"tokens_per_s": generated / seconds, "window_s": seconds, "tokens": generated,
             "host_tokens": host_tokens, "fill_steps": filled, "fill_s": fill_s, "steps": steps, "prefill": prefill,
-            "probe": probed}
+            "probe": probed, "decode_phase_s": {k: statistics.median(p[k] for p in decode_phases)
+                                                for k in decode_phases[0]} if decode_phases else None}
 
 
 def amortized(run, prompt_len, new_tokens):
@@ -247,6 +254,9 @@ def main():
                       f"{only * 1e3 if only else float('nan'):.2f} ms), fill {r['fill_steps']} steps "
                       f"{r['fill_s']:.0f} s{cpu} ({time.perf_counter() - begin:.0f} s in all); "
                       f"{r['explain'].splitlines()[0][:120]}", flush=True)
+                if r.get("decode_phase_s"):
+                    print(f"   {shape_name} {gib:g} GiB {m} decode step, main thread: " + ", ".join(
+                        f"{k} {v * 1e3:.3f} ms" for k, v in r["decode_phase_s"].items()), flush=True)
                 partial = {"shape": shape_name, "device_gib": gib, "partial": True,
                            "modes": runs}
                 write_json(args.out, dict(result, rows=result["rows"] + [partial]))

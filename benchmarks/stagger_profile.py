@@ -168,24 +168,12 @@ def main():
         for store in host.values():
             store.clear()
         window = {}
-        phases = []  # per step: the main thread's seconds per part of engine.step() (EngineStats.phase_seconds)
-        step = engine.step
-
-        def phased_step(engine=engine, step=step):
-            before = dict(engine.stats.phase_seconds)
-            try:
-                return step()
-            finally:
-                phases.append({k: v - before[k] for k, v in engine.stats.phase_seconds.items()})
-
-        engine.step = phased_step
 
         def probe(one_step, engine=engine):  # the window's host timings kept before the traced steps add theirs
             window.update({k: list(v) for k, v in host.items()})
             jobs = getattr(engine.stagger, "executor", None)
             window["job"] = list(getattr(jobs, "job_seconds", []))
             window["collect"] = list(getattr(jobs, "collect_seconds", []))
-            window["phases"] = list(phases)
             return trace(args.trace)(one_step) if args.trace else None
 
         run = steady_state(engine, prompts, sampling, 20, args.window_steps, fill_steps=600, probe=probe)
@@ -209,10 +197,8 @@ def main():
             if window["collect"]:
                 row["collect_s"] = statistics.median(window["collect"][-steps:])
         row["graph_size"] = size
-        window_phases = window["phases"][-len(run["steps"]):]
-        decode_phases = [p for p, s in zip(window_phases, run["steps"]) if not s[4]]
-        if decode_phases:  # median per part of a decode step: where its wall time goes on the main thread
-            row["phase_s"] = {k: statistics.median(p[k] for p in decode_phases) for k in decode_phases[0]}
+        if run["decode_phase_s"]:  # median per part of a decode step: where its wall time goes on the main thread
+            row["phase_s"] = run["decode_phase_s"]
         engine.abort()
         result["modes"][mode] = row
         if run["probe"]:
