@@ -78,6 +78,8 @@ class PagedAttentionRunner:
         self.exports = KVExports(cache_append_cpu, background=device.type == "cuda")
         self._stash: dict = {}  # layer -> host rows' output (synchronous offload on a CPU-only machine)
         self.stagger = None  # the staggered plan's StaggerPipeline (its block: the step's first stagger_rows rows)
+        self.stagger_rows = 0
+        self.stagger_scale = 1.0
 
     def close(self) -> None:
         """Stops the runner's worker threads (exports land first)."""
@@ -86,8 +88,6 @@ class PagedAttentionRunner:
         finally:
             if self._async is not None:
                 self._async.close()
-        self.stagger_rows = 0
-        self.stagger_scale = 1.0
 
     def prepare(self, chunks: Sequence[ScheduledChunk]) -> None:
         """Builds the step's metadata in buffers sized for this step (standalone use; the engine fills its own
@@ -382,10 +382,8 @@ class _HostOffload:
         self.pending[layer_idx] = (self.worker.submit(host_job), out_buf, fresh_out, parity)
 
     def close(self) -> None:
-        """Stops the worker thread after the jobs it runs (their outputs are dropped)."""
-        pending, self.pending = self.pending, {}
-        for future, *_ in pending.values():
-            future.exception()
+        """Stops the worker thread once its queued jobs are done (their outputs are dropped)."""
+        self.pending = {}
         self.worker.shutdown(wait=True)
         self.staging = [{}, {}]
 

@@ -86,6 +86,13 @@ class EngineStats:
         return out
 
 
+def _rows_of(logits: torch.Tensor, rows: List[int]) -> torch.Tensor:
+    """logits[rows] of a whole-step graph's output: a slice when the rows are 0..n-1 (no index to the device)."""
+    if rows == list(range(len(rows))):
+        return logits[:len(rows)]
+    return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+
+
 def check_supported(hf_model: torch.nn.Module) -> None:
     """Raises a clear error unless `hf_model` is a decoder-only LLaMA-family HF causal LM the engine handles."""
     config = getattr(hf_model, "config", None)
@@ -542,11 +549,7 @@ class Engine:
         start = self._tick("prepare")
         self.runner.set_parts(parts, num_rows, width)
         if size is not None:
-            logits = self.stagger_graphs.replay(size)
-            if logit_rows == list(range(len(logit_rows))):  # a slice: no index copied to the device
-                logits = logits[:len(logit_rows)]
-            else:
-                logits = logits[torch.tensor(logit_rows, dtype=torch.long, device=self.device)]
+            logits = _rows_of(self.stagger_graphs.replay(size), logit_rows)
         elif key is not None:
             with torch.inference_mode():
                 logits = pieces.replay(key, self.runner)[:num_logits]
@@ -591,12 +594,7 @@ class Engine:
         self.buffers.copy_to_device()
         start = self._tick("prepare")
         if size is not None:
-            logits = self.graphs.replay(size)
-            logit_rows = logit_rows[:num_logits]
-            if logit_rows == list(range(num_logits)):
-                logits = logits[:num_logits]
-            else:
-                logits = logits[torch.tensor(logit_rows, device=logits.device)]
+            logits = _rows_of(self.graphs.replay(size), logit_rows[:num_logits])
         elif key is not None:
             self.runner.set_parts(parts, num_rows)
             with torch.inference_mode():

@@ -212,6 +212,10 @@ class StaggerPipeline:
                     return
         raise ValueError(f"request {request.request_id} is not in a last group of the staggered pipeline")
 
+    def close(self) -> None:
+        """Stops the CPU jobs' worker (its running job finishes first)."""
+        self.executor.close()
+
     # ------------------------------------------------------------------------------------------------
     # a step: begin (host to device), the forward, end (device to host, CPU job)
 
@@ -240,10 +244,6 @@ class StaggerPipeline:
         for table, rows in zip(self.rope, self.rope_rows):
             torch.index_select(table, 0, flat_positions, out=rows.view(-1, rows.shape[-1]))
         self.residual.copy_(self.lane_residual[self.steps % LANES])
-
-    def close(self) -> None:
-        """Stops the CPU jobs' worker (its running job finishes first)."""
-        self.executor.close()
 
     def collect(self) -> None:
         """Just before a begun step's forward: the attention outputs its lane's CPU job computed during the step
@@ -505,11 +505,8 @@ class AsyncJobs:
                 future.result()
 
     def close(self) -> None:
-        """Stops the worker thread after the jobs it runs (their outputs are dropped) and frees the buffers."""
-        pending, self.pending = self.pending, {}
-        for future in pending.values():
-            if future is not None:
-                future.exception()
+        """Stops the worker thread once its queued jobs are done (their outputs are dropped); frees the buffers."""
+        self.pending = {}
         self.worker.shutdown(wait=True)
         self.buffers.clear()
         self.guards.clear()
