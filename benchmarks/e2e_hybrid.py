@@ -67,14 +67,17 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
         staggered = stagger.width if stagger is not None and stagger.active else 0
         context = sum(r.num_tokens for r in running) / max(len(running), 1)
         before = dict(engine.stats.phase_seconds)
+        counts = _event_counts(engine)
         start = time.perf_counter()
         sampled = engine.step()
         seconds = time.perf_counter() - start
         phases.append({k: v - before[k] for k, v in engine.stats.phase_seconds.items()})
+        events.append({k: v - counts[k] for k, v in _event_counts(engine).items() if v != counts[k]})
         host = sum(1 for r in sampled if r.steps_per_pool[HOST_POOL])
         return (len(running) - on_host, on_host + staggered, context, seconds, scheduled[-1]), host
 
     phases = []  # per step: the main thread's seconds per part of engine.step() (EngineStats.phase_seconds)
+    events = []  # per step: what changed in the engine's counters (_event_counts) during it
     begin = time.perf_counter()
     filled, prefill = 0, []
     while stagger is not None and filled < fill_steps and stagger.num_members < stagger.capacity:
@@ -96,13 +99,46 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     window_phases = phases[-window_steps:] if window_steps else []
     decode_phases = [p for p, s in zip(window_phases, steps) if not s[4]]
     generated = engine.stats.generated_tokens - tokens
+    slow = slow_steps(steps, window_phases, events[-window_steps:] if window_steps else [])
     probed = probe(lambda: one_step()[0]) if probe is not None else None
     engine.abort()
     engine._schedule = schedule
     return {"tokens_per_s": generated / seconds, "window_s": seconds, "tokens": generated,
             "host_tokens": host_tokens, "fill_steps": filled, "fill_s": fill_s, "steps": steps, "prefill": prefill,
-            "probe": probed, "decode_phase_s": {k: statistics.median(p[k] for p in decode_phases)
-                                                for k in decode_phases[0]} if decode_phases else None}
+            "probe": probed, "slow_decode_steps": slow,
+            "decode_phase_s": {k: statistics.median(p[k] for p in decode_phases)
+                               for k in decode_phases[0]} if decode_phases else None}
+
+
+def _event_counts(engine) -> dict:
+    """Counters whose change during a step says what else it did: requests moved between pools, parked
+    (swapped out) or recomputed, the running requests (one finished or joined) and the staggered pipeline's
+    members."""
+    stats, stagger = engine.stats, engine.stagger
+    return {"moved": stats.moved, "parked": stats.parked, "recomputed": stats.recomputed,
+            "running": len(engine.scheduler.running),
+            "members": stagger.num_members if stagger is not None else 0}
+
+
+def slow_steps(steps, phases, events, factor=1.5):
+    """The window's decode-only steps slower than `factor` x their median: how many, their share of the
+    window's time above that median, their median main-thread phases, and how often each event (_event_counts)
+    happened in them against the other decode steps (a long step's cause: a swap, a pipeline join, ...)."""
+    decode = [(s[3], p, e) for s, p, e in zip(steps, phases, events) if not s[4]]
+    if not decode:
+        return None
+    median = statistics.median(t for t, _, _ in decode)
+    slow = [d for d in decode if d[0] > factor * median]
+    rest = [d for d in decode if d[0] <= factor * median]
+
+    def rate(group, key):
+        return sum(1 for _, _, e in group if key in e) / max(len(group), 1)
+
+    keys = sorted({k for _, _, e in decode for k in e})
+    return {"count": len(slow), "of": len(decode), "median_s": median,
+            "excess_share": sum(t - median for t, _, _ in slow) / max(sum(s[3] for s in steps), 1e-12),
+            "phase_s": {k: statistics.median(p[k] for _, p, _ in slow) for k in slow[0][1]} if slow else None,
+            "event_rate": {k: (rate(slow, k), rate(rest, k)) for k in keys}}
 
 
 def amortized(run, prompt_len, new_tokens):
@@ -254,6 +290,14 @@ def main():
                       f"{only * 1e3 if only else float('nan'):.2f} ms), fill {r['fill_steps']} steps "
                       f"{r['fill_s']:.0f} s{cpu} ({time.perf_counter() - begin:.0f} s in all); "
                       f"{r['explain'].splitlines()[0][:120]}", flush=True)
+                slow = r.get("slow_decode_steps")
+                if slow and slow["count"]:
+                    print(f"   {shape_name} {gib:g} GiB {m} slow decode steps (> 1.5x median): {slow['count']} of "
+                          f"{slow['of']}, {slow['excess_share']:.0%} of the window above the median; phases "
+                          + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in slow["phase_s"].items()) + " ms; events "
+                          "(slow vs other steps) " + ", ".join(f"{k} {a:.0%}/{b:.0%}"
+                                                               for k, (a, b) in slow["event_rate"].items()),
+                          flush=True)
                 if r.get("decode_phase_s"):
                     print(f"   {shape_name} {gib:g} GiB {m} decode step, main thread: " + ", ".join(
                         f"{k} {v * 1e3:.3f} ms" for k, v in r["decode_phase_s"].items()), flush=True)

@@ -48,7 +48,7 @@ def graph_seconds(graphs, size: int, repeats: int = 30) -> float:
     return statistics.median(times)
 
 
-def trace(steps: int, top: int = 12):
+def trace(steps: int, top: int = 40):
     """A probe for steady_state: profiles `steps` engine steps; returns per step the top GPU kernels and host
     ops by time, [(name, microseconds per step, calls per step)] each."""
 
@@ -204,7 +204,8 @@ def main():
         if run["probe"]:
             row["trace"] = run["probe"]
             for side, ranked in run["probe"].items():
-                print(f"  {mode} top {side} per step: " + "; ".join(f"{n} {us:.0f} us x{c:g}" for n, us, c in ranked))
+                print(f"  {mode} top {side} per step: " + "; ".join(f"{n} {us:.0f} us x{c:g}"
+                                                                   for n, us, c in ranked[:12]))
         print(f"{mode:17}: " + ", ".join(f"{k} {v * 1e3:.2f} ms" if k.endswith("_s") and isinstance(v, float)
                                          else f"{k} {v}" for k, v in row.items()
                                          if k not in ("tokens_per_s", "phase_s", "trace"))

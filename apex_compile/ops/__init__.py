@@ -20,14 +20,14 @@ from apex_compile.ops.cpu_attention import (
     paged_attention_cpu_multi,
 )
 from apex_compile.ops.gpu_attention import cache_append_gpu, paged_attention_gpu, paged_prefill_attention_gpu
-from apex_compile.ops.kv_layout import copy_blocks, gather_kv
+from apex_compile.ops.kv_layout import copy_blocks, copy_blocks_layers, gather_kv
 from apex_compile.ops.linear import qkv_linear
 from apex_compile.ops.mlp import silu_mul, swiglu
 from apex_compile.ops.norm import rms_norm
 
 __all__ = [
     "allocate_kv_cache_cpu", "allocate_kv_cache_gpu", "attention", "cache_append_cpu", "cache_append_cpu_multi",
-    "cache_append_gpu", "copy_blocks", "cpu_attention_work_split", "cpu_isa", "gather_kv", "paged_attention_cpu",
-    "paged_attention_cpu_multi", "paged_attention_gpu", "paged_prefill_attention_gpu", "qkv_linear", "rms_norm",
-    "silu_mul", "swiglu",
+    "cache_append_gpu", "copy_blocks", "copy_blocks_layers", "cpu_attention_work_split", "cpu_isa", "gather_kv",
+    "paged_attention_cpu", "paged_attention_cpu_multi", "paged_attention_gpu", "paged_prefill_attention_gpu",
+    "qkv_linear", "rms_norm", "silu_mul", "swiglu",
 ]

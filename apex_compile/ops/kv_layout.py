@@ -37,36 +37,77 @@ def _id_list(ids: IdList) -> list:
 
 def copy_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor, src_ids: IdList, dst_ids: IdList) -> None:
     """Copies whole blocks src_cache[src_ids[i]] -> dst_cache[dst_ids[i]] (same block shape and dtype, any device
-    pair). Across devices, runs of consecutive ids move as one slice each, asynchronously when the host side is
+    pair); `copy_blocks_layers` of one cache pair."""
+    copy_blocks_layers([src_cache], [dst_cache], src_ids, dst_ids)
+
+
+def copy_blocks_layers(src_caches: Sequence[torch.Tensor], dst_caches: Sequence[torch.Tensor], src_ids: IdList,
+                       dst_ids: IdList) -> None:
+    """Copies blocks src_ids[i] -> dst_ids[i] of every cache pair (src_caches[l] -> dst_caches[l], e.g. each
+    layer's K and V), the ids checked and their index tensors built once.
+
+    Across devices the accelerator side gathers (or scatters) its blocks, wherever they lie in its pool, with
+    one kernel per cache, and the host side moves one copy per run of consecutive host ids: a request crosses
+    in a few large copies rather than one small copy per block and cache. Asynchronous when the host side is
     pinned (synchronise the stream before reusing the source or reading the destination on the host)."""
-    if src_cache.shape[1:] != dst_cache.shape[1:] or src_cache.dtype != dst_cache.dtype:
-        raise ValueError(
-            f"block shapes/dtypes differ: {tuple(src_cache.shape[1:])} {src_cache.dtype} vs "
-            f"{tuple(dst_cache.shape[1:])} {dst_cache.dtype}"
-        )
+    if len(src_caches) != len(dst_caches):
+        raise ValueError(f"{len(src_caches)} source caches for {len(dst_caches)} destination caches")
+    for src, dst in zip(src_caches, dst_caches):
+        if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
+            raise ValueError(f"block shapes/dtypes differ: {tuple(src.shape[1:])} {src.dtype} vs "
+                             f"{tuple(dst.shape[1:])} {dst.dtype}")
     src_list, dst_list = _id_list(src_ids), _id_list(dst_ids)
     if len(src_list) != len(dst_list):
         raise ValueError(f"src_ids and dst_ids differ in length: {len(src_list)} vs {len(dst_list)}")
-    if not src_list:
+    if not src_list or not src_caches:
         return
-    for ids, cache, name in ((src_list, src_cache, "src_ids"), (dst_list, dst_cache, "dst_ids")):
-        if min(ids) < 0 or max(ids) >= cache.shape[0]:
-            raise IndexError(f"{name} out of range for a cache of {cache.shape[0]} blocks")
-    if src_cache.device == dst_cache.device:
-        index = torch.tensor(src_list, device=src_cache.device)
-        dst_cache.index_copy_(0, torch.tensor(dst_list, device=dst_cache.device), src_cache.index_select(0, index))
+    for ids, caches, name in ((src_list, src_caches, "src_ids"), (dst_list, dst_caches, "dst_ids")):
+        blocks = min(c.shape[0] for c in caches)
+        if min(ids) < 0 or max(ids) >= blocks:
+            raise IndexError(f"{name} out of range for a cache of {blocks} blocks")
+    src_device, dst_device = src_caches[0].device, dst_caches[0].device
+    if src_device == dst_device:
+        src_index, dst_index = _index(src_list, src_device), _index(dst_list, dst_device)
+        for src, dst in zip(src_caches, dst_caches):
+            dst.index_copy_(0, dst_index, src.index_select(0, src_index))
         return
-    host = src_cache if src_cache.device.type == "cpu" else dst_cache
-    non_blocking = host.device.type == "cpu" and host.is_pinned()
-    start = 0
-    while start < len(src_list):
-        end = start + 1
-        while (
-            end < len(src_list)
-            and src_list[end] == src_list[end - 1] + 1
-            and dst_list[end] == dst_list[end - 1] + 1
-        ):
-            end += 1
-        s, d, n = src_list[start], dst_list[start], end - start
-        dst_cache[d : d + n].copy_(src_cache[s : s + n], non_blocking=non_blocking)
-        start = end
+    _copy_across(src_caches, dst_caches, src_list, dst_list, host_is_dst=dst_device.type == "cpu")
+
+
+def _index(ids: list, device: torch.device) -> torch.Tensor:
+    """ids as an int64 tensor on `device` (on CUDA from pinned memory, a copy that does not stall the host)."""
+    if device.type != "cuda":
+        return torch.tensor(ids, dtype=torch.int64, device=device)
+    return torch.tensor(ids, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+
+
+def _runs(ids: list) -> list:
+    """(position, first id, length) of each run of consecutive ids."""
+    runs, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            runs.append((start, ids[start], i - start))
+            start = i
+    return runs
+
+
+def _copy_across(src_caches, dst_caches, src_list: list, dst_list: list, host_is_dst: bool) -> None:
+    """`copy_blocks_layers` between the host and an accelerator (host_is_dst: which side the host is): a staging
+    tensor of the blocks in order on the accelerator, filled or emptied there by one gather / scatter per cache,
+    crossing in one copy per run of host ids. Works on any pair of devices (tested with both on the CPU)."""
+    host_ids, device_ids = (dst_list, src_list) if host_is_dst else (src_list, dst_list)
+    runs = _runs(host_ids)
+    device = (src_caches if host_is_dst else dst_caches)[0].device
+    index = _index(device_ids, device)
+    for src, dst in zip(src_caches, dst_caches):
+        host = dst if host_is_dst else src
+        non_blocking = host.device.type == "cpu" and host.is_pinned()
+        if host_is_dst:
+            staged = src.index_select(0, index)
+            for pos, first, n in runs:
+                dst[first:first + n].copy_(staged[pos:pos + n], non_blocking=non_blocking)
+        else:  # stream order keeps a later cache's staging (reusing this memory) behind this scatter
+            staged = torch.empty((len(device_ids), *dst.shape[1:]), dtype=dst.dtype, device=device)
+            for pos, first, n in runs:
+                staged[pos:pos + n].copy_(src[first:first + n], non_blocking=non_blocking)
+            dst.index_copy_(0, index, staged)

@@ -24,7 +24,7 @@ from apex_compile.runtime.cuda_graphs import (PIECEWISE_MAX_TOKENS, DecodeGraphs
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, POOL_NAMES, CacheShape, KVManager
 from apex_compile.runtime.perf_model import AutoOffload, PerfModel
 from apex_compile.runtime.request import Request, SamplingParams
-from apex_compile.runtime.sampler import Sampler
+from apex_compile.runtime.sampler import Sampler, to_device
 from apex_compile.runtime.scheduler import ScheduledChunk, Scheduler
 from apex_compile.runtime.stagger import LANES, StaggerPipeline, rope_tables
 from apex_compile.runtime.step_buffers import StepBuffers
@@ -87,10 +87,11 @@ class EngineStats:
 
 
 def _rows_of(logits: torch.Tensor, rows: List[int]) -> torch.Tensor:
-    """logits[rows] of a whole-step graph's output: a slice when the rows are 0..n-1 (no index to the device)."""
+    """logits[rows] of a whole-step graph's output: a slice when the rows are 0..n-1, else a gather (its index
+    copied without stalling the host: a staggered block with empty rows, before the pipeline is full)."""
     if rows == list(range(len(rows))):
         return logits[:len(rows)]
-    return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)]
+    return logits.index_select(0, to_device(rows, torch.long, logits.device))
 
 
 def check_supported(hf_model: torch.nn.Module) -> None:

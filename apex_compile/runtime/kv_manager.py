@@ -282,13 +282,10 @@ class KVManager:
 
     @staticmethod
     def _copy_layers(src: KVPool, dst: KVPool, src_ids: List[int], dst_ids: List[int]) -> None:
-        from apex_compile.ops import copy_blocks
+        from apex_compile.ops import copy_blocks_layers
 
-        src_t = torch.tensor(src_ids, dtype=torch.int64)
-        dst_t = torch.tensor(dst_ids, dtype=torch.int64)
-        for layer in range(len(src.key_caches)):
-            copy_blocks(src.key_caches[layer], dst.key_caches[layer], src_t, dst_t)
-            copy_blocks(src.value_caches[layer], dst.value_caches[layer], src_t, dst_t)
+        copy_blocks_layers(list(src.key_caches) + list(src.value_caches),
+                           list(dst.key_caches) + list(dst.value_caches), src_ids, dst_ids)
 
     def close(self) -> None:
         """Drops both pools' caches (after the moves in flight); block tables are forgotten."""

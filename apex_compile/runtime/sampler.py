@@ -7,6 +7,15 @@ import torch
 from apex_compile.runtime.request import Request, SamplingParams
 
 
+def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`torch.tensor(data)` on `device` without stalling the host: on CUDA through pinned staging memory and a
+    non-blocking copy (torch's caching host allocator keeps the staging block until the copy has run). A copy
+    from pageable memory would first wait for all the stream's queued work, e.g. the whole step's graph."""
+    if device.type != "cuda":
+        return torch.tensor(data, dtype=dtype, device=device)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                   top_p: torch.Tensor) -> torch.Tensor:
     """Per-row temperature, top-k and top-p applied to logits [N, V] (filtered entries become -inf).
@@ -66,15 +75,17 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
     if penalised:
         seen = [requests[i].prompt_token_ids + requests[i].output_token_ids for i in penalised]
         width = max(len(tokens) for tokens in seen)
-        ids = torch.tensor([tokens + tokens[-1:] * (width - len(tokens)) for tokens in seen], device=device)
-        rows = torch.tensor(penalised, device=device)
-        penalty = torch.tensor([requests[i].sampling.repetition_penalty for i in penalised], device=device,
-                               dtype=logits.dtype)[:, None]
+        ids = to_device([tokens + tokens[-1:] * (width - len(tokens)) for tokens in seen], torch.long, device)
+        rows = to_device(penalised, torch.long, device)
+        penalty = to_device([requests[i].sampling.repetition_penalty for i in penalised], logits.dtype,
+                            device)[:, None]
         picked = logits[rows].gather(1, ids)
         picked = torch.where(picked < 0, picked * penalty, picked / penalty)
         logits[rows] = logits[rows].scatter(1, ids, picked)
-    for i in early:
-        logits[i, list(requests[i].sampling.eos_token_ids)] = float("-inf")
+    if early:  # -inf at every (row, EOS id), one fill by flat index (a CPU scalar assigned by index would sync)
+        vocab = logits.shape[-1]
+        flat = [i * vocab + t for i in early for t in requests[i].sampling.eos_token_ids]
+        logits.view(-1).index_fill_(0, to_device(flat, torch.long, device), float("-inf"))
     return logits
 
 
@@ -94,9 +105,10 @@ class PendingTokens:
 class Sampler:
     """Chooses one token per logits row with batched ops on the logits' device and one copy to the host.
 
-    Unseeded rows draw with torch.multinomial from torch's global RNG (`torch.manual_seed` reproduces a run);
-    seeded rows draw by an exponential race (argmax of p / E, E ~ Exp(1), an exact draw from p) whose noise is
-    a hash of (seed, draws so far, token): reproducible per request, independent of the batch.
+    Sampled rows draw by an exponential race (argmax of p / E, E ~ Exp(1), an exact draw from p; unlike
+    torch.multinomial, whose input check waits for the GPU, it queues without a sync). Unseeded rows take E from
+    torch's global RNG (`torch.manual_seed` reproduces a run); seeded rows from a hash of (seed, draws so far,
+    token): reproducible per request, independent of the batch.
     """
 
     def __init__(self):
@@ -137,15 +149,17 @@ class Sampler:
         if not sampled_rows:
             return greedy
         device = logits.device
-        temperature = torch.tensor([p.temperature if p.do_sample else 1.0 for p in params], device=device)
-        top_k = torch.tensor([p.top_k if p.do_sample else 1 for p in params], device=device)
-        top_p = torch.tensor([p.top_p if p.do_sample else 1.0 for p in params], device=device)
+        temperature = to_device([p.temperature if p.do_sample else 1.0 for p in params], torch.float32, device)
+        top_k = to_device([p.top_k if p.do_sample else 1 for p in params], torch.long, device)
+        top_p = to_device([p.top_p if p.do_sample else 1.0 for p in params], torch.float32, device)
         probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
         tokens = greedy.clone()
         unseeded = [i for i in sampled_rows if params[i].seed is None]
         if unseeded:
-            index = torch.tensor(unseeded, device=device)
-            tokens[index] = torch.multinomial(probs[index], 1).squeeze(1)
+            index = to_device(unseeded, torch.long, device)
+            picked = probs[index]
+            race = torch.empty_like(picked).exponential_().clamp_(min=torch.finfo(picked.dtype).tiny)  # no 0 / 0
+            tokens[index] = (picked / race).argmax(dim=-1)
         seeded = [i for i in sampled_rows if params[i].seed is not None]
         if seeded:
             counters = []
@@ -153,8 +167,8 @@ class Sampler:
                 rid = requests[i].request_id
                 counters.append(self._draws.get(rid, 0))
                 self._draws[rid] = counters[-1] + 1
-            index = torch.tensor(seeded, device=device)
-            noise = seeded_uniform(torch.tensor([params[i].seed for i in seeded], device=device),
-                                   torch.tensor(counters, device=device), logits.shape[-1])
+            index = to_device(seeded, torch.long, device)
+            noise = seeded_uniform(to_device([params[i].seed for i in seeded], torch.long, device),
+                                   to_device(counters, torch.long, device), logits.shape[-1])
             tokens[index] = (probs[index] / -torch.log(noise)).argmax(dim=-1)
         return tokens

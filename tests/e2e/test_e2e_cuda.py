@@ -156,3 +156,44 @@ def test_staggered_equals_hf_generate_fp32(width):
     assert torch.equal(out, ref)
     assert apex.engine.stats.requests_per_pool[1] >= 2  # some requests ran staggered from the host pool
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+
+
+@pytest.mark.parametrize("offload", ["never", "staggered"])
+def test_decode_steps_never_wait_for_the_gpu(fp32_model, offload):
+    """Once every request is past its prompt, a decode step queues its graph, the sampling and the pipeline's
+    copies without the host waiting for the GPU: torch's sync debug mode raises on any such wait (a copy from
+    pageable memory, .item()); the sampled ids' event is the step's only wait. The rows sample (temperature,
+    top-k/top-p, seeds, repetition penalty, EOS masked by min_new_tokens), and with "staggered" the block has
+    empty rows (three host requests for a width of 3 over several groups) and its rows are not 0..n-1."""
+    from apex_compile.runtime.request import SamplingParams
+
+    torch.manual_seed(2)
+    head_dim = SMALL["hidden_size"] // SMALL["num_attention_heads"]
+    block = 2 * SMALL["num_hidden_layers"] * SMALL["num_key_value_heads"] * 16 * head_dim * 4
+    staggered = offload == "staggered"
+    apex = optimize(fp32_model, ApexConfig(offload=offload, stagger_width=3, capture_sizes=(2, 4, 8),
+                                           gpu_cache_size=(8 if staggered else 64) * block, cpu_cache_size=32 * MB))
+    engine = apex.engine
+    kinds = [dict(), dict(do_sample=True, temperature=0.8, top_k=50), dict(do_sample=True, top_p=0.9, seed=5),
+             dict(repetition_penalty=1.3), dict(eos_token_ids=(7,), min_new_tokens=100)]
+    for i, n in enumerate((5, 17, 33, 9, 40, 21, 12)):
+        engine.add_request(torch.randint(3, SMALL["vocab_size"], (n,)).tolist(),
+                           SamplingParams(max_new_tokens=200, **kinds[i % len(kinds)]))
+    for _ in range(300):  # until every request has a token (the staggered ones ride the pipeline first)
+        engine.step()
+        if not engine.scheduler.waiting and all(r.output_token_ids for r in engine.scheduler.running) and not (
+                staggered and engine.stagger.joining):
+            break
+    if staggered:
+        assert engine.stagger.active and 0 < engine.stagger.num_members < engine.stagger.capacity
+    replays = engine.stagger_graphs.replays if staggered else engine.graphs.replays
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(12):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert (engine.stagger_graphs.replays if staggered else engine.graphs.replays) == replays + 12
+    engine.abort()
+    apex.close()

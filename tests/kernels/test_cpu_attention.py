@@ -10,6 +10,7 @@ from apex_compile.ops import (
     allocate_kv_cache_cpu,
     cache_append_cpu,
     copy_blocks,
+    copy_blocks_layers,
     cpu_attention_work_split,
     cpu_isa,
     gather_kv,
@@ -409,6 +410,42 @@ def test_copy_blocks_cpu():
         copy_blocks(src_k, dst_k, [8], [0])
     with pytest.raises(ValueError, match="dtypes"):
         copy_blocks(src_k, dst_k.float(), [0], [0])
+
+
+@pytest.mark.parametrize("host_is_dst", [True, False])
+def test_blocks_cross_in_one_gather_and_a_copy_per_host_run(host_is_dst, monkeypatch):
+    """The host <-> accelerator path of copy_blocks_layers, run with both sides on the CPU: blocks scattered over
+    the accelerator's pool, host ids in three runs; every layer's K and V arrive, with one copy per run and
+    cache (not one per block)."""
+    from apex_compile.ops import kv_layout
+
+    gen = torch.Generator().manual_seed(3)
+    accel = [torch.randn(12, 2, 16, 8, generator=gen) for _ in range(4)]
+    host = [torch.randn(10, 2, 16, 8, generator=gen) for _ in range(4)]
+    device_ids, host_ids = [9, 2, 7, 0, 11, 5], [3, 4, 5, 0, 8, 9]
+    src, dst = (accel, host) if host_is_dst else (host, accel)
+    src_ids, dst_ids = (device_ids, host_ids) if host_is_dst else (host_ids, device_ids)
+    want = [d.clone() for d in dst]
+    for s_, w in zip(src, want):
+        for i, j in zip(src_ids, dst_ids):
+            w[j] = s_[i]
+    copies = []
+    copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, other, **kw: copies.append(1) or copy(self, other, **kw))
+    kv_layout._copy_across(src, dst, src_ids, dst_ids, host_is_dst=host_is_dst)
+    assert all(torch.equal(d, w) for d, w in zip(dst, want))
+    assert len(copies) == 3 * len(src)
+    assert kv_layout._runs([3, 4, 5, 0, 8, 9, 1]) == [(0, 3, 3), (3, 0, 1), (4, 8, 2), (6, 1, 1)]
+
+
+def test_copy_blocks_layers_checks_every_pair():
+    a, b = torch.zeros(4, 2, 16, 8), torch.zeros(4, 2, 16, 8)
+    with pytest.raises(ValueError, match="dtypes"):
+        copy_blocks_layers([a, a], [b, b.double()], [0], [1])
+    with pytest.raises(IndexError):
+        copy_blocks_layers([a, a], [b, b[:2]], [0], [3])
+    with pytest.raises(ValueError, match="caches"):
+        copy_blocks_layers([a], [b, b], [0], [1])
 
 
 @pytest.mark.cuda

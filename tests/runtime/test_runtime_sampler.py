@@ -1,11 +1,12 @@
 """Sampler: greedy, HF-equal filtering (temperature, top-k, top-p), seeded reproducibility, frequencies."""
 import pytest
 import torch
-from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                    TopPLogitsWarper)
+from transformers.generation.logits_process import (MinNewTokensLengthLogitsProcessor,
+                                                    RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
+                                                    TopKLogitsWarper, TopPLogitsWarper)
 
 from apex_compile.runtime.request import Request, SamplingParams
-from apex_compile.runtime.sampler import Sampler, filter_logits
+from apex_compile.runtime.sampler import Sampler, filter_logits, process_logits
 
 
 def requests_with(params):
@@ -77,17 +78,43 @@ def test_top_k_is_respected_and_seeds_reproduce():
     assert set(draws[0]) <= allowed and len(set(draws[0])) > 1
 
 
-def test_sampled_frequencies_follow_the_softmax():
+@pytest.mark.parametrize("seed", [7, None])
+def test_sampled_frequencies_follow_the_softmax(seed):
     torch.manual_seed(5)
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]])
     sampler = Sampler()
-    request = requests_with([SamplingParams(do_sample=True, temperature=1.0, seed=7)])
+    request = requests_with([SamplingParams(do_sample=True, temperature=1.0, seed=seed)])
     counts = torch.zeros(5)
     for _ in range(4000):
         counts[sampler.sample(logits, request)[0]] += 1
     expected = logits[0].double().softmax(-1) * 4000
     assert counts[4] == 0
     assert torch.all((counts[:4] - expected[:4].float()).abs() < 4 * expected[:4].float().sqrt() + 5)
+
+
+def test_processors_equal_hf_row_by_row():
+    """Repetition penalty and EOS masked before min_new_tokens, batched over rows that ask for different ones
+    (several EOS ids, rows past min_new_tokens untouched), against HF's processors applied to each row."""
+    torch.manual_seed(6)
+    logits = torch.randn(5, 50)
+    params = [SamplingParams(repetition_penalty=1.3), SamplingParams(eos_token_ids=(3, 9), min_new_tokens=4),
+              SamplingParams(), SamplingParams(eos_token_ids=(9,), min_new_tokens=6, repetition_penalty=0.7),
+              SamplingParams(eos_token_ids=(1,), min_new_tokens=2)]
+    requests = [Request(i, [4, 5, 4, 11], p) for i, p in enumerate(params)]
+    for i, request in enumerate(requests):
+        request.output_token_ids = [7, 3, 9, 20, 1][:i + 1]
+    ours = process_logits(logits, requests)
+    for i, (request, p) in enumerate(zip(requests, params)):
+        ids = torch.tensor([request.prompt_token_ids + request.output_token_ids])
+        ref = logits[i:i + 1].clone()
+        if p.repetition_penalty != 1.0:
+            ref = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, ref)
+        if p.eos_token_ids:
+            prompt = len(request.prompt_token_ids)
+            ref = MinNewTokensLengthLogitsProcessor(prompt, p.min_new_tokens, list(p.eos_token_ids))(ids, ref)
+        assert torch.equal(ours[i], ref[0]), i
+    assert torch.isinf(ours[1, [3, 9]]).all() and torch.isinf(ours[3, 9]) and not torch.isinf(ours[4]).any()
+    assert process_logits(logits, requests[2:3]) is logits
 
 
 def test_invalid_sampling_parameters_are_rejected():

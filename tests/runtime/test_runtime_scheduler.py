@@ -122,6 +122,24 @@ def test_full_pools_evict_and_every_request_finishes_with_all_blocks_back(offloa
         assert sum(len(p.parked) for p in plans) > 0 and sum(len(p.resumed) for p in plans) > 0
 
 
+def test_a_host_pool_prompt_that_fits_a_step_is_not_split():
+    """A host-pool prompt waits for a step with room for all of it rather than starting with the budget's
+    rest (its continuation would attend on the CPU, layer by layer); one longer than any step is chunked."""
+    sched, kv = make(40, 40, offload="all", max_num_batched_tokens=32)
+    first = add(sched, 0, 20, 3)
+    second = add(sched, 1, 20, 3)  # 12 tokens left in the first step: it waits for the next one
+    plan = sched.schedule()
+    assert [(c.request, c.num_tokens) for c in plan.chunks] == [(first, 20)] and plan.chunks[0].pool == HOST_POOL
+    first.num_computed = 20
+    first.output_token_ids.append(0)
+    plan = sched.schedule()
+    assert [(c.request, c.num_tokens) for c in plan.chunks] == [(first, 1), (second, 20)]
+    sched, kv = make(40, 40, offload="all", max_num_batched_tokens=32)
+    add(sched, 0, 100, 3)
+    _, shapes = drive(sched, kv)
+    assert shapes[:4] == [[(32, False)], [(32, False)], [(32, False)], [(4, True)]]
+
+
 def test_fraction_mode_moves_a_request_to_the_other_pool_when_its_pool_is_full():
     sched, kv = make(8, 6, offload=0.5)
     a = add(sched, 0, 20, 40)  # host (the first placement goes to the host pool)
