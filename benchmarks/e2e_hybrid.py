@@ -85,6 +85,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
         prefill.append((step[3], step[4]))
         filled += 1
     fill_s = time.perf_counter() - begin
+    filled_share = stagger.num_members / stagger.capacity if stagger is not None else None  # < 1: cut by fill_steps
     for _ in range(warm_steps):
         step, _ = one_step()
         prefill.append((step[3], step[4]))
@@ -104,7 +105,8 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     engine.abort()
     engine._schedule = schedule
     return {"tokens_per_s": generated / seconds, "window_s": seconds, "tokens": generated,
-            "host_tokens": host_tokens, "fill_steps": filled, "fill_s": fill_s, "steps": steps, "prefill": prefill,
+            "host_tokens": host_tokens, "fill_steps": filled, "fill_s": fill_s, "pipeline_filled": filled_share,
+            "steps": steps, "prefill": prefill,
             "probe": probed, "slow_decode_steps": slow,
             "decode_phase_s": {k: statistics.median(p[k] for p in decode_phases)
                                for k in decode_phases[0]} if decode_phases else None}
@@ -282,13 +284,14 @@ def main():
                 cpu = (f"; CPU job {r['cpu_job_s'] * 1e3:.2f} ms (+{r['cpu_job_ready_wait_s'] * 1e3:.2f} waiting for "
                        f"its inputs), collect wait {r['collect_wait_s'] * 1e3:.2f} ms" if "cpu_job_s" in r else "")
                 only = r["decode_only_step_s"]
+                full = f" (pipeline {r['pipeline_filled']:.0%} full)" if r.get("pipeline_filled") is not None else ""
                 print(f"   {shape_name} {gib:g} GiB {m}: {r['tokens_per_s']:.0f} tokens/s ({r['host_tokens']} of "
                       f"{r['tokens']} from the host; {r['amortized_tokens_per_s']:.0f} with their prefill at "
                       f"{r['prefill_s_per_token'] * 1e6:.0f} us/token from {r['prefill_samples']} steps), "
                       f"median step {r['decode_step_s'] * 1e3:.2f} ms"
                       f" ({r['decode_only_steps']} decode-only: "
                       f"{only * 1e3 if only else float('nan'):.2f} ms), fill {r['fill_steps']} steps "
-                      f"{r['fill_s']:.0f} s{cpu} ({time.perf_counter() - begin:.0f} s in all); "
+                      f"{r['fill_s']:.0f} s{full}{cpu} ({time.perf_counter() - begin:.0f} s in all); "
                       f"{r['explain'].splitlines()[0][:120]}", flush=True)
                 slow = r.get("slow_decode_steps")
                 if slow and slow["count"]:

@@ -27,3 +27,17 @@ def test_hf_generate_baseline_returns_an_error_it_cannot_run():
     prompts = torch.randint(3, 96, (2, 8)).tolist()
     row = e2e_hybrid.hf_generate(model, prompts, 4, 2, cache_implementation="no-such-cache")
     assert row["cache"] == "no-such-cache" and row["error"] and "tokens_per_s" not in row
+
+
+def test_slow_steps_name_what_happened_in_the_long_decode_steps():
+    """slow_steps: decode-only steps over 1.5x their median, their share of the window above it, and how often
+    each event came with them against the other decode steps (prefill steps are left out)."""
+    steps = [(4, 0, 100.0, 0.010, 0)] * 8 + [(4, 0, 100.0, 0.030, 0), (4, 0, 100.0, 0.050, 256)]
+    phases = [{"forward": 0.001, "wait": 0.009}] * 8 + [{"forward": 0.021, "wait": 0.009}] * 2
+    events = [{}] * 7 + [{"running": 1}, {"parked": 1, "running": -1}, {"parked": 1}]
+    slow = e2e_hybrid.slow_steps(steps, phases, events)
+    assert slow["count"] == 1 and slow["of"] == 9 and abs(slow["median_s"] - 0.010) < 1e-12
+    assert abs(slow["excess_share"] - 0.020 / sum(s[3] for s in steps)) < 1e-12
+    assert slow["phase_s"] == {"forward": 0.021, "wait": 0.009}
+    assert slow["event_rate"] == {"parked": (1.0, 0.0), "running": (1.0, 1 / 8)}
+    assert e2e_hybrid.slow_steps(steps[-1:], phases[-1:], events[-1:]) is None
