@@ -67,18 +67,21 @@ def copy_blocks_layers(src_caches: Sequence[torch.Tensor], dst_caches: Sequence[
             raise IndexError(f"{name} out of range for a cache of {blocks} blocks")
     src_device, dst_device = src_caches[0].device, dst_caches[0].device
     if src_device == dst_device:
-        src_index, dst_index = _index(src_list, src_device), _index(dst_list, dst_device)
+        src_index = to_device(src_list, torch.int64, src_device)
+        dst_index = to_device(dst_list, torch.int64, dst_device)
         for src, dst in zip(src_caches, dst_caches):
             dst.index_copy_(0, dst_index, src.index_select(0, src_index))
         return
     _copy_across(src_caches, dst_caches, src_list, dst_list, host_is_dst=dst_device.type == "cpu")
 
 
-def _index(ids: list, device: torch.device) -> torch.Tensor:
-    """ids as an int64 tensor on `device` (on CUDA from pinned memory, a copy that does not stall the host)."""
+def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`torch.tensor(data)` on `device` without stalling the host: on CUDA through pinned staging memory and a
+    non-blocking copy (torch's caching host allocator keeps the staging block until the copy has run). A copy
+    from pageable memory would first wait for all the stream's queued work, e.g. the whole step's graph."""
     if device.type != "cuda":
-        return torch.tensor(ids, dtype=torch.int64, device=device)
-    return torch.tensor(ids, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+        return torch.tensor(data, dtype=dtype, device=device)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def _runs(ids: list) -> list:
@@ -98,7 +101,7 @@ def _copy_across(src_caches, dst_caches, src_list: list, dst_list: list, host_is
     host_ids, device_ids = (dst_list, src_list) if host_is_dst else (src_list, dst_list)
     runs = _runs(host_ids)
     device = (src_caches if host_is_dst else dst_caches)[0].device
-    index = _index(device_ids, device)
+    index = to_device(device_ids, torch.int64, device)
     for src, dst in zip(src_caches, dst_caches):
         host = dst if host_is_dst else src
         non_blocking = host.device.type == "cpu" and host.is_pinned()

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from apex_compile.config import GiB, ApexConfig
+from apex_compile.ops.kv_layout import to_device
 from apex_compile.runtime.attention_runner import PagedAttentionRunner, order_chunks
 from apex_compile.runtime.context import attention_runner
 from apex_compile.runtime.cuda_graphs import (PIECEWISE_MAX_TOKENS, DecodeGraphs, PiecewiseGraphs, capture_sizes,
@@ -24,7 +25,7 @@ from apex_compile.runtime.cuda_graphs import (PIECEWISE_MAX_TOKENS, DecodeGraphs
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, POOL_NAMES, CacheShape, KVManager
 from apex_compile.runtime.perf_model import AutoOffload, PerfModel
 from apex_compile.runtime.request import Request, SamplingParams
-from apex_compile.runtime.sampler import Sampler, to_device
+from apex_compile.runtime.sampler import Sampler
 from apex_compile.runtime.scheduler import ScheduledChunk, Scheduler
 from apex_compile.runtime.stagger import LANES, StaggerPipeline, rope_tables
 from apex_compile.runtime.step_buffers import StepBuffers

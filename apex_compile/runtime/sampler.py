@@ -4,16 +4,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from apex_compile.ops.kv_layout import to_device
 from apex_compile.runtime.request import Request, SamplingParams
-
-
-def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`torch.tensor(data)` on `device` without stalling the host: on CUDA through pinned staging memory and a
-    non-blocking copy (torch's caching host allocator keeps the staging block until the copy has run). A copy
-    from pageable memory would first wait for all the stream's queued work, e.g. the whole step's graph."""
-    if device.type != "cuda":
-        return torch.tensor(data, dtype=dtype, device=device)
-    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,

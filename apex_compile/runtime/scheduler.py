@@ -290,8 +290,8 @@ class Scheduler:
     def _splits_host_prompt(self, request: Request, num_tokens: int) -> bool:
         """Whether starting `request` in the host pool with `num_tokens` tokens would split a prompt that a later
         step can take whole (its running requests' rows aside). A continued host-pool chunk attends its cached
-        part on the CPU, every layer waiting for it (0.2-1.2 s per 2k-token step at 8B on the H200 host, ten
-        times a fresh chunk), so the request waits for that step instead."""
+        part on the CPU, every layer waiting for it (about ten times a fresh chunk's time: notes item 29), so
+        the request waits for that step instead."""
         rest = request.num_tokens - request.num_computed
         return num_tokens < rest <= self.config.max_num_batched_tokens - len(self.running)
 
