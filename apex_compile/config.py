@@ -46,6 +46,11 @@ class ApexConfig:
     cuda_graphs: on CUDA with `compile`, decode steps of the device pool replay whole-forward CUDA graphs
         captured per batch size (see `capture_sizes`); False runs every step through the compiled code
         (debugging). Ignored on the CPU.
+    async_scheduling: queue a decode step while the previous one runs on the GPU, its input ids taken from
+        the previous step's sampled ids on the device, so that scheduling and the step's metadata are off the
+        critical path. Only steps whose rows all decode in the device pool run ahead, and only while no request
+        waits for a step that could admit it; a request that stops by EOS or a stop string gets one extra row,
+        discarded. None: on CUDA (on a CPU the step runs on the host thread itself, so nothing would overlap).
     capture_sizes: batch sizes captured (None: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs); a decode step
         runs the smallest size >= its batch, larger batches run uncaptured.
     """
@@ -61,6 +66,7 @@ class ApexConfig:
     compile: bool = True
     inner: Optional[str] = None
     cuda_graphs: bool = True
+    async_scheduling: Optional[bool] = None
     capture_sizes: Optional[Sequence[int]] = None
     stagger_width: Optional[int] = None
     cpu_attention_threads: Optional[int] = None
@@ -87,6 +93,8 @@ class ApexConfig:
             raise ValueError(f"ApexConfig.max_model_len must be >= 1, got {self.max_model_len}")
         if self.preemption not in PREEMPTION_MODES:
             raise ValueError(f"ApexConfig.preemption must be one of {PREEMPTION_MODES}, got {self.preemption!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"ApexConfig.async_scheduling must be True, False or None, got {self.async_scheduling!r}")
         if self.capture_sizes is not None:
             sizes = list(self.capture_sizes)
             if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):

@@ -68,13 +68,16 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
         context = sum(r.num_tokens for r in running) / max(len(running), 1)
         before = dict(engine.stats.phase_seconds)
         counts = _event_counts(engine)
+        scheduled_before = len(scheduled)
         start = time.perf_counter()
         sampled = engine.step()
         seconds = time.perf_counter() - start
+        # a step queued ahead by the call before (async scheduling) was not scheduled here: it only decodes
+        prefill_tokens = scheduled[-1] if len(scheduled) > scheduled_before else 0
         phases.append({k: v - before[k] for k, v in engine.stats.phase_seconds.items()})
         events.append({k: v - counts[k] for k, v in _event_counts(engine).items() if v != counts[k]})
         host = sum(1 for r in sampled if r.steps_per_pool[HOST_POOL])
-        return (len(running) - on_host, on_host + staggered, context, seconds, scheduled[-1]), host
+        return (len(running) - on_host, on_host + staggered, context, seconds, prefill_tokens), host
 
     phases = []  # per step: the main thread's seconds per part of engine.step() (EngineStats.phase_seconds)
     events = []  # per step: what changed in the engine's counters (_event_counts) during it

@@ -18,11 +18,14 @@ of decode steps (schedule, input fill + copy, graph replay + sampling).
     python benchmarks/e2e_throughput.py --shapes llama3_8b --batches 1,16,64 --prompts 128 --no-hf
 """
 import argparse
+import cProfile
 import datetime
 import gc
+import io
 import json
 import os
 import platform
+import pstats
 import statistics
 import sys
 import time
@@ -106,10 +109,10 @@ class HostTimer:
     """Wraps engine methods to add up host seconds per phase of the decode-only steps."""
 
     def __init__(self, engine):
-        self.seconds = {"schedule": 0.0, "fill+copy": 0.0, "forward": 0.0, "sample+sync": 0.0}
+        self.seconds = {"schedule": 0.0, "fill+copy": 0.0, "forward": 0.0, "wait+finish": 0.0}
         self.active = False
         for name, obj, attr in (("schedule", engine, "_schedule"), ("fill+copy", engine.buffers, "fill"),
-                                ("forward", engine, "_run_model"), ("sample+sync", engine.sampler, "sample")):
+                                ("forward", engine, "_run_model"), ("wait+finish", engine, "_resolve")):
             setattr(obj, attr, self._wrap(name, getattr(obj, attr)))
         for graphs in (engine.graphs, engine.pieces):
             if graphs is not None:
@@ -126,12 +129,14 @@ class HostTimer:
         return timed
 
 
-def run_apex(model, shape, batch, prompt_len, new_tokens, prompts, args):
-    """tokens/s and the median decode step of apex, plus warm-up seconds and host breakdown."""
+def run_apex(model, shape, batch, prompt_len, new_tokens, prompts, args, async_scheduling=None):
+    """tokens/s and the median decode step of apex, plus warm-up seconds and host breakdown (async_scheduling:
+    ApexConfig's, None its default)."""
     need = batch * (prompt_len + new_tokens + 32) * kv_bytes_per_token(shape)
     config = ApexConfig(offload="never", gpu_cache_size=int(need * 1.1) + (256 << 20), cpu_cache_size=0,
                         max_num_seqs=batch, max_num_batched_tokens=args.prefill_tokens,
-                        max_model_len=prompt_len + new_tokens + 64, cuda_graphs=not args.no_graphs)
+                        max_model_len=prompt_len + new_tokens + 64, cuda_graphs=not args.no_graphs,
+                        async_scheduling=async_scheduling)
     apex = optimize(model, config)
     engine = apex.engine
     start = time.perf_counter()
@@ -152,8 +157,9 @@ def run_apex(model, shape, batch, prompt_len, new_tokens, prompts, args):
         for p in prompts:
             engine.add_request(p, sampling)
         while engine.has_unfinished():
+            # (with a step queued ahead, its rows' KV is counted in num_computed before their token arrives)
             decoding = bool(engine.scheduler.running) and not engine.scheduler.waiting and all(
-                r.num_computed == r.num_tokens - 1 for r in engine.scheduler.running)
+                r.num_computed >= r.num_tokens - 1 for r in engine.scheduler.running)
             timer.active = decoding
             if profile is not None and decode_steps == 40 and decoding:
                 profile.__enter__()
@@ -174,7 +180,7 @@ def run_apex(model, shape, batch, prompt_len, new_tokens, prompts, args):
     apex.close()  # its pools and threads go now, not at a later garbage collection
     del apex, engine
     return {"tokens_per_s": batch * new_tokens / total, "decode_step_s": step, "warmup_s": warmup_seconds,
-            "host_breakdown_s": breakdown}
+            "host_breakdown_s": breakdown, "async_scheduling": async_scheduling}
 
 
 def timed_generate(model, ids: torch.Tensor, tokens: int, **kwargs):
@@ -225,9 +231,17 @@ def warmup_only(args):
         batch = max(int(b) for b in args.batches.split(","))
         apex = optimize(model, ApexConfig(offload="never", gpu_cache_size=4 << 30, cpu_cache_size=0,
                                           max_num_seqs=batch, max_num_batched_tokens=args.prefill_tokens))
+        profiler = cProfile.Profile() if args.cprofile else None
         start = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         apex.engine.warmup()
         total = time.perf_counter() - start
+        if profiler is not None:  # where a warm-up's host time goes, by cumulative time
+            profiler.disable()
+            out = io.StringIO()
+            pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(args.cprofile)
+            print(out.getvalue().split("ncalls", 1)[-1], flush=True)
         capture = apex.engine.graphs.capture_seconds + apex.engine.pieces.capture_seconds
         print(f"warm-up {shape_name} batch {batch}: {total:.1f} s ({total - capture:.1f} s compile, {capture:.1f} s "
               f"capture of {len(apex.engine.graphs.sizes)} graphs and {len(apex.engine.pieces.pieces)} piecewise "
@@ -249,9 +263,13 @@ def main():
     parser.add_argument("--no-hf", action="store_true", help="skip HF generate")
     parser.add_argument("--hf-batches", default=None, help="batches that also run HF (default: all)")
     parser.add_argument("--no-graphs", action="store_true", help="apex with cuda_graphs=False")
+    parser.add_argument("--no-sync", action="store_true",
+                        help="skip the second apex run with async_scheduling=False (by default both run per row)")
     parser.add_argument("--warmup-only", action="store_true",
                         help="time the warm-up of an engine (compile + capture at the largest batch) and exit; run "
                              "it in a fresh process twice to see the cold and the warm compile cache")
+    parser.add_argument("--cprofile", type=int, default=0,
+                        help="with --warmup-only: print the N functions of most cumulative time (cProfile)")
     parser.add_argument("--profile", default="", help="batches whose decode steps 41-45 are profiled")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -277,6 +295,8 @@ def main():
                 prompts = torch.randint(3, shape["vocab_size"], (batch, prompt_len)).tolist()
                 floor = gemm_floor(model, batch)
                 apex = run_apex(model, shape, batch, prompt_len, args.new_tokens, prompts, args)
+                sync = None if args.no_sync else run_apex(model, shape, batch, prompt_len, args.new_tokens, prompts,
+                                                          args, async_scheduling=False)
                 merged_floor = merged_gemm_floor(model, batch)  # apex merged the weights (same values)
                 gc.collect()
                 torch.cuda.empty_cache()
@@ -289,12 +309,15 @@ def main():
                 kv_read = batch * (prompt_len + args.new_tokens / 2) * kv_bytes_per_token(shape)
                 row = {"shape": shape_name, "batch": batch, "prompt_len": prompt_len,
                        "new_tokens": args.new_tokens, "gemm_floor_s": floor, "merged_gemm_floor_s": merged_floor,
-                       "apex": apex, "hf": hf,
+                       "apex": apex, "apex_sync": sync, "hf": hf,
                        "step_over_floor": apex["decode_step_s"] / floor,
                        "hbm_fraction": (weight_bytes + kv_read) / apex["decode_step_s"] / HBM_REFERENCE,
                        "apex_over_hf": apex["tokens_per_s"] / hf["tokens_per_s"] if hf else None}
                 result["rows"].append(row)
                 host = " ".join(f"{k} {v * 1e3:.2f}" for k, v in apex["host_breakdown_s"].items())
+                if sync is not None:  # the same engine without async scheduling, same process
+                    host += (f"; sync: step {sync['decode_step_s'] * 1e3:.2f} ms, {sync['tokens_per_s']:.0f} tok/s, "
+                             + " ".join(f"{k} {v * 1e3:.2f}" for k, v in sync["host_breakdown_s"].items()))
                 hf_text = (f"{hf['tokens_per_s']:9.0f} {hf['decode_step_s'] * 1e3:8.2f} {row['apex_over_hf']:7.2f}"
                            if hf else f"{'-':>9} {'-':>8} {'-':>7}")
                 print(f"{shape_name:10} {batch:5} {prompt_len:6} | {apex['tokens_per_s']:10.0f} "

@@ -24,8 +24,8 @@ from apex_compile.runtime.cuda_graphs import (PIECEWISE_MAX_TOKENS, DecodeGraphs
                                               piecewise_sizes)
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, POOL_NAMES, CacheShape, KVManager
 from apex_compile.runtime.perf_model import AutoOffload, PerfModel
-from apex_compile.runtime.request import Request, SamplingParams
-from apex_compile.runtime.sampler import Sampler
+from apex_compile.runtime.request import Request, RequestStatus, SamplingParams
+from apex_compile.runtime.sampler import PendingTokens, Sampler
 from apex_compile.runtime.scheduler import ScheduledChunk, Scheduler
 from apex_compile.runtime.stagger import LANES, StaggerPipeline, rope_tables
 from apex_compile.runtime.step_buffers import StepBuffers
@@ -74,6 +74,7 @@ class EngineStats:
     moved: int = 0
     parked: int = 0
     recomputed: int = 0
+    ahead_steps: int = 0  # steps queued before the previous step's tokens reached the host (async scheduling)
     # the main thread's time per part of `step()`, seconds: schedule (the pipeline's begin when not begun
     # earlier, the scheduler), prepare (step buffers, their copy, the CPU job's outputs), forward (queuing the
     # graphs or running the step), pipeline (the staggered block's host work behind it), wait (for the sampled
@@ -93,6 +94,16 @@ def _rows_of(logits: torch.Tensor, rows: List[int]) -> torch.Tensor:
     if rows == list(range(len(rows))):
         return logits[:len(rows)]
     return logits.index_select(0, to_device(rows, torch.long, logits.device))
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A step queued on the device whose sampled ids the host has not taken yet."""
+
+    sampled: List[Request]  # the requests whose next token the step chooses, in logits-row order
+    pending: Optional[PendingTokens]
+    in_pipeline: set  # ids of the staggered block's requests among them
+    ahead: bool = False  # queued before the previous step's tokens came back (async scheduling)
 
 
 def check_supported(hf_model: torch.nn.Module) -> None:
@@ -227,6 +238,10 @@ class Engine:
                                            stagger_groups=LANES * (self.shape.num_layers + 1))
         self.stagger: Optional[StaggerPipeline] = None
         self._pipeline_due = False  # a staggered forward was queued and its `_advance_pipeline` not yet run
+        self._async = self.config.async_scheduling
+        if self._async is None:
+            self._async = self.device.type == "cuda"
+        self._ahead: Optional[_Launched] = None  # the step queued ahead by the last `step()`, not yet resolved
         self._closed = False
         self._last_tick: Optional[float] = None  # inside `step()`: the time of its last phase tick
         if self.config.offload == "staggered" and self.kv.pools[HOST_POOL].num_blocks:
@@ -380,6 +395,7 @@ class Engine:
         try:
             self.abort()
         finally:
+            self._ahead = None
             self._closed = True
             try:
                 if self.stagger is not None:
@@ -577,9 +593,11 @@ class Engine:
             stagger.begin_step()
         self._tick("pipeline")
 
-    def _forward_chunks(self, chunks: List[ScheduledChunk], logit_rows: List[int]) -> torch.Tensor:
+    def _forward_chunks(self, chunks: List[ScheduledChunk], logit_rows: List[int],
+                        device_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Runs the model on the chunks (flattened in order) and returns the logits of `logit_rows`: a whole
-        decode graph, piecewise graphs, or (without CUDA graphs) the compiled step itself."""
+        decode graph, piecewise graphs, or (without CUDA graphs) the compiled step itself. device_ids: the first
+        rows' input ids on the device (a step queued before the host has them)."""
         if self.stagger is not None and self.stagger.active:
             return self._forward_staggered(chunks, logit_rows)
         size = self._graph_size(chunks)
@@ -594,6 +612,8 @@ class Engine:
         logit_rows = (logit_rows + [num_tokens - 1] * padded_logits)[:padded_logits]
         parts, num_rows = self.buffers.fill(chunks, logit_rows, pad_to=size, total_rows=key and key[0])
         self.buffers.copy_to_device()
+        if device_ids is not None:  # behind the copy above, which wrote placeholders there
+            self.buffers.dev_ids[:device_ids.numel()].copy_(device_ids)
         start = self._tick("prepare")
         if size is not None:
             logits = _rows_of(self.graphs.replay(size), logit_rows[:num_logits])
@@ -628,24 +648,33 @@ class Engine:
             self._last_tick = None
 
     def _step(self) -> List[Request]:
-        stagger = self.stagger
-        if stagger is not None and stagger.num_members and not (stagger.begun and stagger.active):
-            stagger.begin_step()  # else begun by the step before, while the GPU ran it
-        chunks = self._schedule()
-        captured = self.pieces.capture_seconds if self.pieces is not None else 0.0
-        start = self._tick("schedule")
-        sampled = self._step_chunks(chunks)
+        launched, self._ahead = self._ahead, None
+        chunks = None
+        if launched is None:
+            stagger = self.stagger
+            if stagger is not None and stagger.num_members and not (stagger.begun and stagger.active):
+                stagger.begin_step()  # else begun by the step before, while the GPU ran it
+            chunks = self._schedule()
+            captured = self.pieces.capture_seconds if self.pieces is not None else 0.0
+            start = self._tick("schedule")
+            launched = self._launch(chunks)
+        self._ahead = self._launch_ahead(launched)  # while this step runs on the GPU
+        sampled = self._resolve(launched)
+        self._drop_finished_ahead()
         policy = self.scheduler.host_policy
+        if chunks is None or policy is None:
+            return sampled
         capture_free = self.pieces is None or self.pieces.capture_seconds == captured
-        if policy is not None and capture_free and all(c.num_tokens == 1 and c.start for c in chunks):
+        if capture_free and all(c.num_tokens == 1 and c.start for c in chunks):
             # a decode step's wall time (the sampled ids' copy waits for the GPU) corrects auto's model
             on_host = sum(1 for c in chunks if c.pool == HOST_POOL)
             context = sum(c.start + 1 for c in chunks) / len(chunks)
             policy.observe(len(chunks) - on_host, on_host, context, time.perf_counter() - start)
         return sampled
 
-    def _step_chunks(self, chunks: List[ScheduledChunk]) -> List[Request]:
-        """Runs the chunks' forward and samples; returns the requests that got a new token."""
+    def _launch(self, chunks: List[ScheduledChunk], device_ids: Optional[torch.Tensor] = None) -> _Launched:
+        """Queues the chunks' forward and the choice of their next tokens; with `device_ids` (a step queued
+        ahead) every chunk is a decode row whose input id is that tensor's."""
         logit_rows: List[int] = []
         sampled: List[Request] = []
         row = 0
@@ -657,34 +686,92 @@ class Engine:
             row = self.stagger.width
         for chunk in chunks:
             row += chunk.num_tokens
-            if chunk.samples:
+            if chunk.samples or device_ids is not None:
                 logit_rows.append(row - 1)
                 sampled.append(chunk.request)
-        logits = self._forward_chunks(chunks, logit_rows)
+        logits = self._forward_chunks(chunks, logit_rows, device_ids)
         pending = self.sampler.launch(logits, sampled) if sampled else None
         self._advance_pipeline()
-        in_pipeline = {request.request_id for _, request in staggered}
         for _, request in staggered:
             request.num_computed += 1
             request.steps_per_pool[HOST_POOL] += 1
-        if pending is None:
+        return _Launched(sampled, pending, {request.request_id for _, request in staggered}, device_ids is not None)
+
+    def _resolve(self, launched: _Launched) -> List[Request]:
+        """Takes a launched step's tokens: appends them, applies the stop rules; returns the requests that got a
+        token (a row queued ahead for a request that stopped or was cancelled meanwhile is dropped)."""
+        if launched.pending is None:
             return []
-        tokens = pending.result()
+        tokens = launched.pending.result()
         self._tick("wait")
-        for request, token in zip(sampled, tokens):
+        got = []
+        for request, token in zip(launched.sampled, tokens):
+            if request.status is RequestStatus.FINISHED:
+                continue
+            if launched.ahead:
+                request.steps_per_pool[DEVICE_POOL] += 1
+            got.append(request)
             request.output_token_ids.append(token)
             self.stats.generated_tokens += 1
             reason = self._stop_reason(request)
+            in_pipeline = request.request_id in launched.in_pipeline
             if reason is not None:
-                if request.request_id in in_pipeline:
+                if in_pipeline:
                     self.scheduler.finish_staggered(request, reason)
                 else:
                     self.scheduler.finish(request, reason)
                 self.sampler.forget(request.request_id)
-            elif self.stagger is not None and request.request_id not in in_pipeline and (
-                    self.kv.pool_of(request.request_id) == HOST_POOL):
+            elif self.stagger is not None and not in_pipeline and self.kv.pool_of(request.request_id) == HOST_POOL:
                 self.scheduler.to_pipeline(request)  # prefilled in the host pool: decodes staggered
-        return sampled
+        return got
+
+    def _ahead_chunks(self, launched: _Launched) -> Optional[List[ScheduledChunk]]:
+        """The next step's chunks if it can be queued before `launched`'s tokens are known: every running
+        request decodes one token in the device pool, nothing waits to be admitted, no sampling rule needs the
+        last token on the host; requests that `launched`'s token stops by length are left out. Takes their
+        blocks. None when any condition fails (the next step is scheduled as usual)."""
+        scheduler = self.scheduler
+        if not self._async or self.stagger is not None or launched.pending is None:
+            return None
+        alive = [r for r in launched.sampled if not r.is_finished]  # (a row queued ahead of a stopped request)
+        if len(alive) != len(scheduler.running) or not scheduler.admits_nothing():
+            return None
+        kept = []
+        for request in alive:
+            sampling = request.sampling
+            if self.kv.pool_of(request.request_id) != DEVICE_POOL or sampling.repetition_penalty != 1.0 or (
+                    sampling.eos_token_ids and sampling.min_new_tokens > len(request.output_token_ids)):
+                return None  # the host-side rules need the token first
+            if (len(request.output_token_ids) + 1 < sampling.max_new_tokens
+                    and request.num_tokens + 1 < self.max_model_len):
+                kept.append(request)
+        if not kept or (self.graphs is not None and not (self.graphs.ready and self.graphs.size_for(len(kept)))):
+            return None  # nothing to run, or a step that would capture or run uncaptured
+        if sum(self.kv.extra_blocks(r.request_id, r.num_computed + 1) for r in kept) > self.kv.num_free(DEVICE_POOL):
+            return None  # someone must be evicted: the scheduler's call
+        for request in kept:
+            self.kv.grow(request.request_id, DEVICE_POOL, request.num_computed + 1)
+        return [ScheduledChunk(request, request.num_computed, 1, DEVICE_POOL) for request in kept]
+
+    def _launch_ahead(self, launched: _Launched) -> Optional[_Launched]:
+        """Queues the step after `launched` before its tokens reach the host (async scheduling), its input ids
+        copied on the device from `launched`'s sampled ids; None where `_ahead_chunks` declines."""
+        chunks = self._ahead_chunks(launched)
+        if chunks is None:
+            return None
+        tokens = launched.pending.device
+        if len(chunks) < len(launched.sampled):  # rows left out: gather the others' ids
+            keep = {r.request_id for r in (c.request for c in chunks)}
+            rows = [i for i, r in enumerate(launched.sampled) if r.request_id in keep]
+            tokens = tokens.index_select(0, to_device(rows, torch.long, tokens.device))
+        self.stats.ahead_steps += 1
+        return self._launch(chunks, device_ids=tokens)
+
+    def _drop_finished_ahead(self) -> None:
+        """Forgets a step queued ahead whose requests all stopped or were cancelled: nothing of it is needed (its
+        device work only touches their freed blocks, before anything queued later reuses them)."""
+        if self._ahead is not None and all(r.is_finished for r in self._ahead.sampled):
+            self._ahead = None
 
     def score(self, token_lists: Sequence[Sequence[int]]) -> List[torch.Tensor]:
         """Logits [len(tokens), vocab] of every position of each token list (a prefill only, nothing sampled)."""
@@ -741,6 +828,7 @@ class Engine:
         dropped = self.scheduler.abort(request_ids)
         for request in dropped:
             self.sampler.forget(request.request_id)
+        self._drop_finished_ahead()
         return len(dropped)
 
     def _events(self, prepared: List[Request], progress: Optional[bool], queued: List[Request]

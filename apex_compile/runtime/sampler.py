@@ -82,11 +82,13 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
 
 
 class PendingTokens:
-    """Sampled ids on their way to the host: `result()` waits for their copy (an event) and returns them."""
+    """Sampled ids on their way to the host: `result()` waits for their copy (an event) and returns them;
+    `device` holds them on the logits' device (the next step's input ids when it is queued before they arrive)."""
 
-    def __init__(self, host: torch.Tensor, copied: Optional["torch.cuda.Event"]):
+    def __init__(self, host: torch.Tensor, copied: Optional["torch.cuda.Event"], device: torch.Tensor):
         self.host = host
         self.copied = copied
+        self.device = device
 
     def result(self) -> List[int]:
         if self.copied is not None:
@@ -105,7 +107,8 @@ class Sampler:
 
     def __init__(self):
         self._draws: Dict[int, int] = {}
-        self._pinned: Optional[torch.Tensor] = None  # the sampled ids' host copy (CUDA logits)
+        self._pinned: List[Optional[torch.Tensor]] = [None, None]  # the sampled ids' host copies (CUDA logits)
+        self._turn = 0  # which of them the next launch fills
 
     def forget(self, request_id: int) -> None:
         """Drops a finished request's draw counter."""
@@ -118,19 +121,20 @@ class Sampler:
     def launch(self, logits: torch.Tensor, requests: Sequence[Request]) -> "PendingTokens":
         """`sample` without waiting: the tokens are chosen by ops queued on the logits' device and copied to
         pinned host memory behind them; `result()` waits for that copy only. The caller may queue more device
-        work in between (it runs after the copy, not before it) and must take the result before the next
-        launch (one pinned buffer is reused)."""
+        work in between (it runs after the copy, not before it), including one more launch: two pinned
+        buffers take turns, so a result must be taken before the second launch after its own."""
         tokens = self._choose(logits, requests)
         if tokens.device.type != "cuda":
-            return PendingTokens(tokens, None)
+            return PendingTokens(tokens, None, tokens)
         n = tokens.numel()
-        if self._pinned is None or self._pinned.numel() < n:
-            self._pinned = torch.empty(max(n, 64), dtype=torch.int64, pin_memory=True)
-        host = self._pinned[:n]
+        turn, self._turn = self._turn, 1 - self._turn
+        if self._pinned[turn] is None or self._pinned[turn].numel() < n:
+            self._pinned[turn] = torch.empty(max(n, 64), dtype=torch.int64, pin_memory=True)
+        host = self._pinned[turn][:n]
         host.copy_(tokens, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record(torch.cuda.current_stream(tokens.device))
-        return PendingTokens(host, copied)
+        return PendingTokens(host, copied, tokens)
 
     def _choose(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """The chosen token ids [len(requests)] int64 on the logits' device."""

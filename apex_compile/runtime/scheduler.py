@@ -110,6 +110,22 @@ class Scheduler:
         """Whether any request is waiting, running, parked or in the staggered pipeline."""
         return bool(self.waiting or self.running or self.parked or (self.stagger and self.stagger.num_members))
 
+    def admits_nothing(self) -> bool:
+        """Whether the next step would start no parked or waiting request, with every running request decoding
+        one token (conservative: True only where that is certain). Lets the engine queue that step ahead."""
+        if self.parked:
+            return False
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return True
+        budget = self.config.max_num_batched_tokens - len(self.running)
+        if budget <= 0:
+            return True
+        if len(self.run_pools) > 1 or self.stagger is not None:
+            return False  # a policy picks the pool: leave it to the step
+        request = self.waiting[0]
+        end = request.num_computed + min(request.num_tokens - request.num_computed, budget)
+        return self.kv.extra_blocks(request.request_id, end) > self.kv.num_free(self.run_pools[0])
+
     def to_pipeline(self, request: Request) -> None:
         """A host-pool request finished its prefill: it decodes in the staggered pipeline from now on."""
         self.running.remove(request)

@@ -180,15 +180,17 @@ class StepBuffers:
         for chunk in chunks:
             request, first, n = chunk.request, chunk.start, chunk.num_tokens
             table = kv.tables[request.request_id]
-            block_ids, prompt = table.block_ids, request.prompt_token_ids
-            n_prompt = len(prompt)
+            block_ids, prompt, outputs = table.block_ids, request.prompt_token_ids, request.output_token_ids
+            n_prompt, known = len(prompt), request.num_tokens
             if first and rows.per_chunk:
                 rows.write_table(entries, table)
                 rows.ctx[entries], rows.qstart[entries] = first + n, row - start
                 entries += 1
                 max_q = max(max_q, n)
             for p in range(first, first + n):
-                ids[row] = prompt[p] if p < n_prompt else request.output_token_ids[p - n_prompt]
+                # a token not yet on the host (a step queued before its predecessor's ids came back): 0 here, the
+                # sampled id copied on the device by the engine
+                ids[row] = prompt[p] if p < n_prompt else (outputs[p - n_prompt] if p < known else 0)
                 positions[row] = p
                 rows.slot[row - start] = block_ids[p // bs] * bs + p % bs
                 if first and not rows.per_chunk:

@@ -61,6 +61,31 @@ def test_greedy_equals_hf_generate_fp32(fp32_model, offload):
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 
+def test_steps_run_ahead_equal_hf_and_the_synchronous_engine(fp32_model):
+    """Async scheduling with CUDA graphs: greedy tokens equal HF's; with EOS stops, the synchronous engine's."""
+    ids, mask = left_padded_batch([5, 17, 33, 64, 9, 40])
+    with torch.no_grad():
+        ref = fp32_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)
+    config = dict(offload="never", gpu_cache_size=32 * MB, cpu_cache_size=32 * MB, capture_sizes=(2, 4, 8))
+    apex = optimize(fp32_model, ApexConfig(async_scheduling=True, **config))
+    out = apex.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)
+    assert torch.equal(out, ref) and apex.engine.stats.ahead_steps > 0
+    from apex_compile.runtime.request import SamplingParams
+
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    eos = tuple(sorted(set(ref[:, ids.shape[1] + 6].tolist())))[:3]  # some requests stop early
+    sampling = [SamplingParams(max_new_tokens=n, eos_token_ids=eos) for n in (24, 9, 30, 17, 24, 5)]
+    sync = optimize(fp32_model, ApexConfig(async_scheduling=False, **config))
+    expected = [(c.token_ids, c.finish_reason) for c in sync.engine.generate(prompts, sampling)]
+    got = [(c.token_ids, c.finish_reason) for c in apex.engine.generate(prompts, sampling)]
+    assert got == expected and "eos" in {reason for _, reason in got}
+    assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+    apex.close()
+    sync.close()
+
+
 def test_full_pools_on_cuda_keep_tokens_identical(fp32_model):
     ids, mask = left_padded_batch([30, 12, 50, 41, 7, 26, 60, 33])
     with torch.no_grad():
@@ -158,24 +183,29 @@ def test_staggered_equals_hf_generate_fp32(width):
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 
-@pytest.mark.parametrize("offload", ["never", "staggered"])
+@pytest.mark.parametrize("offload", ["never", "staggered", "ahead"])
 def test_decode_steps_never_wait_for_the_gpu(fp32_model, offload):
     """Once every request is past its prompt, a decode step queues its graph, the sampling and the pipeline's
     copies without the host waiting for the GPU: torch's sync debug mode raises on any such wait (a copy from
     pageable memory, .item()); the sampled ids' event is the step's only wait. The rows sample (temperature,
     top-k/top-p, seeds, repetition penalty, EOS masked by min_new_tokens), and with "staggered" the block has
-    empty rows (three host requests for a width of 3 over several groups) and its rows are not 0..n-1."""
+    empty rows (three host requests for a width of 3 over several groups) and its rows are not 0..n-1. "ahead":
+    offload "never" without the rules that need the last token on the host, so every step is queued ahead
+    (async scheduling); one request may stop by EOS on the way."""
     from apex_compile.runtime.request import SamplingParams
 
     torch.manual_seed(2)
     head_dim = SMALL["hidden_size"] // SMALL["num_attention_heads"]
     block = 2 * SMALL["num_hidden_layers"] * SMALL["num_key_value_heads"] * 16 * head_dim * 4
-    staggered = offload == "staggered"
-    apex = optimize(fp32_model, ApexConfig(offload=offload, stagger_width=3, capture_sizes=(2, 4, 8),
-                                           gpu_cache_size=(8 if staggered else 64) * block, cpu_cache_size=32 * MB))
+    staggered, ahead = offload == "staggered", offload == "ahead"
+    apex = optimize(fp32_model, ApexConfig(offload="never" if ahead else offload, stagger_width=3,
+                                           capture_sizes=(2, 4, 8), gpu_cache_size=(8 if staggered else 64) * block,
+                                           cpu_cache_size=32 * MB))
     engine = apex.engine
     kinds = [dict(), dict(do_sample=True, temperature=0.8, top_k=50), dict(do_sample=True, top_p=0.9, seed=5),
              dict(repetition_penalty=1.3), dict(eos_token_ids=(7,), min_new_tokens=100)]
+    if ahead:
+        kinds[3:] = [dict(eos_token_ids=tuple(range(3, 40)))]  # stops by EOS within a few tokens
     for i, n in enumerate((5, 17, 33, 9, 40, 21, 12)):
         engine.add_request(torch.randint(3, SMALL["vocab_size"], (n,)).tolist(),
                            SamplingParams(max_new_tokens=200, **kinds[i % len(kinds)]))
@@ -187,6 +217,7 @@ def test_decode_steps_never_wait_for_the_gpu(fp32_model, offload):
     if staggered:
         assert engine.stagger.active and 0 < engine.stagger.num_members < engine.stagger.capacity
     replays = engine.stagger_graphs.replays if staggered else engine.graphs.replays
+    ahead_steps = engine.stats.ahead_steps
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -194,6 +225,10 @@ def test_decode_steps_never_wait_for_the_gpu(fp32_model, offload):
             engine.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert (engine.stagger_graphs.replays if staggered else engine.graphs.replays) == replays + 12
+    if ahead:  # a step was queued ahead in each call (the first call's own step was queued by the call before)
+        assert engine.stats.ahead_steps == ahead_steps + 12 and engine.graphs.replays >= replays + 12
+    else:
+        assert engine.stats.ahead_steps == 0
+        assert (engine.stagger_graphs.replays if staggered else engine.graphs.replays) == replays + 12
     engine.abort()
     apex.close()

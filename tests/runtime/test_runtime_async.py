@@ -1,0 +1,124 @@
+"""Async scheduling (ApexConfig.async_scheduling, issue 13 item 4): a decode step queued while the previous one
+runs, its input ids copied on the device from the previous step's sampled ids. On a CPU the steps run one after
+the other, so these tests check the bookkeeping: the same tokens as the synchronous engine, rows of requests that
+stopped meanwhile dropped, every block returned, and the cases that must not run ahead."""
+import collections
+
+import pytest
+import torch
+
+from apex_compile.config import ApexConfig
+from apex_compile.model import optimize
+from apex_compile.runtime.request import Request, SamplingParams
+from apex_compile.runtime.scheduler import Scheduler
+
+MB = 1 << 20
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11], [12, 13], [1, 2, 3, 4, 5, 6], [7]]
+LENGTHS = (9, 20, 3, 30, 14)
+
+
+def run(model, async_scheduling, sampling, prompts=PROMPTS, **config):
+    config = dict(dict(offload="never", gpu_cache_size=4 * MB, cpu_cache_size=4 * MB), **config)
+    engine = optimize(model, ApexConfig(async_scheduling=async_scheduling, **config)).engine
+    completions = engine.generate(prompts, sampling)
+    assert engine.blocks_in_use() == {"device": 0, "host": 0} and engine._ahead is None
+    return [(c.token_ids, c.finish_reason) for c in completions], engine.stats, completions
+
+
+def common_token(model):
+    """A token the greedy run produces often, so that as EOS it stops some requests early."""
+    tokens, _, _ = run(model, False, [SamplingParams(max_new_tokens=n) for n in LENGTHS])
+    return collections.Counter(t for ids, _ in tokens for t in ids).most_common(3)[2][0]
+
+
+@pytest.mark.parametrize("case", ["greedy", "eos", "seeded", "max_model_len"])
+def test_steps_run_ahead_give_the_synchronous_tokens(tiny_llama, case):
+    eos = (common_token(tiny_llama),) if case in ("eos", "seeded") else ()
+    sampling = [SamplingParams(max_new_tokens=n, eos_token_ids=eos) for n in LENGTHS]
+    if case == "seeded":
+        sampling[1] = SamplingParams(max_new_tokens=20, do_sample=True, temperature=0.9, top_k=30, seed=4,
+                                     eos_token_ids=eos)
+        sampling[3] = SamplingParams(max_new_tokens=30, do_sample=True, top_p=0.8, seed=7, eos_token_ids=eos)
+    config = {"max_model_len": 24} if case == "max_model_len" else {}
+    expected, sync_stats, sync_completions = run(tiny_llama, False, sampling, **config)
+    got, stats, completions = run(tiny_llama, True, sampling, **config)
+    assert got == expected
+    assert [c.steps_per_pool for c in completions] == [c.steps_per_pool for c in sync_completions]
+    assert sync_stats.ahead_steps == 0 and stats.ahead_steps >= stats.steps // 2
+    reasons = [reason for _, reason in got]
+    if case == "eos":
+        assert "eos" in reasons and "length" in reasons  # some requests stopped while a step was queued ahead
+    if case == "max_model_len":
+        assert all(len(PROMPTS[i]) + len(ids) == 24 for i, (ids, _) in enumerate(got) if LENGTHS[i] >= 21)
+
+
+def test_a_queue_the_next_step_could_admit_is_left_to_the_scheduler(tiny_llama):
+    prompts = PROMPTS * 2
+    sampling = [SamplingParams(max_new_tokens=n) for n in LENGTHS * 2]
+    expected, _, _ = run(tiny_llama, False, sampling, prompts, max_num_seqs=3)
+    got, stats, _ = run(tiny_llama, True, sampling, prompts, max_num_seqs=3)
+    assert got == expected
+    assert 0 < stats.ahead_steps < stats.steps  # ahead while the running set is full, not when a slot frees
+
+
+def test_swaps_under_async_scheduling_lose_nothing(tiny_llama):
+    # a device pool of 4 blocks of 16 tokens for five requests of up to 36 tokens: requests are parked and resumed
+    sampling = [SamplingParams(max_new_tokens=n) for n in LENGTHS]
+    block_bytes = 2 * 2 * 2 * 16 * 16 * 4  # layers x (K, V) x kv heads x block x head dim x fp32
+    config = dict(gpu_cache_size=4 * block_bytes)
+    expected, sync_stats, _ = run(tiny_llama, False, sampling, **config)
+    got, stats, _ = run(tiny_llama, True, sampling, **config)
+    assert got == expected
+    assert sync_stats.parked > 0 and stats.parked > 0 and stats.ahead_steps > 0
+
+
+@pytest.mark.parametrize("rule", ["repetition_penalty", "min_new_tokens"])
+def test_rules_that_need_the_last_token_on_the_host_run_in_step(tiny_llama, rule):
+    eos = (common_token(tiny_llama),)
+    extra = {"repetition_penalty": 1.3} if rule == "repetition_penalty" else {"min_new_tokens": 8}
+    sampling = [SamplingParams(max_new_tokens=n, eos_token_ids=eos, **extra) for n in LENGTHS]
+    expected, _, _ = run(tiny_llama, False, sampling)
+    got, stats, _ = run(tiny_llama, True, sampling)
+    assert got == expected
+    if rule == "repetition_penalty":
+        assert stats.ahead_steps == 0
+    else:  # ahead once every request is past its minimum
+        assert all(len(ids) >= min(8, n) for (ids, _), n in zip(got, LENGTHS)) and stats.ahead_steps > 0
+
+
+def test_a_stream_closed_with_a_step_queued_ahead_returns_everything(tiny_llama):
+    engine = optimize(tiny_llama, ApexConfig(offload="never", gpu_cache_size=4 * MB, cpu_cache_size=4 * MB,
+                                             async_scheduling=True)).engine
+    sampling = SamplingParams(max_new_tokens=20)
+    stream = engine.stream(PROMPTS, sampling)
+    for _ in range(3 * len(PROMPTS)):
+        next(stream)
+    assert engine._ahead is not None  # a step is queued beyond the tokens taken so far
+    stream.close()
+    assert engine._ahead is None and engine.blocks_in_use() == {"device": 0, "host": 0}
+    again = [c.token_ids for c in engine.generate(PROMPTS, sampling)]
+    fresh = optimize(tiny_llama, ApexConfig(offload="never", gpu_cache_size=4 * MB, cpu_cache_size=4 * MB,
+                                            async_scheduling=False)).engine
+    assert again == [c.token_ids for c in fresh.generate(PROMPTS, sampling)]
+
+
+def test_admits_nothing_is_true_only_where_the_next_step_admits_nothing():
+    from apex_compile.runtime.kv_manager import DEVICE_POOL, CacheShape, KVManager
+
+    shape = CacheShape(num_layers=1, num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32)
+    kv = KVManager(shape, 4, 4, torch.device("cpu"))
+    sched = Scheduler(ApexConfig(offload="never", max_num_seqs=2, max_num_batched_tokens=64), kv)
+    assert sched.admits_nothing()  # nothing waits
+    first = Request(0, list(range(1, 33)), SamplingParams(max_new_tokens=4))
+    sched.add(first)
+    assert not sched.admits_nothing()  # 2 blocks needed, 4 free
+    sched.schedule()
+    second = Request(1, list(range(1, 49)), SamplingParams(max_new_tokens=4))
+    sched.add(second)
+    assert sched.admits_nothing()  # 3 blocks needed, 2 free
+    kv.grow(first.request_id, DEVICE_POOL, 16)  # (already held: nothing changes)
+    sched.waiting[0] = Request(2, list(range(1, 17)), SamplingParams(max_new_tokens=4))
+    assert not sched.admits_nothing()  # 1 block needed, 2 free
+    sched.schedule()
+    sched.add(Request(3, [1, 2], SamplingParams(max_new_tokens=4)))
+    assert len(sched.running) == 2 and sched.admits_nothing()  # max_num_seqs reached
