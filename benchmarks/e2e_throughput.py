@@ -247,6 +247,10 @@ def warmup_only(args):
               f"capture of {len(apex.engine.graphs.sizes)} graphs and {len(apex.engine.pieces.pieces)} piecewise "
               f"keys)", flush=True)
         print("  compile phases (s): " + compile_phases(), flush=True)
+        from torch._dynamo.utils import counters
+        caches = {f"{group}.{key}": n for group in ("aot_autograd", "inductor") for key, n in counters[group].items()
+                  if "cache" in key}
+        print(f"  caches: {caches}, dynamo restarts: {dict(counters['stats']).get('unique_graphs')} graphs", flush=True)
         del apex, model
         gc.collect()
         torch.cuda.empty_cache()

@@ -215,9 +215,9 @@ def sweep_rms_order(bench, results):
         torch.cuda.empty_cache()
 
 
-def sweep_decode(bench, results, block_size):
+def sweep_decode(bench, results, block_size, shapes=None):
     """Times every (chunk, warps, stages, programs per SM) launch of each decode shape against SDPA."""
-    for model, batch, ctx in DECODE_SHAPES:
+    for model, batch, ctx in shapes or DECODE_SHAPES:
         num_kv_heads = ATTENTION_LAYOUTS[model][1]
         sets, kv_bytes = decode_sets(bench, model, batch, ctx, block_size), decode_kv_bytes(model, batch, ctx)
         q, k, v, paged = sets[0]
@@ -277,6 +277,8 @@ def main():
     parser.add_argument("--sections", default="timing,rms_norm,rms_copy,rms_store,rms_order,decode")
     parser.add_argument("--hbm-gbps", type=float, default=4200.0)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--decode-shapes", default=None,
+                        help="decode section's shapes as model:batch:ctx,... (default: DECODE_SHAPES)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("triton_sweep.py needs a CUDA GPU")
@@ -295,7 +297,9 @@ def main():
         if "rms_order" in sections:
             sweep_rms_order(bench, results)
         if "decode" in sections:
-            sweep_decode(bench, results, args.block_size)
+            shapes = None if args.decode_shapes is None else [
+                (m, int(b), int(c)) for m, b, c in (item.split(":") for item in args.decode_shapes.split(","))]
+            sweep_decode(bench, results, args.block_size, shapes)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(DEVICE), "torch": torch.__version__,

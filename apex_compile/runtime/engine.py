@@ -333,8 +333,12 @@ class Engine:
         # Past dynamo's recompile limit it would run the unrewritten HF forward, which attends over the step's
         # tokens only: a silently wrong result. Engines of several models and option sets share the step's code
         # object (and so its limit), hence a generous limit, and an error instead of the fallback.
+        # specialize_float: the model's float attributes (RMSNorm eps, attention scaling) are constants; as
+        # symbolic inputs, SDPA's scale guard made AOT autograd restart dynamo's analysis after its cache lookup,
+        # so every fresh process traced the graph twice and its first AOT trace was thrown away, never cached.
         dynamo_limits = {key: value for key, value in (("recompile_limit", RECOMPILE_LIMIT),
-                                                       ("fail_on_recompile_limit_hit", True))
+                                                       ("fail_on_recompile_limit_hit", True),
+                                                       ("specialize_float", True))
                          if hasattr(torch._dynamo.config, key)}
 
         def compiled_step(input_ids, position_ids, logits_indices):
