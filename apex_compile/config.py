@@ -28,7 +28,8 @@ class ApexConfig:
         overlaps a whole GPU step (`apex_compile.runtime.stagger`; a token takes 2 * (num_layers + 1) steps). Only
         when asked for: "auto" does not pick it yet (its step is host-bound on the H200; notes item 24).
     stagger_width: rows per step of staggered host requests; the pipeline holds 2 * (num_layers + 1) * width
-        requests. None: 4.
+        requests. None: 4. "auto": up to 8, the rows in use following the measured CPU job (as many as keep
+        it within 90% of a step; `apex_compile.runtime.stagger.RowLimit`).
     cpu_attention_threads: OpenMP threads of the staggered plan's CPU attention worker on CUDA, pinned to the
         last cores this process may use. None: all of them but one, left to the thread that launches GPU work.
     max_num_seqs: most requests in one step.
@@ -68,7 +69,7 @@ class ApexConfig:
     cuda_graphs: bool = True
     async_scheduling: Optional[bool] = None
     capture_sizes: Optional[Sequence[int]] = None
-    stagger_width: Optional[int] = None
+    stagger_width: Union[int, str, None] = None
     cpu_attention_threads: Optional[int] = None
 
     def __post_init__(self):
@@ -101,8 +102,10 @@ class ApexConfig:
                 raise ValueError(f"ApexConfig.capture_sizes must be positive batch sizes, got {self.capture_sizes!r}")
             self.capture_sizes = tuple(sorted(set(sizes)))
         width = self.stagger_width
-        if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 1):
-            raise ValueError(f"ApexConfig.stagger_width must be a positive number of rows or None, got {width!r}")
+        if width is not None and width != "auto" and (isinstance(width, bool) or not isinstance(width, int)
+                                                      or width < 1):
+            raise ValueError(f"ApexConfig.stagger_width must be a positive number of rows, 'auto' or None, "
+                             f"got {width!r}")
         threads = self.cpu_attention_threads
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"ApexConfig.cpu_attention_threads must be a positive thread count or None, "

@@ -4,9 +4,9 @@ Per shape (random LLaMA-shaped bf16 model) and device KV pool size (emulating sm
 mode at steady state: the engine is kept supplied with requests (so every batch, and the staggered pipeline,
 stays full), and after a fill-in of --warm-steps steps the tokens generated over the next --window-steps steps
 give its tokens/s; the median step of that window is its step time. Modes: never, auto, a fixed host share
-(overlap plan), "staggered:W" (the staggered plan with W rows per step). Per configuration also: ideal_gain
-(the tokens/s the CPU's measured attention bandwidth could add: B_cpu / KV bytes a host request reads per step)
-with its inputs, auto's
+(overlap plan), "staggered:W" (the staggered plan with W rows per step; "staggered:auto": the rows in use
+follow the measured CPU job). Per configuration also: ideal_gain (the tokens/s the CPU's measured attention
+bandwidth could add: B_cpu / KV bytes a host request reads per step) with its inputs, auto's
 offload efficiency (auto - never) / ideal_gain, the model's predicted decode step against the measured one, and
 HF generate with its offloaded cache (KV in host memory) over as many requests as the device pool holds.
 
@@ -166,7 +166,7 @@ def parse_mode(mode: str):
     """(offload, stagger width) of a mode string."""
     if mode.startswith("staggered"):
         width = mode.partition(":")[2]
-        return "staggered", int(width) if width else None
+        return "staggered", (width if width == "auto" else int(width)) if width else None
     return (mode if mode in ("never", "auto", "all") else float(mode)), None
 
 
@@ -196,6 +196,8 @@ def run_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seq
         result["cpu_job_s"] = statistics.median(run for _, run in window)
         result["cpu_job_ready_wait_s"] = statistics.median(wait for wait, _ in window)
         result["collect_wait_s"] = statistics.median(list(jobs.collect_seconds)[-args.window_steps:])
+    if engine.stagger is not None:  # the rows in use per turn at the window's end (below the width when adaptive)
+        result["stagger_rows"] = [engine.stagger.rows.limit, engine.stagger.width]
     apex.close()  # its pools and threads go now, not at a later garbage collection
     del apex, engine
     gc.collect()
@@ -286,6 +288,8 @@ def main():
                 r = runs[m]
                 cpu = (f"; CPU job {r['cpu_job_s'] * 1e3:.2f} ms (+{r['cpu_job_ready_wait_s'] * 1e3:.2f} waiting for "
                        f"its inputs), collect wait {r['collect_wait_s'] * 1e3:.2f} ms" if "cpu_job_s" in r else "")
+                if "stagger_rows" in r:
+                    cpu += f", rows in use {r['stagger_rows'][0]} of {r['stagger_rows'][1]}"
                 only = r["decode_only_step_s"]
                 full = f" (pipeline {r['pipeline_filled']:.0%} full)" if r.get("pipeline_filled") is not None else ""
                 print(f"   {shape_name} {gib:g} GiB {m}: {r['tokens_per_s']:.0f} tokens/s ({r['host_tokens']} of "

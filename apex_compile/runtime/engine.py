@@ -34,6 +34,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 EAGER_ATTENTION_NAME = "apex_paged"
 _PROGRESS_MIN_TOKENS = 4096  # default progress bar only for runs generating at least this many tokens
 DEFAULT_STAGGER_WIDTH = 4  # offload="staggered" without a width
+AUTO_STAGGER_WIDTH = 8  # stagger_width="auto": the block's rows, of which the measured CPU job decides the used
 
 
 @dataclasses.dataclass
@@ -274,16 +275,18 @@ class Engine:
         self._step_fn = self._build_step()
         self._stagger_step_fn = self._build_step(stagger=True) if self.stagger is not None else None
 
-    def _stagger_pipeline(self, width: int) -> StaggerPipeline:
-        """The staggered plan's pipeline of `width` rows per step (the compiled step is needed: its passes swap
-        the rows per layer)."""
+    def _stagger_pipeline(self, width) -> StaggerPipeline:
+        """The staggered plan's pipeline of `width` rows per step, or "auto": AUTO_STAGGER_WIDTH rows, those in
+        use following the measured CPU job (the compiled step is needed: its passes swap the rows per layer)."""
+        adaptive = width == "auto"
+        width = AUTO_STAGGER_WIDTH if adaptive else width
         if not self.config.compile:
             raise ValueError("offload='staggered' needs ApexConfig(compile=True): the staggered rows are swapped "
                              "per layer by the compiler's passes")
         config = self.model.config
         return StaggerPipeline(self.kv, width, config.hidden_size, config.num_attention_heads,
                                rope_tables(self.model, self.max_model_len), self.device, self.dtype,
-                               self.max_model_len, self.config.cpu_attention_threads)
+                               self.max_model_len, self.config.cpu_attention_threads, adaptive)
 
     def _auto_host_policy(self) -> Optional[AutoOffload]:
         """The auto policy if its model predicts that host requests pay for some typical load, else None (then

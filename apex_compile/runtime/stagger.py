@@ -42,6 +42,43 @@ from apex_compile.runtime.request import Request
 
 ROPE_KINDS = ("cos", "sin")
 LANES = 2
+JOB_SHARE = 0.9  # an adaptive pipeline keeps its CPU job within this share of a step (the worker runs one per step)
+EMA = 0.2  # weight of the newest measurement in the adaptive pipeline's running averages
+
+
+class RowLimit:
+    """How many rows of a lane's turn take requests, where the pipeline adapts it: the most whose CPU job fits in
+    JOB_SHARE of a step, from running averages of the job's seconds per (layer, context token) and of the step
+    (measured without the launching thread's wait for the job, so a CPU that falls behind does not loosen its
+    own limit). A fixed pipeline keeps every row."""
+
+    def __init__(self, width: int, num_layers: int, adaptive: bool):
+        self.width = width
+        self.num_layers = num_layers
+        self.adaptive = adaptive
+        self.limit = width
+        self.rate: Optional[float] = None  # seconds per (layer, context token) of the CPU job
+        self.step: Optional[float] = None  # seconds per step
+
+    @staticmethod
+    def _average(old: Optional[float], new: float) -> float:
+        return new if old is None else (1 - EMA) * old + EMA * new
+
+    def observe_job(self, seconds: float, work: int) -> None:
+        """A job's run time and its work: the context tokens it attended, summed over its rows (one layer each)."""
+        if work > 0:
+            self.rate = self._average(self.rate, seconds / work)
+
+    def observe_step(self, seconds: float) -> None:
+        if seconds > 0:
+            self.step = self._average(self.step, seconds)
+
+    def update(self, mean_context: float) -> int:
+        """The limit for requests of `mean_context` tokens (unchanged until both averages exist)."""
+        if self.adaptive and self.rate is not None and self.step is not None and mean_context > 0:
+            per_row = self.rate * self.num_layers * mean_context  # a full lane: each row at every layer once
+            self.limit = max(1, min(self.width, int(JOB_SHARE * self.step / per_row)))
+        return self.limit
 
 
 @dataclasses.dataclass
@@ -108,7 +145,8 @@ class StaggerPipeline:
 
     def __init__(self, kv: KVManager, width: int, hidden_size: int, num_heads: int,
                  rope: Tuple[torch.Tensor, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                 max_model_len: int, threads: Optional[int] = None):
+                 max_model_len: int, threads: Optional[int] = None, adaptive: bool = False):
+        """adaptive: the rows that take requests follow the measured CPU job (`RowLimit`); else all `width`."""
         if width < 1:
             raise ValueError(f"the staggered plan needs at least one row per step, got width {width}")
         shape = kv.shape
@@ -124,6 +162,8 @@ class StaggerPipeline:
         self.rope = rope
         self.steps = 0
         self.begun = False  # begin_step ran for a step whose end_step has not
+        self.rows = RowLimit(width, self.num_layers, adaptive)
+        self._last_begin: Optional[float] = None
         on_cuda = device.type == "cuda"
         layers = self.num_layers
 
@@ -154,8 +194,8 @@ class StaggerPipeline:
 
     @property
     def capacity(self) -> int:
-        """Requests the pipeline holds at once (every row of every group of both lanes)."""
-        return LANES * (self.num_layers + 1) * self.width
+        """Requests the pipeline takes at once (every row in use of every group of both lanes)."""
+        return LANES * (self.num_layers + 1) * self.rows.limit
 
     def _inside(self) -> List[Request]:
         return [r for lane in self.lanes for g in lane for r in g.requests if r is not None]
@@ -228,10 +268,15 @@ class StaggerPipeline:
         self.steps += 1
         lane = self.lanes[self.steps % LANES]
         entering = lane.pop().requests
+        limit = self._row_limit(lane)
+        used = sum(r is not None for r in entering)
         for row in range(self.width):
-            if entering[row] is None and self.joining:
+            if used >= limit or not self.joining:
+                break
+            if entering[row] is None:
                 entering[row] = self.joining.popleft()
                 self.inside += 1
+                used += 1
         lane.insert(0, self._group(entering))
         if self._positions_copied is not None:
             self._positions_copied.synchronize()  # the pinned positions are not rewritten under their copy
@@ -244,6 +289,20 @@ class StaggerPipeline:
         for table, rows in zip(self.rope, self.rope_rows):
             torch.index_select(table, 0, flat_positions, out=rows.view(-1, rows.shape[-1]))
         self.residual.copy_(self.lane_residual[self.steps % LANES])
+
+    def _row_limit(self, lane: List[StaggerGroup]) -> int:
+        """The rows of the entering group that may hold a request this turn (`RowLimit`), after the step time
+        since the last turn (less the launching thread's wait for a CPU job) is recorded."""
+        rows = self.rows
+        if not rows.adaptive:
+            return rows.limit
+        now = time.perf_counter()
+        if self._last_begin is not None:
+            waits = getattr(self.executor, "collect_seconds", None)
+            rows.observe_step(now - self._last_begin - (waits[-1] if waits else 0.0))
+        self._last_begin = now
+        lens = [g.context_lens for g in lane if g.size]
+        return rows.update(float(np.concatenate(lens).mean()) if lens else 0.0)
 
     def collect(self) -> None:
         """Just before a begun step's forward: the attention outputs its lane's CPU job computed during the step
@@ -264,11 +323,15 @@ class StaggerPipeline:
         plan = HostJob.of(lane[:self.num_layers], self.width)
         exports = runner.exports.queued()  # prompt K/V still on their way into the host cache
 
+        work = int(plan.context_lens.sum())
+
         def job(staged, out):
             for export in exports:
                 export.result()
+            start = time.perf_counter()
             query, key, value = staged.split(self.heads, dim=2)
             host_attention(plan, query, key, value, pool.key_caches, pool.value_caches, runner.stagger_scale, out)
+            self.rows.observe_job(time.perf_counter() - start, work)
 
         self.executor.launch(index, job, [self.staged], self.outputs)
 

@@ -252,9 +252,62 @@ def test_pipeline_returns_a_request_after_every_layer():
     assert not engine.has_unfinished() and engine.stagger.num_members == 0 and not engine.stagger.active
 
 
+def test_row_limit_keeps_the_cpu_job_within_a_step():
+    from apex_compile.runtime.stagger import JOB_SHARE, RowLimit
+
+    rows = RowLimit(width=8, num_layers=32, adaptive=True)
+    assert rows.update(576) == 8  # nothing measured yet: every row
+    rows.observe_job(3.8e-3, work=32 * 4 * 576)  # four rows of 576 tokens at every layer: 0.95 ms a row
+    rows.observe_step(6.0e-3)
+    assert rows.update(576) == int(JOB_SHARE * 6.0 / 0.95) == 5
+    assert rows.update(2 * 576) == 2  # twice the context, half the rows
+    for _ in range(40):  # the CPU gets 3x slower: the average follows, the limit drops to one row
+        rows.observe_job(3 * 3.8e-3, work=32 * 4 * 576)
+    assert rows.update(576) == 1
+    fixed = RowLimit(width=4, num_layers=32, adaptive=False)
+    fixed.observe_job(1.0, work=1)
+    fixed.observe_step(1e-3)
+    assert fixed.update(576) == 4
+
+
+def test_a_row_limit_caps_each_group_and_the_tokens_stay_hf_equal():
+    """Fewer rows in use than the block has (as an adaptive pipeline chooses): each group takes at most that
+    many requests, the pipeline admits that many fewer, and the tokens are still HF's."""
+    torch.manual_seed(6)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (6, 11, 4, 9, 13, 5, 7)]
+    reference = hf_tokens(model, prompts, 8)
+    apex = staggered(model, width=3)
+    stagger = apex.engine.stagger
+    stagger.rows.limit = 1
+    assert stagger.capacity == 2 * (LAYERS + 1)
+    most, tokens = 0, [[] for _ in prompts]
+    for event in apex.engine.stream(prompts, SamplingParams(max_new_tokens=8)):
+        tokens[event.index].append(event.token_id)
+        most = max([most] + [sum(r is not None for r in g.requests) for lane in stagger.lanes for g in lane])
+    assert most == 1 and tokens == reference
+    assert apex.engine.stats.requests_per_pool[1] >= 3  # requests that ran in the host pool
+    assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+
+
+def test_an_adaptive_pipeline_gives_hf_tokens():
+    torch.manual_seed(7)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (6, 11, 4, 9, 13, 5, 7)]
+    apex = staggered(model, width="auto")
+    assert apex.engine.stagger.width == 8 and apex.engine.stagger.rows.adaptive
+    done = apex.engine.generate(prompts, SamplingParams(max_new_tokens=8))
+    assert [c.token_ids for c in done] == hf_tokens(model, prompts, 8)
+    assert sum(1 for c in done if c.steps_per_pool["host"]) >= 3
+    rows = apex.engine.stagger.rows
+    assert rows.rate is not None and rows.step is not None and 1 <= rows.limit <= 8
+
+
 def test_config_checks():
     with pytest.raises(ValueError, match="stagger_width"):
         ApexConfig(stagger_width=0)
+    with pytest.raises(ValueError, match="stagger_width"):
+        ApexConfig(stagger_width="wide")
     with pytest.raises(ValueError, match="compile=True"):
         optimize(sharp_model(), ApexConfig(offload="staggered", compile=False, gpu_cache_size=BLOCK_BYTES,
                                            cpu_cache_size=8 * BLOCK_BYTES))
