@@ -541,7 +541,8 @@ class Engine:
         with self._quiet_stagger(True):
             graphs.capture(prepare, forward, progress, self.pieces.pool)
 
-    def _forward_staggered(self, chunks: List[ScheduledChunk], logit_rows: List[int]) -> torch.Tensor:
+    def _forward_staggered(self, chunks: List[ScheduledChunk], logit_rows: List[int],
+                           device_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`_forward_chunks` of a step led by the staggered block: a whole-step graph when the device rows all
         decode, else the staggered graph in pieces or (without CUDA graphs, above their sizes) as compiled.
         The block's host work is done after the forward is queued: `end_step` (this step's q/k/v to the CPU),
@@ -567,9 +568,11 @@ class Engine:
         else:
             padded_rows = logit_rows
         parts, num_rows = self._fill_staggered(chunks, padded_rows, pad_to=size, total_rows=key and key[0])
-        self.buffers.ids[:width] = stagger.input_ids()
+        self.buffers.ids[:width] = stagger.input_ids()  # (sampled two steps ago, by this lane's last turn)
         self.buffers.positions[:width] = stagger.groups[0].positions
         self.buffers.copy_to_device()
+        if device_ids is not None:  # the device rows of a step queued ahead, after the block's rows
+            self.buffers.dev_ids[width:width + device_ids.numel()].copy_(device_ids)
         stagger.collect()
         start = self._tick("prepare")
         self.runner.set_parts(parts, num_rows, width)
@@ -606,7 +609,7 @@ class Engine:
         decode graph, piecewise graphs, or (without CUDA graphs) the compiled step itself. device_ids: the first
         rows' input ids on the device (a step queued before the host has them)."""
         if self.stagger is not None and self.stagger.active:
-            return self._forward_staggered(chunks, logit_rows)
+            return self._forward_staggered(chunks, logit_rows, device_ids)
         size = self._graph_size(chunks)
         if size is not None and not self.graphs.ready:
             self.capture_graphs()
@@ -738,9 +741,11 @@ class Engine:
         last token on the host; requests that `launched`'s token stops by length are left out. Takes their
         blocks. None when any condition fails (the next step is scheduled as usual)."""
         scheduler = self.scheduler
-        if not self._async or self.stagger is not None or launched.pending is None:
+        if not self._async or launched.pending is None:
             return None
-        alive = [r for r in launched.sampled if not r.is_finished]  # (a row queued ahead of a stopped request)
+        # the device rows (the staggered block's requests get their next token from the pipeline, not a chunk),
+        # less rows queued ahead for requests that stopped meanwhile
+        alive = [r for r in launched.sampled if not r.is_finished and r.request_id not in launched.in_pipeline]
         if len(alive) != len(scheduler.running) or not scheduler.admits_nothing():
             return None
         kept = []
@@ -752,7 +757,8 @@ class Engine:
             if (len(request.output_token_ids) + 1 < sampling.max_new_tokens
                     and request.num_tokens + 1 < self.max_model_len):
                 kept.append(request)
-        if not kept or (self.graphs is not None and not (self.graphs.ready and self.graphs.size_for(len(kept)))):
+        graphs = self.stagger_graphs if self.stagger is not None and self.stagger.active else self.graphs
+        if not kept or (graphs is not None and not (graphs.ready and graphs.size_for(len(kept)))):
             return None  # nothing to run, or a step that would capture or run uncaptured
         if sum(self.kv.extra_blocks(r.request_id, r.num_computed + 1) for r in kept) > self.kv.num_free(DEVICE_POOL):
             return None  # someone must be evicted: the scheduler's call

@@ -120,11 +120,17 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens - len(self.running)
         if budget <= 0:
             return True
-        if len(self.run_pools) > 1 or self.stagger is not None:
-            return False  # a policy picks the pool: leave it to the step
         request = self.waiting[0]
         end = request.num_computed + min(request.num_tokens - request.num_computed, budget)
-        return self.kv.extra_blocks(request.request_id, end) > self.kv.num_free(self.run_pools[0])
+        device_full = self.kv.extra_blocks(request.request_id, end) > self.kv.num_free(DEVICE_POOL)
+        if self.stagger is not None:  # the host pool takes one only while the pipeline has a row for it
+            prefilling = sum(1 for r in self.running if self.kv.pool_of(r.request_id) == HOST_POOL)
+            return device_full and self.stagger.num_members + prefilling >= self.stagger.capacity
+        if len(self.run_pools) > 1:
+            return False  # a policy picks the pool: leave it to the step
+        if self.run_pools[0] != DEVICE_POOL:
+            return self.kv.extra_blocks(request.request_id, end) > self.kv.num_free(self.run_pools[0])
+        return device_full
 
     def to_pipeline(self, request: Request) -> None:
         """A host-pool request finished its prefill: it decodes in the staggered pipeline from now on."""

@@ -241,8 +241,10 @@ class StaggerPipeline:
         return removed
 
     def finish(self, request: Request) -> None:
-        """A last group's request is done: its row is free from the lane's next turn on (either lane: the next
-        step may be begun before this step's tokens are sampled)."""
+        """A request that sampled is done: its row is free from the lane's next turn on (either lane: the next
+        step may be begun before this step's tokens are sampled). With a step queued ahead (async scheduling),
+        its lane's next turn may be begun already: the request then re-entered group 0, which is rebuilt
+        without it (so no CPU job appends into its freed blocks)."""
         for lane in self.lanes:
             last = lane[-1].requests
             for row, r in enumerate(last):
@@ -250,7 +252,15 @@ class StaggerPipeline:
                     last[row] = None
                     self.inside -= 1
                     return
-        raise ValueError(f"request {request.request_id} is not in a last group of the staggered pipeline")
+        for lane in self.lanes:
+            first = lane[0].requests
+            for row, r in enumerate(first):
+                if r is request:
+                    first[row] = None
+                    self.inside -= 1
+                    lane[0] = self._group(first)
+                    return
+        raise ValueError(f"request {request.request_id} is not in a last or first group of the staggered pipeline")
 
     def close(self) -> None:
         """Stops the CPU jobs' worker (its running job finishes first)."""

@@ -449,3 +449,47 @@ def test_a_whole_step_graph_fill_computes_every_row():
     assert rows == 3 + 4 and [(p.start, p.end) for p in parts] == [(3, 7)]
     assert engine.buffers.logits_indices[:rows].tolist() == list(range(rows))
     assert engine.buffers.rows[0].slot[:4].tolist() == [-1] * 4  # padding rows write no cache slot
+
+
+@pytest.mark.parametrize("stop", ["length", "eos"])
+def test_steps_run_ahead_with_the_pipeline_give_the_same_tokens(stop, monkeypatch):
+    """Async scheduling beside the staggered block: the next step is queued before this step's tokens are
+    known, so a pipeline request that stops may have re-entered its lane's first group already; it is taken
+    out of it (no CPU job appends for it). Tokens equal the synchronous engine's (and HF's without EOS)."""
+    from apex_compile.runtime.stagger import StaggerPipeline
+
+    torch.manual_seed(8)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (3, 4, 5, 13, 9, 11, 7, 10, 12, 8)]
+    eos = (5, 17, 33, 50, 71, 90) if stop == "eos" else ()
+    # three long device requests keep steps running ahead while the pipeline's requests come and go
+    sampling = [SamplingParams(max_new_tokens=60) for _ in range(3)] + [
+        SamplingParams(max_new_tokens=n, eos_token_ids=eos) for n in (12, 14, 9, 16, 11, 13, 10)]
+    from_first = []
+    finish = StaggerPipeline.finish
+
+    def counting_finish(self, request):
+        from_first.append(not any(r is request for lane in self.lanes for r in lane[-1].requests))
+        finish(self, request)
+        # the CPU jobs' groups (all but the last): metadata (rows, slots) of exactly their requests
+        assert all(g.size == sum(r is not None for r in g.requests) for lane in self.lanes for g in lane[:-1])
+
+    monkeypatch.setattr(StaggerPipeline, "finish", counting_finish)
+    results = []
+    for async_scheduling in (False, True):
+        from_first.clear()
+        apex = optimize(model, ApexConfig(offload="staggered", stagger_width=2, gpu_cache_size=6 * BLOCK_BYTES,
+                                          cpu_cache_size=128 * BLOCK_BYTES, max_model_len=96,
+                                          async_scheduling=async_scheduling))
+        done = apex.engine.generate(prompts, sampling)
+        results.append([(c.token_ids, c.finish_reason) for c in done])
+        assert apex.engine.blocks_in_use() == {"device": 0, "host": 0} and not apex.engine.stagger.members()
+        assert sum(1 for c in done if c.steps_per_pool["host"]) >= 3
+        assert (apex.engine.stats.ahead_steps > 0) == async_scheduling
+        assert any(from_first) == async_scheduling  # (a stop found in a first group: its lane was begun)
+    assert results[1] == results[0]
+    if stop == "eos":
+        assert "eos" in {reason for _, reason in results[1]}
+    else:
+        assert [ids for ids, _ in results[1]] == hf_tokens(model, prompts, 60)[:3] + [
+            ids[:n] for ids, n in zip(hf_tokens(model, prompts[3:], 16), (12, 14, 9, 16, 11, 13, 10))]
