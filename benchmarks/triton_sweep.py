@@ -53,6 +53,7 @@ DECODE_LAUNCHES = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3),
                    (32, 2, 4)]
 """(block_t, num_warps, num_stages)"""
 PROGRAMS_PER_SM = [2, 4, 8, 16]
+FORCED_SPLIT_TOKENS = [64, 128]
 
 
 def sweep_rms_norm(bench, results):
@@ -225,9 +226,15 @@ def sweep_decode(bench, results, block_size, shapes=None):
         ref = sdpa()[:, :, 0]
         base = bench.graph_ms([sdpa_function(s[0][:, :, None], s[1], s[2], causal=False)[0] for s in sets])
         seen = set()
-        for pps in PROGRAMS_PER_SM:
+        # the plan's splits per programs-per-SM target, then splits forced below MIN_TOKENS_PER_SPLIT (short
+        # contexts of a full grid: more, shorter programs against one wave of long ones)
+        plans = [(pps, None) for pps in PROGRAMS_PER_SM] + [(0, tps) for tps in FORCED_SPLIT_TOKENS if tps < ctx]
+        for pps, forced in plans:
             for block_t, warps, stages in DECODE_LAUNCHES:
-                splits, tokens_per_split = decode_split_plan(batch, num_kv_heads, ctx, q.device, block_t, pps)
+                if forced is not None and forced % block_t:
+                    continue
+                splits, tokens_per_split = (decode_split_plan(batch, num_kv_heads, ctx, q.device, block_t, pps)
+                                            if forced is None else (-(-ctx // forced), forced))
                 key = (block_t, warps, stages, tokens_per_split)
                 if key in seen:
                     continue
@@ -238,6 +245,7 @@ def sweep_decode(bench, results, block_size, shapes=None):
                 ms = bench.graph_ms([lambda s=s: paged_decode_launch(s[0], *s[3], **launch) for s in sets])
                 row = {"section": "decode", "model": model, "batch": batch, "ctx": ctx, "block_t": block_t,
                        "warps": warps, "stages": stages, "programs_per_sm": pps, "splits": splits,
+                       "forced_split_tokens": forced,
                        "us": ms * 1e3, "sdpa_us": base * 1e3, "sdpa_backend": backend,
                        "pct_hbm": 100 * kv_bytes / ms / 1e6 / bench.hbm_gbps, "vs_sdpa": base / ms}
                 results.append(row)
