@@ -183,6 +183,35 @@ def test_staggered_equals_hf_generate_fp32(width):
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 
+def test_staggered_steps_run_ahead_equal_the_synchronous_engine():
+    """Async scheduling beside the staggered block on the GPU (device rows' ids copied on the device, a lane
+    begun before the previous step's tokens arrive): tokens and stop reasons equal the synchronous engine's,
+    with pipeline requests stopping by EOS and length while long device requests keep steps running ahead."""
+    from apex_compile.runtime.request import SamplingParams
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(3)
+    model = random_llama(torch.float32)
+    prompts = [torch.randint(3, SMALL["vocab_size"], (n,)).tolist() for n in (3, 4, 5, 13, 9, 11, 7, 10, 12, 8)]
+    eos = tuple(range(3, 60))
+    sampling = [SamplingParams(max_new_tokens=60) for _ in range(3)] + [
+        SamplingParams(max_new_tokens=n, eos_token_ids=eos) for n in (12, 14, 9, 16, 11, 13, 10)]
+    head_dim = SMALL["hidden_size"] // SMALL["num_attention_heads"]
+    block = 2 * SMALL["num_hidden_layers"] * SMALL["num_key_value_heads"] * 16 * head_dim * 4
+    results = []
+    for async_scheduling in (False, True):
+        apex = optimize(model, ApexConfig(offload="staggered", stagger_width=2, gpu_cache_size=14 * block,
+                                          cpu_cache_size=32 * MB, capture_sizes=(2, 4, 8),
+                                          async_scheduling=async_scheduling))
+        done = apex.engine.generate(prompts, sampling)
+        results.append([(c.token_ids, c.finish_reason) for c in done])
+        assert sum(1 for c in done if c.steps_per_pool["host"]) >= 3
+        assert (apex.engine.stats.ahead_steps > 0) == async_scheduling
+        assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+        apex.close()
+    assert results[1] == results[0]
+
+
 @pytest.mark.parametrize("offload", ["never", "staggered", "ahead"])
 def test_decode_steps_never_wait_for_the_gpu(fp32_model, offload):
     """Once every request is past its prompt, a decode step queues its graph, the sampling and the pipeline's
