@@ -200,7 +200,7 @@ def test_staggered_steps_run_ahead_equal_the_synchronous_engine():
     block = 2 * SMALL["num_hidden_layers"] * SMALL["num_key_value_heads"] * 16 * head_dim * 4
     results = []
     for async_scheduling in (False, True):
-        apex = optimize(model, ApexConfig(offload="staggered", stagger_width=2, gpu_cache_size=14 * block,
+        apex = optimize(model, ApexConfig(offload="staggered", stagger_width=2, gpu_cache_size=6 * block,
                                           cpu_cache_size=32 * MB, capture_sizes=(2, 4, 8),
                                           async_scheduling=async_scheduling))
         done = apex.engine.generate(prompts, sampling)
