@@ -212,12 +212,17 @@ def run_hf(model, batch, prompt_len, prompts):
     return {"tokens_per_s": batch * 128 / t128, "decode_step_s": (t192 - t64) / 128, "compile_s": compile_s}
 
 
-def compile_phases() -> str:
-    """Seconds per phase of the compilations so far: dynamo's trace, the backend (apex passes + inductor)."""
+def compile_seconds() -> dict:
+    """Seconds per phase of the compilations so far (dynamo's counters)."""
     from torch._dynamo.utils import compile_times
 
     headers, values = compile_times(repr="csv", aggregate=True)
-    times = dict(zip(headers, map(float, values)))
+    return dict(zip(headers, map(float, values)))
+
+
+def compile_phases() -> str:
+    """Seconds per phase of the compilations so far: dynamo's trace, the backend (apex passes + inductor)."""
+    times = compile_seconds()
     names = {"_compile.compile_inner": "dynamo total", "bytecode_tracing": "trace",
              "OutputGraph.call_user_compiler": "backend", "compile_fx": "inductor", "build_guards": "guards"}
     return ", ".join(f"{label} {times[name]:.1f}" for name, label in names.items() if name in times)
@@ -244,10 +249,7 @@ def warmup_only(args):
             print(out.getvalue().split("ncalls", 1)[-1], flush=True)
         # (the first capture runs the step's first call, so capture_seconds includes its compile: compile time
         # comes from dynamo's own counters instead)
-        from torch._dynamo.utils import compile_times
-
-        headers, values = compile_times(repr="csv", aggregate=True)
-        compiled = dict(zip(headers, map(float, values))).get("_compile.compile_inner", 0.0)
+        compiled = compile_seconds().get("_compile.compile_inner", 0.0)
         print(f"warm-up {shape_name} batch {batch}: {total:.1f} s ({compiled:.1f} s compiling, the rest capturing "
               f"{len(apex.engine.graphs.sizes)} graphs and {len(apex.engine.pieces.pieces)} piecewise keys and "
               "running the warm-up requests)", flush=True)

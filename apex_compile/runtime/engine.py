@@ -425,9 +425,15 @@ class Engine:
             if hits:
                 request.output_text = text[:min(hits)]
                 return "stop"
-        if len(request.output_token_ids) >= sampling.max_new_tokens or request.num_tokens >= self.max_model_len:
+        if self._at_length(request):
             return "length"
         return None
+
+    def _at_length(self, request: Request, pending: int = 0) -> bool:
+        """Whether the request is at its length limit (max_new_tokens, max_model_len) with `pending` more tokens
+        (sampled, not yet on the host)."""
+        return (len(request.output_token_ids) + pending >= request.sampling.max_new_tokens
+                or request.num_tokens + pending >= self.max_model_len)
 
     # ----------------------------------------------------------------------------------------------------
     # one step
@@ -570,9 +576,7 @@ class Engine:
         parts, num_rows = self._fill_staggered(chunks, padded_rows, pad_to=size, total_rows=key and key[0])
         self.buffers.ids[:width] = stagger.input_ids()  # (sampled two steps ago, by this lane's last turn)
         self.buffers.positions[:width] = stagger.groups[0].positions
-        self.buffers.copy_to_device()
-        if device_ids is not None:  # the device rows of a step queued ahead, after the block's rows
-            self.buffers.dev_ids[width:width + device_ids.numel()].copy_(device_ids)
+        self.buffers.copy_to_device(device_ids, first_row=width)  # (a step queued ahead: its device rows' ids)
         stagger.collect()
         start = self._tick("prepare")
         self.runner.set_parts(parts, num_rows, width)
@@ -621,9 +625,7 @@ class Engine:
         padded_logits = key[1] if key is not None else self._logits_rows(num_logits)
         logit_rows = (logit_rows + [num_tokens - 1] * padded_logits)[:padded_logits]
         parts, num_rows = self.buffers.fill(chunks, logit_rows, pad_to=size, total_rows=key and key[0])
-        self.buffers.copy_to_device()
-        if device_ids is not None:  # behind the copy above, which wrote placeholders there
-            self.buffers.dev_ids[:device_ids.numel()].copy_(device_ids)
+        self.buffers.copy_to_device(device_ids)
         start = self._tick("prepare")
         if size is not None:
             logits = _rows_of(self.graphs.replay(size), logit_rows[:num_logits])
@@ -754,8 +756,7 @@ class Engine:
             if self.kv.pool_of(request.request_id) != DEVICE_POOL or sampling.repetition_penalty != 1.0 or (
                     sampling.eos_token_ids and sampling.min_new_tokens > len(request.output_token_ids)):
                 return None  # the host-side rules need the token first
-            if (len(request.output_token_ids) + 1 < sampling.max_new_tokens
-                    and request.num_tokens + 1 < self.max_model_len):
+            if not self._at_length(request, pending=1):
                 kept.append(request)
         graphs = self.stagger_graphs if self.stagger is not None and self.stagger.active else self.graphs
         if not kept or (graphs is not None and not (graphs.ready and graphs.size_for(len(kept)))):
@@ -774,7 +775,7 @@ class Engine:
             return None
         tokens = launched.pending.device
         if len(chunks) < len(launched.sampled):  # rows left out: gather the others' ids
-            keep = {r.request_id for r in (c.request for c in chunks)}
+            keep = {c.request.request_id for c in chunks}
             rows = [i for i, r in enumerate(launched.sampled) if r.request_id in keep]
             tokens = tokens.index_select(0, to_device(rows, torch.long, tokens.device))
         self.stats.ahead_steps += 1

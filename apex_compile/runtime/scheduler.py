@@ -122,15 +122,21 @@ class Scheduler:
             return True
         request = self.waiting[0]
         end = request.num_computed + min(request.num_tokens - request.num_computed, budget)
-        device_full = self.kv.extra_blocks(request.request_id, end) > self.kv.num_free(DEVICE_POOL)
+
+        def full(pool: int) -> bool:
+            return self.kv.extra_blocks(request.request_id, end) > self.kv.num_free(pool)
+
         if self.stagger is not None:  # the host pool takes one only while the pipeline has a row for it
-            prefilling = sum(1 for r in self.running if self.kv.pool_of(r.request_id) == HOST_POOL)
-            return device_full and self.stagger.num_members + prefilling >= self.stagger.capacity
+            return full(DEVICE_POOL) and self._pipeline_full()
         if len(self.run_pools) > 1:
             return False  # a policy picks the pool: leave it to the step
-        if self.run_pools[0] != DEVICE_POOL:
-            return self.kv.extra_blocks(request.request_id, end) > self.kv.num_free(self.run_pools[0])
-        return device_full
+        return full(self.run_pools[0])
+
+    def _pipeline_full(self) -> bool:
+        """Whether the staggered pipeline has no row left for another host request (members, and host-pool
+        requests still prefilling, which join it next)."""
+        prefilling = sum(1 for r in self.running if self.kv.pool_of(r.request_id) == HOST_POOL)
+        return self.stagger.num_members + prefilling >= self.stagger.capacity
 
     def to_pipeline(self, request: Request) -> None:
         """A host-pool request finished its prefill: it decodes in the staggered pipeline from now on."""
@@ -302,8 +308,7 @@ class Scheduler:
             return DEVICE_POOL
         if HOST_POOL not in fitting or self._splits_host_prompt(request, num_tokens):
             return None
-        prefilling = sum(1 for r in self.running if self.kv.pool_of(r.request_id) == HOST_POOL)
-        if self.stagger.num_members + prefilling >= self.stagger.capacity:
+        if self._pipeline_full():
             return None
         if self.kv.grow(request.request_id, HOST_POOL, self.max_tokens(request)):
             return HOST_POOL

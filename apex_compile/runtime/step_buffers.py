@@ -218,13 +218,17 @@ class StepBuffers:
                         rows.dev_tables[:entries] if entries else None, rows.dev_ctx[:entries] if entries else None,
                         None if pad_to is not None else max_ctx, fresh, qstart, max_q)
 
-    def copy_to_device(self) -> None:
-        """The step's one host-to-device copy (the used prefix of the arena); no-op on a CPU-only run."""
+    def copy_to_device(self, device_ids: Optional[torch.Tensor] = None, first_row: int = 0) -> None:
+        """The step's one host-to-device copy (the used prefix of the arena; no-op on a CPU-only run), then
+        `device_ids` (ids already on the device: a step queued before the host has them) into the input ids
+        from `first_row`, over the placeholders `fill` wrote there."""
         if self.dev_buf is not self.host_buf:
             n = self._copy_bytes
             self.dev_buf[:n].copy_(self.host_buf[:n], non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
+        if device_ids is not None:
+            self.dev_ids[first_row:first_row + device_ids.numel()].copy_(device_ids)
 
     def inputs(self, num_rows: int, num_logits: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(input_ids [1, rows], position_ids [1, rows], logits_indices [num_logits]): views of the buffers,
