@@ -167,7 +167,7 @@ def run_apex(model, shape, batch, prompt_len, new_tokens, prompts, args, async_s
             engine.step()
             if profile is not None and decode_steps == 44 and decoding:
                 profile.__exit__(None, None, None)
-                print(profile.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60))
+                print(profile.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60))
                 profile = None
             if decoding:
                 step_times.append(time.perf_counter() - t0)

@@ -275,10 +275,13 @@ def test_decode_split_plan():
 
 def test_decode_chunk_by_grid_and_tile_size():
     cpu = torch.device("cpu")  # the interpreter assumes INTERPRETER_SM_COUNT SMs
-    assert decode_chunk(1, 8, 128, 2, cpu) == (DECODE_BLOCK_T_SMALL_GRID, 2)
+    assert decode_chunk(1, 4, 128, 2, cpu) == (DECODE_BLOCK_T_SMALL_GRID, 2)  # 4 programs on 8 SMs
+    assert decode_chunk(2, 2, 128, 2, cpu) == (DECODE_BLOCK_T_SMALL_GRID, 2)
+    # more than one program per two SMs: 64-token chunks (two 128-token stages leave one program per SM)
+    assert decode_chunk(1, 5, 128, 2, cpu) == (DECODE_BLOCK_T, PROGRAMS_PER_SM)
     assert decode_chunk(64, 8, 128, 2, cpu) == (DECODE_BLOCK_T, PROGRAMS_PER_SM)  # a full grid
-    assert decode_chunk(1, 8, 128, 4, cpu) == (DECODE_BLOCK_T, PROGRAMS_PER_SM)  # fp32 tiles too large
-    assert decode_chunk(1, 8, 256, 2, cpu) == (DECODE_BLOCK_T, PROGRAMS_PER_SM)
+    assert decode_chunk(1, 2, 128, 4, cpu) == (DECODE_BLOCK_T, PROGRAMS_PER_SM)  # fp32 tiles too large
+    assert decode_chunk(1, 2, 256, 2, cpu) == (DECODE_BLOCK_T, PROGRAMS_PER_SM)
 
 
 @pytest.mark.parametrize("device", CUDA_ONLY)
