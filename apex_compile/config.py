@@ -21,15 +21,18 @@ class ApexConfig:
     offload: where running requests keep their KV and attend: "never" (device pool), "all" (host pool),
         a float in [0, 1] (that fraction of running requests in the host pool, for tests and experiments), or
         "auto": on CUDA a performance model measured once per machine and model shape (cached under the compile
-        cache dir) admits a request to the host pool only when the device pool is full and it predicts more
-        tokens/s; where it predicts no gain for typical loads the host pool only parks swapped-out requests.
-        On a CPU-only run "auto" is "never". "staggered": requests the device pool cannot take are prefilled in
-        the host pool and then decode staggered: each advances one decoder layer per step, so its CPU attention
-        overlaps a whole GPU step (`apex_compile.runtime.stagger`; a token takes 2 * (num_layers + 1) steps). Only
-        when asked for: "auto" does not pick it yet (its step is host-bound on the H200; notes item 24).
+        cache dir, calibrated by replays of the engine's captured graphs) chooses: where it predicts the
+        staggered plan (below) gains for a typical load, that plan, with the host rows per step set each step
+        by the model's prediction beside the running device requests and by the measured CPU job; else host
+        requests (one-batch overlap) admitted only when the device pool is full and it predicts more
+        tokens/s; else the host pool only parks swapped-out requests. On a CPU-only run "auto" is "never".
+        "staggered": requests the device pool cannot take are prefilled in the host pool and then decode
+        staggered: each advances one decoder layer per step, so its CPU attention overlaps a whole GPU step
+        (`apex_compile.runtime.stagger`; a token takes 2 * (num_layers + 1) steps: throughput, not latency).
     stagger_width: rows per step of staggered host requests; the pipeline holds 2 * (num_layers + 1) * width
-        requests. None: 4. "auto": up to 8, the rows in use following the measured CPU job (as many as keep
-        it within 90% of a step; `apex_compile.runtime.stagger.RowLimit`).
+        requests. None: 4 with offload="staggered", "auto" with offload="auto". "auto": up to 8, the rows in
+        use following the measured CPU job (as many as keep it within 90% of a step;
+        `apex_compile.runtime.stagger.RowLimit`) and, under offload="auto", the performance model.
     cpu_attention_threads: OpenMP threads of the staggered plan's CPU attention worker on CUDA, pinned to the
         last cores this process may use. None: all of them but one, left to the thread that launches GPU work.
     max_num_seqs: most requests in one step.

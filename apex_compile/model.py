@@ -273,7 +273,12 @@ class ApexModel:
         if mode == "auto":
             tokens = [p.num_blocks * engine.kv.block_size for p in engine.kv.pools]
             context = min(1024, engine.max_model_len)
-            if engine.scheduler.host_policy is not None:
+            if engine.stagger is not None:
+                rows = engine.stagger.rows
+                verdict = (f"staggered: requests the device pool cannot take decode from the host pool, up to "
+                           f"{engine.stagger.width} row(s) per step (now {rows.limit}: the model's {rows.ceiling}, "
+                           f"the measured CPU job's {rows.measured})")
+            elif engine.scheduler.host_policy is not None:
                 verdict = "host requests admitted when the device pool is full and the model predicts a gain"
             else:
                 verdict = "never: the model predicts no gain for typical loads"

@@ -13,6 +13,7 @@ HF generate with its offloaded cache (KV in host memory) over as many requests a
     python benchmarks/e2e_hybrid.py --out benchmarks/results/e2e_hybrid_<date>_h200.json
 """
 import argparse
+import dataclasses
 import datetime
 import gc
 import os
@@ -28,7 +29,7 @@ from e2e_throughput import SHAPES, kv_bytes_per_token, random_llama, timed_gener
 
 from apex_compile import ApexConfig, SamplingParams, optimize  # noqa: E402
 from apex_compile.runtime.kv_manager import HOST_POOL  # noqa: E402
-from apex_compile.runtime.perf_model import PerfModel  # noqa: E402
+from apex_compile.runtime.perf_model import PerfModel, StepCalibration  # noqa: E402
 from apex_compile.runtime.perf_profile import engine_profile  # noqa: E402
 
 GiB = 1 << 30
@@ -64,7 +65,9 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
         top_up()
         running = list(engine.scheduler.running)
         on_host = sum(1 for r in running if engine.kv.pool_of(r.request_id) == HOST_POOL)
-        staggered = stagger.width if stagger is not None and stagger.active else 0
+        # the block's rows holding a request (on average over its groups: each is one layer of the CPU job)
+        staggered = (round(sum(g.size for g in stagger.groups) / len(stagger.groups))
+                     if stagger is not None and stagger.active else 0)
         context = sum(r.num_tokens for r in running) / max(len(running), 1)
         before = dict(engine.stats.phase_seconds)
         counts = _event_counts(engine)
@@ -83,15 +86,22 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     events = []  # per step: what changed in the engine's counters (_event_counts) during it
     begin = time.perf_counter()
     filled, prefill = 0, []
-    while stagger is not None and filled < fill_steps and stagger.num_members < stagger.capacity:
-        step, _ = one_step()
-        prefill.append((step[3], step[4]))
-        filled += 1
-    fill_s = time.perf_counter() - begin
-    filled_share = stagger.num_members / stagger.capacity if stagger is not None else None  # < 1: cut by fill_steps
+
+    def fill():
+        nonlocal filled
+        while stagger is not None and filled < fill_steps and stagger.num_members < stagger.capacity:
+            step, _ = one_step()
+            prefill.append((step[3], step[4]))
+            filled += 1
+
+    fill()
     for _ in range(warm_steps):
         step, _ = one_step()
         prefill.append((step[3], step[4]))
+    fill()  # an adaptive pipeline's capacity follows its measured rows: full again at the window's start
+    fill_s = time.perf_counter() - begin
+    filled_share = (stagger.num_members / max(stagger.capacity, 1) if stagger is not None and stagger.capacity
+                    else None)  # < 1: cut by fill_steps
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     begin, tokens, host_tokens, steps = time.perf_counter(), engine.stats.generated_tokens, 0, []
@@ -198,6 +208,8 @@ def run_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seq
         result["collect_wait_s"] = statistics.median(list(jobs.collect_seconds)[-args.window_steps:])
     if engine.stagger is not None:  # the rows in use per turn at the window's end (below the width when adaptive)
         result["stagger_rows"] = [engine.stagger.rows.limit, engine.stagger.width]
+    result["plan"] = "staggered" if engine.stagger is not None else "overlap"  # of the steps with host rows
+    result["calibration"] = dataclasses.asdict(engine.calibration)  # the model's replays of this engine's graphs
     apex.close()  # its pools and threads go now, not at a later garbage collection
     del apex, engine
     gc.collect()
@@ -233,12 +245,14 @@ def hf_generate(model, prompts, new_tokens: int, batch: int, cache_implementatio
             "decode_step_s": step, "decode_tokens_per_s": batch / step if step > 0 else None}
 
 
-def prediction_error(model: PerfModel, steps, staggered=False):
-    """Median |predicted - measured| / measured over the decode steps (each at its own composition)."""
+def prediction_error(model: PerfModel, steps, plan="overlap"):
+    """Median |predicted - measured| / measured over the window's decode-only steps (each at its own
+    composition; `plan`: that of the steps with host rows)."""
     errors = []
-    for gpu, cpu, context, seconds, _ in steps:
-        plan = ("staggered" if staggered else "overlap") if cpu else "never"
-        errors.append(abs(model.predict(plan, gpu, cpu, context).step_s - seconds) / seconds)
+    for gpu, cpu, context, seconds, prefill_tokens in steps:
+        if prefill_tokens:
+            continue
+        errors.append(abs(model.predict(plan if cpu else "never", gpu, cpu, context).step_s - seconds) / seconds)
     return statistics.median(errors) if errors else None
 
 
@@ -329,13 +343,17 @@ def main():
             ideal = perf.ideal_gain(context)
             never = runs["never"]["tokens_per_s"]
             efficiency = (runs["auto"]["tokens_per_s"] - never) / ideal if "auto" in runs else None
-            errors = {m: prediction_error(perf, r["steps"], m.startswith("staggered")) for m, r in runs.items()}
+            # each mode's model: the profile, calibrated by the replays of that mode's own captured graphs
+            errors = {m: prediction_error(PerfModel(perf.profile, StepCalibration(**r["calibration"])), r["steps"],
+                                          r["plan"]) for m, r in runs.items()}
+            raw_errors = {m: prediction_error(perf, r["steps"], r["plan"]) for m, r in runs.items()}
             best = max(runs, key=lambda m: runs[m]["tokens_per_s"])
             row = {"shape": shape_name, "device_gib": gib, "requests": count, "context": context,
                    "ideal_gain": ideal, "cpu_attention_GBps": perf.cpu_bandwidth() / 1e9,
                    "gpu_attention_GBps": perf.gpu_bandwidth() / 1e9,
                    "kv_bytes_per_host_request_step": perf.profile.kv_bytes_per_token * context,
-                   "auto_efficiency": efficiency, "model_error": errors, "best_mode": best, "hf_offloaded": hf,
+                   "auto_efficiency": efficiency, "model_error": errors, "uncalibrated_model_error": raw_errors,
+                   "best_mode": best, "hf_offloaded": hf,
                    "best_efficiency": (runs[best]["tokens_per_s"] - never) / ideal,
                    "modes": {m: {k: v for k, v in r.items() if k != "steps"} for m, r in runs.items()},
                    "steps": {m: r["steps"] for m, r in runs.items()}}
@@ -344,9 +362,12 @@ def main():
                                for m in modes)
             err = errors.get("auto") if errors.get("auto") is not None else errors.get("never")
             eff = f"{efficiency:8.2f}" if efficiency is not None else "       -"
-            print(f"{shape_name:10} {gib:8.1f} {count:4d} | {cells} | {ideal:10.0f} {eff} {err:9.1%}", flush=True)
+            err_text = f"{err:9.1%}" if err is not None else "        -"
+            print(f"{shape_name:10} {gib:8.1f} {count:4d} | {cells} | {ideal:10.0f} {eff} {err_text}", flush=True)
             print(f"   best {best}: efficiency {row['best_efficiency']:.2f}; model error per mode: "
-                  + ", ".join(f"{m} {e:.1%}" for m, e in errors.items() if e is not None), flush=True)
+                  + ", ".join(f"{m} {e:.1%}" for m, e in errors.items() if e is not None)
+                  + " (uncalibrated: " + ", ".join(f"{m} {e:.1%}" for m, e in raw_errors.items() if e is not None)
+                  + ")", flush=True)
             print("   auto: " + runs["auto"]["explain"] if "auto" in runs else "", flush=True)
             write_json(args.out, result)  # after every row: a run cut short keeps what it measured
         del model

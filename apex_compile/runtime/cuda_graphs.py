@@ -70,6 +70,22 @@ class DecodeGraphs:
             print(f"\rapex_compile: captured {len(order)} CUDA graphs in {self.capture_seconds:.1f} s",
                   file=sys.stderr, flush=True)
 
+    def time_replays(self, replays: int = 3) -> Tuple[List[int], List[float]]:
+        """(sizes, GPU seconds per replay) of every captured graph replayed back to back over the inputs it
+        holds (the performance model's `StepCalibration`, taken right after a capture of padding rows)."""
+        sizes, seconds = [], []
+        for size in sorted(self.graphs):
+            graph = self.graphs[size][0]
+            graph.replay()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(replays):
+                graph.replay()
+            torch.cuda.synchronize()
+            sizes.append(size)
+            seconds.append((time.perf_counter() - start) / replays)
+        return sizes, seconds
+
     def replay(self, size: int) -> torch.Tensor:
         """Replays the graph of `size` rows and returns its logits [size, vocab] (valid until the next replay)."""
         graph, out = self.graphs[size]

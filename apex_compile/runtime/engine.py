@@ -23,7 +23,7 @@ from apex_compile.runtime.context import attention_runner
 from apex_compile.runtime.cuda_graphs import (PIECEWISE_MAX_TOKENS, DecodeGraphs, PiecewiseGraphs, capture_sizes,
                                               piecewise_sizes)
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, POOL_NAMES, CacheShape, KVManager
-from apex_compile.runtime.perf_model import AutoOffload, PerfModel
+from apex_compile.runtime.perf_model import AutoOffload, PerfModel, StepCalibration
 from apex_compile.runtime.request import Request, RequestStatus, SamplingParams
 from apex_compile.runtime.sampler import PendingTokens, Sampler
 from apex_compile.runtime.scheduler import ScheduledChunk, Scheduler
@@ -230,12 +230,14 @@ class Engine:
         device_bytes, host_bytes = self._pool_bytes()
         block_bytes = self.shape.block_bytes
         self.kv = KVManager(self.shape, device_bytes // block_bytes, host_bytes // block_bytes, self.device)
+        # replays of this engine's captured decode graphs (filled at capture): the performance model's step
+        self.calibration = StepCalibration()
         self.auto_policy: Optional[AutoOffload] = None  # offload="auto"'s model (CUDA with a host pool)
         if (self.config.offload == "auto" and self.device.type == "cuda" and self.config.compile
                 and self.kv.pools[HOST_POOL].num_blocks):
             from apex_compile.runtime.perf_profile import engine_profile
 
-            self.auto_policy = AutoOffload(PerfModel(engine_profile(self)),
+            self.auto_policy = AutoOffload(PerfModel(engine_profile(self), self.calibration),
                                            stagger_groups=LANES * (self.shape.num_layers + 1))
         self.stagger: Optional[StaggerPipeline] = None
         self._pipeline_due = False  # a staggered forward was queued and its `_advance_pipeline` not yet run
@@ -246,8 +248,11 @@ class Engine:
         self._closed = False
         self._last_tick: Optional[float] = None  # inside `step()`: the time of its last phase tick
         if self.config.offload == "staggered" and self.kv.pools[HOST_POOL].num_blocks:
-            # explicit only: "auto" does not pick it while its measured step on the H200 is host-bound (notes item 25)
             self.stagger = self._stagger_pipeline(self.config.stagger_width or DEFAULT_STAGGER_WIDTH)
+        elif self.auto_policy is not None and self._auto_stagger_pays():
+            # auto's plan: the model's ceiling (each step) and the measured CPU job (each turn) set the rows
+            self.stagger = self._stagger_pipeline(self.config.stagger_width or "auto")
+        self._ceiling_key = None  # (device rows, context bucket) of the last auto ceiling
         self.scheduler = Scheduler(self.config, self.kv, self.max_model_len, self._auto_host_policy(), self.stagger)
         self.runner = PagedAttentionRunner(self.kv, self.device)
         self.runner.stagger = self.stagger
@@ -288,16 +293,42 @@ class Engine:
                                rope_tables(self.model, self.max_model_len), self.device, self.dtype,
                                self.max_model_len, self.config.cpu_attention_threads, adaptive)
 
+    def _typical_contexts(self) -> List[int]:
+        return sorted({min(c, self.max_model_len) for c in (256, 1024, 4096)})
+
+    def _auto_stagger_pays(self) -> bool:
+        """offload="auto": whether the model predicts the staggered plan gains for some typical load."""
+        width = self.config.stagger_width
+        width = AUTO_STAGGER_WIDTH if width in (None, "auto") else width
+        tokens = [p.num_blocks * self.kv.block_size for p in self.kv.pools]
+        return self.auto_policy.worth_staggering(tokens[DEVICE_POOL], tokens[HOST_POOL], self.config.max_num_seqs,
+                                                 self._typical_contexts(), width)
+
+    def _update_stagger_ceiling(self) -> None:
+        """offload="auto" with the staggered plan, before a step: the host rows per step that the (calibrated)
+        model predicts best beside the running device-pool requests; 0 when none beats GPU-only, so that no
+        request enters the pipeline (those inside finish). Recomputed when the composition changes."""
+        running = self.scheduler.running
+        device = [r for r in running if self.kv.pool_of(r.request_id) == DEVICE_POOL]
+        if not running:
+            return
+        context = sum(r.num_tokens for r in running) / len(running)
+        key = (len(device), int(context) // 32, len(self.calibration.rows), self.calibration.stagger_width)
+        if key == self._ceiling_key:
+            return
+        self._ceiling_key = key
+        stagger = self.stagger
+        stagger.rows.set_ceiling(self.auto_policy.stagger_rows(len(device), context, stagger.width))
+
     def _auto_host_policy(self) -> Optional[AutoOffload]:
         """The auto policy if its model predicts that host requests pay for some typical load, else None (then
         the host pool only parks swapped-out requests and the overlapped graph is never compiled)."""
         policy = self.auto_policy
         if policy is None or self.stagger is not None:
             return None
-        contexts = sorted({min(c, self.max_model_len) for c in (256, 1024, 4096)})
         tokens = [p.num_blocks * self.kv.block_size for p in self.kv.pools]
         return policy if policy.worth_enabling(tokens[DEVICE_POOL], tokens[HOST_POOL], self.config.max_num_seqs,
-                                               contexts) else None
+                                               self._typical_contexts()) else None
 
     def _pool_bytes(self):
         """(device pool bytes, host pool bytes) from the config, defaults filled in."""
@@ -486,6 +517,7 @@ class Engine:
             self.buffers.copy_to_device()
 
         self.graphs.capture(prepare, lambda size: self._run_model(*padded[size], size), progress, self.pieces.pool)
+        self.calibration.rows, self.calibration.step_s = self.graphs.time_replays()
 
     def _capture_pieces(self, key, stagger_rows: int = 0) -> None:
         """Captures the piecewise graphs of (rows, logits rows) `key` over a step of padding rows only (with
@@ -546,6 +578,9 @@ class Engine:
 
         with self._quiet_stagger(True):
             graphs.capture(prepare, forward, progress, self.pieces.pool)
+            rows, seconds = graphs.time_replays()
+        self.calibration.stagger_rows, self.calibration.stagger_s = rows, seconds
+        self.calibration.stagger_width = width
 
     def _forward_staggered(self, chunks: List[ScheduledChunk], logit_rows: List[int],
                            device_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -660,6 +695,8 @@ class Engine:
             self._last_tick = None
 
     def _step(self) -> List[Request]:
+        if self.stagger is not None and self.config.offload == "auto":
+            self._update_stagger_ceiling()
         launched, self._ahead = self._ahead, None
         chunks = None
         if launched is None:

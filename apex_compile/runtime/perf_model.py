@@ -25,6 +25,12 @@ the host rows add; the staggered plan is the one that overlaps the CPU with the 
 
 `ideal_gain` is the physics bound every result is judged against: the tokens/s the CPU's attention bandwidth
 can add, B_cpu / (KV bytes a host request reads per step).
+
+A `StepCalibration` (an engine's own captured decode graphs replayed over padding rows, measured when they
+are captured) replaces T_lin by the step as it really runs: the merged GEMMs, the norms, RoPE, the cache
+appends, the kernel boundaries and, for the staggered graph, the block's row exchange. A calibrated step is
+T_graph(rows) + T_gatt(ctx) - T_gatt(rows) (the replays' padding rows each read one token); the staggered
+plan adds the block's copies of all its rows (they run outside the graph, on the compute stream).
 """
 import bisect
 import dataclasses
@@ -74,6 +80,19 @@ class Profile:
 
 
 @dataclasses.dataclass
+class StepCalibration:
+    """Seconds of an engine's captured decode graphs replayed over padding rows (one context token each):
+    `rows` / `step_s` the GPU-only graphs, `stagger_rows` / `stagger_s` the staggered ones (device rows; the
+    block's `stagger_width` rows come on top)."""
+
+    rows: List[int] = dataclasses.field(default_factory=list)
+    step_s: List[float] = dataclasses.field(default_factory=list)
+    stagger_rows: List[int] = dataclasses.field(default_factory=list)
+    stagger_s: List[float] = dataclasses.field(default_factory=list)
+    stagger_width: int = 0
+
+
+@dataclasses.dataclass
 class Prediction:
     """One plan's predicted decode step for a batch."""
 
@@ -90,8 +109,17 @@ class Prediction:
 class PerfModel:
     """Predicts decode steps per plan from a Profile and chooses where requests attend."""
 
-    def __init__(self, profile: Profile):
+    def __init__(self, profile: Profile, calibration: Optional[StepCalibration] = None):
         self.profile = profile
+        self.calibration = calibration
+
+    def _context_s(self, rows: int, context: float) -> float:
+        """GPU attention of `rows` requests of `context` tokens beyond the one token a calibration row reads."""
+        return max(self.gpu_attention_s(int(rows * context)) - self.gpu_attention_s(rows), 0.0)
+
+    def _calibrated(self, stagger: bool) -> bool:
+        c = self.calibration
+        return c is not None and bool(c.stagger_rows if stagger else c.rows)
 
     def linear_s(self, tokens: int) -> float:
         p = self.profile
@@ -115,9 +143,18 @@ class PerfModel:
             raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
         if plan == "never" and cpu_requests:
             raise ValueError("plan 'never' runs no request on the CPU")
+        c = self.calibration
         if not cpu_requests:
-            step = self.linear_s(gpu_requests) + self.gpu_attention_s(int(gpu_requests * context))
+            if self._calibrated(False):
+                step = interpolate(c.rows, c.step_s, gpu_requests) + self._context_s(gpu_requests, context)
+            else:
+                step = self.linear_s(gpu_requests) + self.gpu_attention_s(int(gpu_requests * context))
             return Prediction("never", gpu_requests, 0, step)
+        if plan == "staggered" and self._calibrated(True):
+            gpu = (interpolate(c.stagger_rows, c.stagger_s, gpu_requests) + self._context_s(gpu_requests, context)
+                   + self.copy_s(max(c.stagger_width, cpu_requests)))
+            step = max(gpu, self.cpu_attention_s(int(cpu_requests * context)))
+            return Prediction(plan, gpu_requests, cpu_requests, step)
         n = gpu_requests + cpu_requests
         gpu_attention = self.gpu_attention_s(int(gpu_requests * context))
         cpu = self.cpu_attention_s(int(cpu_requests * context)) + self.copy_s(cpu_requests)
@@ -215,6 +252,7 @@ def summarize(profile: Profile) -> Dict[str, float]:
     return {"cpu_attention_GBps": model.cpu_bandwidth() / 1e9, "gpu_attention_GBps": model.gpu_bandwidth() / 1e9}
 
 
+STAGGER_ROWS = 8  # the most host rows per step explain() considers (the engine's AUTO_STAGGER_WIDTH)
 RUNNABLE_PLANS = ("never", "overlap", "staggered")  # the plans the engine executes ("staggered" when asked for)
 
 
@@ -258,6 +296,29 @@ class AutoOffload:
         else:
             self.never_correction += weight * (ratio - self.never_correction)
 
+    def stagger_rows(self, gpu_requests: int, context: float, width: int) -> int:
+        """Host rows per step (0..width) for the staggered plan beside `gpu_requests` device rows of
+        `context`-token requests: the count with the most predicted tokens/s, 0 unless it beats GPU-only by
+        `margin` (then no request enters the pipeline)."""
+        never = self.model.predict("never", gpu_requests, 0, context).tokens_per_s
+        best, rows = never * (1 + self.margin), 0
+        for cpu_requests in range(1, width + 1):
+            tokens = self.model.predict("staggered", gpu_requests, cpu_requests, context).tokens_per_s
+            if tokens > best:
+                best, rows = tokens, cpu_requests
+        return rows
+
+    def worth_staggering(self, gpu_tokens: int, cpu_tokens: int, max_seqs: int, contexts: Sequence[int],
+                         width: int) -> bool:
+        """Whether the staggered plan pays for some typical load (these contexts, the device pool full, the
+        host pool holding `stagger_groups` requests per row): then offload="auto" builds its pipeline."""
+        for context in contexts:
+            gpu = min(max_seqs, gpu_tokens // max(context, 1))
+            rows = min(width, cpu_tokens // max(context, 1) // self.stagger_groups)
+            if gpu > 0 and rows > 0 and self.stagger_rows(gpu, context, rows):
+                return True
+        return False
+
     def worth_enabling(self, gpu_tokens: int, cpu_tokens: int, max_seqs: int, contexts: Sequence[int]) -> bool:
         """Whether any typical load (these contexts, pools as large as given) gains from host requests: if none
         does, the engine never runs the host pool (and never compiles the overlapped graph)."""
@@ -272,13 +333,14 @@ class AutoOffload:
         """The model's verdict for a load of `context`-token requests filling the device pool."""
         gpu = max(min(max_seqs, gpu_tokens // max(context, 1)), 1)
         cpu = max(min(max_seqs - gpu, cpu_tokens // max(context, 1)), 0)
-        staggered = min(cpu_tokens // max(context, 1), max(max_seqs - gpu, 0) * self.stagger_groups)
+        width = min(cpu_tokens // max(context, 1) // self.stagger_groups, STAGGER_ROWS)
         lines = self.model.explain(gpu, cpu, context, plans=("never", "overlap"))
-        choice = self.model.choose(gpu, staggered, context, ("never", "staggered"), self.stagger_groups)
+        rows = self.stagger_rows(gpu, context, width)
+        chosen = self.model.predict("staggered", gpu, rows, context) if rows else None
         never = self.model.predict("never", gpu, 0, context)
-        lines.append(f"staggered plan (offload='staggered' only; auto leaves it out while its measured step "
-                     f"exceeds this model's, notes item 26): {choice.cpu_requests} host row(s) per step "
-                     f"({choice.cpu_requests * self.stagger_groups} host requests in flight), model predicts "
-                     f"{choice.tokens_per_s:.0f} vs {never.tokens_per_s:.0f} tokens/s GPU-only "
-                     f"({choice.tokens_per_s / never.tokens_per_s - 1:+.1%})")
+        calibrated = "calibrated by the captured graphs" if self.model._calibrated(True) else "not yet calibrated"
+        lines.append(f"staggered plan ({calibrated}): {rows} host row(s) per step ({rows * self.stagger_groups} "
+                     f"host requests in flight), model predicts "
+                     f"{(chosen or never).tokens_per_s:.0f} vs {never.tokens_per_s:.0f} tokens/s GPU-only "
+                     f"({(chosen or never).tokens_per_s / never.tokens_per_s - 1:+.1%})")
         return lines

@@ -56,7 +56,9 @@ class RowLimit:
         self.width = width
         self.num_layers = num_layers
         self.adaptive = adaptive
-        self.limit = width
+        self.measured = width  # rows whose CPU job fits a step (adaptive; else the width)
+        self.ceiling = width  # rows the performance model says pay (offload="auto"; else the width)
+        self.limit = width  # min(measured, ceiling): the rows that take requests, and the pipeline's capacity
         self.rate: Optional[float] = None  # seconds per (layer, context token) of the CPU job
         self.step: Optional[float] = None  # seconds per step
 
@@ -73,11 +75,18 @@ class RowLimit:
         if seconds > 0:
             self.step = self._average(self.step, seconds)
 
+    def set_ceiling(self, rows: int) -> None:
+        """The performance model's rows (0..width; 0: no request enters the pipeline)."""
+        self.ceiling = max(0, min(self.width, rows))
+        self.limit = min(self.measured, self.ceiling)
+
     def update(self, mean_context: float) -> int:
-        """The limit for requests of `mean_context` tokens (unchanged until both averages exist)."""
+        """The limit for requests of `mean_context` tokens (the measured part unchanged until both averages
+        exist)."""
         if self.adaptive and self.rate is not None and self.step is not None and mean_context > 0:
             per_row = self.rate * self.num_layers * mean_context  # a full lane: each row at every layer once
-            self.limit = max(1, min(self.width, int(JOB_SHARE * self.step / per_row)))
+            self.measured = max(1, min(self.width, int(JOB_SHARE * self.step / per_row)))
+        self.limit = min(self.measured, self.ceiling)
         return self.limit
 
 
@@ -304,15 +313,16 @@ class StaggerPipeline:
         """The rows of the entering group that may hold a request this turn (`RowLimit`), after the step time
         since the last turn (less the launching thread's wait for a CPU job) is recorded."""
         rows = self.rows
-        if not rows.adaptive:
-            return rows.limit
-        now = time.perf_counter()
-        if self._last_begin is not None:
-            waits = getattr(self.executor, "collect_seconds", None)
-            rows.observe_step(now - self._last_begin - (waits[-1] if waits else 0.0))
-        self._last_begin = now
-        lens = [g.context_lens for g in lane if g.size]
-        return rows.update(float(np.concatenate(lens).mean()) if lens else 0.0)
+        if rows.adaptive:
+            now = time.perf_counter()
+            if self._last_begin is not None:
+                waits = getattr(self.executor, "collect_seconds", None)
+                rows.observe_step(now - self._last_begin - (waits[-1] if waits else 0.0))
+            self._last_begin = now
+            lens = [g.context_lens for g in lane if g.size]
+            rows.update(float(np.concatenate(lens).mean()) if lens else 0.0)
+        # requests already admitted still enter after the model's ceiling fell to 0 (one row per turn)
+        return max(rows.limit, 1) if self.joining else rows.limit
 
     def collect(self) -> None:
         """Just before a begun step's forward: the attention outputs its lane's CPU job computed during the step

@@ -183,6 +183,44 @@ def test_staggered_equals_hf_generate_fp32(width):
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 
+def test_auto_that_chooses_the_staggered_plan_equals_hf_generate_fp32(tmp_path, monkeypatch):
+    """offload="auto" whose model predicts the staggered plan pays (a profile with a fast CPU, the model's
+    rows per step pinned to the block's width so the choice does not hang on this tiny model's timings):
+    it builds the pipeline, its captured graphs calibrate the model, and the tokens are HF's."""
+    from apex_compile.runtime import perf_model, perf_profile
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setenv("APEX_COMPILE_CACHE_DIR", str(tmp_path))
+    measure = perf_profile.measure_profile
+
+    def fast_cpu(engine):  # the measured profile with a CPU attention 1000x faster
+        profile = measure(engine)
+        profile.cpu_attention_s = [t / 1000 for t in profile.cpu_attention_s]
+        return profile
+
+    monkeypatch.setattr(perf_profile, "measure_profile", fast_cpu)
+    monkeypatch.setattr(perf_model.AutoOffload, "stagger_rows", lambda self, gpu, context, width: width)
+    model = random_llama(torch.float32)
+    ids, mask = left_padded_batch([5, 17, 33, 64, 9, 40, 21])
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    head_dim = SMALL["hidden_size"] // SMALL["num_attention_heads"]
+    block = 2 * SMALL["num_hidden_layers"] * SMALL["num_key_value_heads"] * 16 * head_dim * 4
+    apex = optimize(model, ApexConfig(offload="auto", gpu_cache_size=8 * block, cpu_cache_size=32 * MB))
+    assert apex.engine.stagger is not None and apex.engine.stagger.rows.adaptive
+    apex.engine.warmup()
+    calibration = apex.engine.calibration
+    assert calibration.rows and calibration.stagger_rows and calibration.stagger_width == 8
+    assert all(t > 0 for t in calibration.step_s + calibration.stagger_s)
+    out = apex.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)
+    assert torch.equal(out, ref)
+    assert apex.engine.stats.requests_per_pool[1] >= 2  # some requests ran staggered from the host pool
+    assert "staggered" in apex.offload_decision()
+    assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+
+
 def test_staggered_steps_run_ahead_equal_the_synchronous_engine():
     """Async scheduling beside the staggered block on the GPU (device rows' ids copied on the device, a lane
     begun before the previous step's tokens arrive): tokens and stop reasons equal the synchronous engine's,

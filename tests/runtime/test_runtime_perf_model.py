@@ -3,7 +3,8 @@ CPU is too slow, hybrid when the bound is large, never a plan predicted slower t
 APEX's inequality, explain(), and the on-disk profile cache."""
 import pytest
 
-from apex_compile.runtime.perf_model import (PLANS, AutoOffload, PerfModel, Profile, apex_pipeline_inequality,
+from apex_compile.runtime.perf_model import (PLANS, AutoOffload, PerfModel, Profile, StepCalibration,
+                                             apex_pipeline_inequality,
                                              cached_profile, interpolate, profile_path)
 
 ONE_BATCH_PLANS = ("never", "overlap", "pipeline")  # plans whose host rows share every layer of one step
@@ -131,3 +132,57 @@ def test_profiles_are_cached_on_disk(tmp_path):
     second = cached_profile("H200/Xeon/llama3-8b/bf16", measure, root=str(tmp_path))
     assert calls == [1] and first == second
     assert profile_path("H200/Xeon/llama3-8b/bf16", str(tmp_path)).startswith(str(tmp_path / "perf_model"))
+
+
+def calibrated(cpu_gbps=90.0, stagger_extra_ms=0.6, width=8):
+    """An H200-like profile calibrated by graph replays: the real step 10% under the separate-GEMM sum, the
+    staggered graph `stagger_extra_ms` over it (the block's row exchange)."""
+    prof = profile(cpu_gbps)
+    rows = [1, 8, 32, 64]
+    step = [0.9 * PerfModel(prof).linear_s(n) for n in rows]
+    return PerfModel(prof, StepCalibration(rows, step, rows, [t + stagger_extra_ms / 1e3 for t in step], width))
+
+
+def test_a_calibrated_step_is_the_replayed_graph_plus_the_context_beyond_one_token():
+    model = calibrated()
+    raw = PerfModel(model.profile)
+    c = model.calibration
+    never = model.predict("never", 16, 0, 1024).step_s
+    context = raw.gpu_attention_s(16 * 1024) - raw.gpu_attention_s(16)
+    assert never == pytest.approx(interpolate(c.rows, c.step_s, 16) + context)
+    staggered = model.predict("staggered", 16, 3, 1024).step_s
+    gpu = interpolate(c.stagger_rows, c.stagger_s, 16) + context + raw.copy_s(8)  # every block row is copied
+    assert staggered == pytest.approx(max(gpu, raw.cpu_attention_s(3 * 1024)))
+    # the other plans keep the profile's formulas; a calibration of the GPU-only graphs alone leaves the
+    # staggered plan on them too
+    assert model.predict("overlap", 16, 3, 1024).step_s == raw.predict("overlap", 16, 3, 1024).step_s
+    partial = PerfModel(model.profile, StepCalibration(c.rows, c.step_s))
+    assert partial.predict("staggered", 16, 3, 1024).step_s == raw.predict("staggered", 16, 3, 1024).step_s
+    assert partial.predict("never", 16, 0, 1024).step_s == pytest.approx(never)
+
+
+def test_auto_stagger_rows_follow_the_calibrated_model():
+    """auto's host rows per step: the best count when it beats GPU-only by the margin, else 0."""
+    fast = AutoOffload(calibrated(cpu_gbps=90), stagger_groups=GROUPS)
+    rows = fast.stagger_rows(12, 576, 8)
+    assert 0 < rows <= 8
+    best = max(range(1, 9), key=lambda r: fast.model.predict("staggered", 12, r, 576).tokens_per_s)
+    assert rows == best
+    # a slow CPU, or a staggered graph whose overhead eats the rows' tokens: none
+    assert AutoOffload(calibrated(cpu_gbps=2), stagger_groups=GROUPS).stagger_rows(12, 576, 8) == 0
+    assert AutoOffload(calibrated(stagger_extra_ms=4.0), stagger_groups=GROUPS).stagger_rows(12, 576, 8) == 0
+    # a device batch so large that 8 rows are a small share: the overhead decides
+    assert AutoOffload(calibrated(stagger_extra_ms=1.5), stagger_groups=GROUPS).stagger_rows(64, 576, 8) == 0
+
+
+def test_auto_builds_the_staggered_plan_only_where_a_typical_load_gains():
+    contexts = [256, 1024, 4096]
+    gib = 1 << 30
+    gpu_tokens, host_tokens = gib // KV_PER_TOKEN, 32 * gib // KV_PER_TOKEN
+    assert AutoOffload(calibrated(90), stagger_groups=GROUPS).worth_staggering(gpu_tokens, host_tokens, 64,
+                                                                              contexts, 8)
+    assert not AutoOffload(calibrated(2), stagger_groups=GROUPS).worth_staggering(gpu_tokens, host_tokens, 64,
+                                                                                 contexts, 8)
+    # a host pool smaller than one row's requests (stagger_groups of them) cannot hold the plan
+    assert not AutoOffload(calibrated(90), stagger_groups=GROUPS).worth_staggering(gpu_tokens, 4096 * 10, 64,
+                                                                                  contexts, 8)

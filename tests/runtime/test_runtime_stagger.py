@@ -290,6 +290,42 @@ def test_a_row_limit_caps_each_group_and_the_tokens_stay_hf_equal():
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 
+def test_a_ceiling_of_zero_admits_nothing_and_lets_admitted_requests_finish():
+    """offload="auto"'s model may set the rows to 0 (no gain beside the running device requests): the
+    pipeline's capacity is 0, so nothing more enters the host pool, and requests admitted before still run
+    through it; either way the tokens are HF's."""
+    from apex_compile.runtime.stagger import RowLimit
+
+    rows = RowLimit(width=8, num_layers=32, adaptive=True)
+    rows.observe_job(3.8e-3, work=32 * 4 * 576)
+    rows.observe_step(6.0e-3)
+    rows.set_ceiling(3)
+    assert rows.update(576) == 3 and rows.measured == 5  # the lower of the model's and the measured rows
+    rows.set_ceiling(0)
+    assert rows.update(576) == 0
+    torch.manual_seed(8)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (6, 11, 4, 9, 13, 5, 7)]
+    reference = hf_tokens(model, prompts, 8)
+    apex = staggered(model, width=3)
+    apex.engine.stagger.rows.set_ceiling(0)
+    assert apex.engine.stagger.capacity == 0
+    done = apex.engine.generate(prompts, SamplingParams(max_new_tokens=8))
+    assert [c.token_ids for c in done] == reference
+    assert apex.engine.stats.requests_per_pool[1] == 0  # nothing decoded from the host pool
+    apex = staggered(model, width=3)
+    stagger = apex.engine.stagger
+    stagger.rows.set_ceiling(1)  # one row per turn: admitted requests queue to join
+    tokens, cut = [[] for _ in prompts], False
+    for event in apex.engine.stream(prompts, SamplingParams(max_new_tokens=8)):
+        tokens[event.index].append(event.token_id)
+        if not cut and stagger.joining and stagger.inside:  # requests inside and waiting to join
+            stagger.rows.set_ceiling(0)
+            cut = True
+    assert cut and tokens == reference
+    assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+
+
 def test_an_adaptive_pipeline_gives_hf_tokens():
     torch.manual_seed(7)
     model = sharp_model()
