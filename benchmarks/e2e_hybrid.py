@@ -105,11 +105,13 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     begin, tokens, host_tokens, steps = time.perf_counter(), engine.stats.generated_tokens, 0, []
+    ahead = engine.stats.ahead_steps
     for _ in range(window_steps):
         step, host = one_step()
         steps.append(step)
         host_tokens += host
     seconds = time.perf_counter() - begin
+    ahead = engine.stats.ahead_steps - ahead  # the window's steps queued before the previous step's tokens
     window_phases = phases[-window_steps:] if window_steps else []
     decode_phases = [p for p, s in zip(window_phases, steps) if not s[4]]
     generated = engine.stats.generated_tokens - tokens
@@ -119,6 +121,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     engine._schedule = schedule
     return {"tokens_per_s": generated / seconds, "window_s": seconds, "tokens": generated,
             "host_tokens": host_tokens, "fill_steps": filled, "fill_s": fill_s, "pipeline_filled": filled_share,
+            "ahead_steps": ahead,
             "steps": steps, "prefill": prefill,
             "probe": probed, "slow_decode_steps": slow,
             "decode_phase_s": {k: statistics.median(p[k] for p in decode_phases)
@@ -207,7 +210,12 @@ def run_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seq
         result["cpu_job_ready_wait_s"] = statistics.median(wait for wait, _ in window)
         result["collect_wait_s"] = statistics.median(list(jobs.collect_seconds)[-args.window_steps:])
     if engine.stagger is not None:  # the rows in use per turn at the window's end (below the width when adaptive)
-        result["stagger_rows"] = [engine.stagger.rows.limit, engine.stagger.width]
+        rows = engine.stagger.rows
+        result["stagger_rows"] = [rows.limit, rows.width]
+        # the CPU job's fit at the window's end: its fixed part, a row's part at the window's context
+        context = statistics.median(s[2] for s in run["steps"]) if run["steps"] else 0.0
+        result["row_fit"] = {"fixed_s": rows.fixed, "measured": rows.measured, "ceiling": rows.ceiling,
+                             "per_row_s": rows.rate * rows.num_layers * context if rows.rate else None}
     result["plan"] = "staggered" if engine.stagger is not None else "overlap"  # of the steps with host rows
     result["calibration"] = dataclasses.asdict(engine.calibration)  # the model's replays of this engine's graphs
     apex.close()  # its pools and threads go now, not at a later garbage collection
@@ -304,6 +312,11 @@ def main():
                        f"its inputs), collect wait {r['collect_wait_s'] * 1e3:.2f} ms" if "cpu_job_s" in r else "")
                 if "stagger_rows" in r:
                     cpu += f", rows in use {r['stagger_rows'][0]} of {r['stagger_rows'][1]}"
+                    fit = r["row_fit"]
+                    if fit["per_row_s"]:
+                        cpu += (f" (job fit {fit['fixed_s'] * 1e3:.2f} ms + {fit['per_row_s'] * 1e3:.2f} ms a row: "
+                                f"{fit['measured']} rows; model {fit['ceiling']})")
+                cpu += f", {r['ahead_steps']} of {args.window_steps} steps queued ahead"
                 only = r["decode_only_step_s"]
                 full = f" (pipeline {r['pipeline_filled']:.0%} full)" if r.get("pipeline_filled") is not None else ""
                 print(f"   {shape_name} {gib:g} GiB {m}: {r['tokens_per_s']:.0f} tokens/s ({r['host_tokens']} of "

@@ -311,11 +311,12 @@ class AutoOffload:
     def worth_staggering(self, gpu_tokens: int, cpu_tokens: int, max_seqs: int, contexts: Sequence[int],
                          width: int) -> bool:
         """Whether the staggered plan pays for some typical load (these contexts, the device pool full, the
-        host pool holding `stagger_groups` requests per row): then offload="auto" builds its pipeline."""
+        host pool holding `stagger_groups` requests per row): then offload="auto" builds its pipeline. A
+        device pool that cannot hold one such request gains from any host row."""
         for context in contexts:
             gpu = min(max_seqs, gpu_tokens // max(context, 1))
             rows = min(width, cpu_tokens // max(context, 1) // self.stagger_groups)
-            if gpu > 0 and rows > 0 and self.stagger_rows(gpu, context, rows):
+            if rows > 0 and self.stagger_rows(gpu, context, rows):
                 return True
         return False
 

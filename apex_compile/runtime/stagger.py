@@ -44,13 +44,17 @@ ROPE_KINDS = ("cos", "sin")
 LANES = 2
 JOB_SHARE = 0.9  # an adaptive pipeline keeps its CPU job within this share of a step (the worker runs one per step)
 EMA = 0.2  # weight of the newest measurement in the adaptive pipeline's running averages
+FIT_EMA = 0.05  # weight of the newest job in the running moments its time's fit (fixed + rate x work) is taken from
+FIT_SPREAD = 0.1  # the fit's slope is taken only from jobs whose work spreads by this share of its mean (a ramp)
 
 
 class RowLimit:
     """How many rows of a lane's turn take requests, where the pipeline adapts it: the most whose CPU job fits in
-    JOB_SHARE of a step, from running averages of the job's seconds per (layer, context token) and of the step
-    (measured without the launching thread's wait for the job, so a CPU that falls behind does not loosen its
-    own limit). A fixed pipeline keeps every row."""
+    JOB_SHARE of a step, from a running fit of the job's seconds as a fixed part plus a rate per (layer, context
+    token) (the slope from jobs of different work, as a filling pipeline runs; the fixed part keeps the job's
+    per-call costs from reading as per-row ones) and a running average of the step (measured without the
+    launching thread's wait for the job, so a CPU that falls behind does not loosen its own limit). A fixed
+    pipeline keeps every row."""
 
     def __init__(self, width: int, num_layers: int, adaptive: bool):
         self.width = width
@@ -59,8 +63,10 @@ class RowLimit:
         self.measured = width  # rows whose CPU job fits a step (adaptive; else the width)
         self.ceiling = width  # rows the performance model says pay (offload="auto"; else the width)
         self.limit = width  # min(measured, ceiling): the rows that take requests, and the pipeline's capacity
-        self.rate: Optional[float] = None  # seconds per (layer, context token) of the CPU job
+        self.rate: Optional[float] = None  # seconds per (layer, context token) of the CPU job beyond its fixed part
+        self.fixed = 0.0  # seconds of a job that do not grow with its work
         self.step: Optional[float] = None  # seconds per step
+        self._moments: Optional[List[float]] = None  # weighted sums of 1, work, seconds, work^2, work x seconds
 
     @staticmethod
     def _average(old: Optional[float], new: float) -> float:
@@ -68,8 +74,23 @@ class RowLimit:
 
     def observe_job(self, seconds: float, work: int) -> None:
         """A job's run time and its work: the context tokens it attended, summed over its rows (one layer each)."""
-        if work > 0:
-            self.rate = self._average(self.rate, seconds / work)
+        if work <= 0:
+            return
+        x = float(work)
+        values = (1.0, x, seconds, x * x, x * seconds)  # exponentially weighted sums (the first: the weights)
+        if self._moments is None:
+            self._moments = list(values)
+        else:
+            self._moments = [(1 - FIT_EMA) * m + v for m, v in zip(self._moments, values)]
+        weight = self._moments[0]
+        mean_x, mean_y, mean_xx, mean_xy = (m / weight for m in self._moments[1:])
+        proportional = mean_y / mean_x
+        variance = mean_xx - mean_x * mean_x
+        if variance > (FIT_SPREAD * mean_x) ** 2:
+            self.rate = max((mean_xy - mean_x * mean_y) / variance, 0.1 * proportional)
+        elif self.rate is None:
+            self.rate = proportional
+        self.fixed = min(max(mean_y - self.rate * mean_x, 0.0), mean_y)
 
     def observe_step(self, seconds: float) -> None:
         if seconds > 0:
@@ -85,7 +106,8 @@ class RowLimit:
         exist)."""
         if self.adaptive and self.rate is not None and self.step is not None and mean_context > 0:
             per_row = self.rate * self.num_layers * mean_context  # a full lane: each row at every layer once
-            self.measured = max(1, min(self.width, int(JOB_SHARE * self.step / per_row)))
+            budget = JOB_SHARE * self.step - self.fixed
+            self.measured = max(1, min(self.width, int(budget / per_row)))
         self.limit = min(self.measured, self.ceiling)
         return self.limit
 

@@ -183,6 +183,9 @@ def test_auto_builds_the_staggered_plan_only_where_a_typical_load_gains():
                                                                               contexts, 8)
     assert not AutoOffload(calibrated(2), stagger_groups=GROUPS).worth_staggering(gpu_tokens, host_tokens, 64,
                                                                                  contexts, 8)
+    # a device pool smaller than one typical request: every host row is a gain
+    assert AutoOffload(calibrated(90), stagger_groups=GROUPS).stagger_rows(0, 4096, 8) > 0
+    assert AutoOffload(calibrated(90), stagger_groups=GROUPS).worth_staggering(128, host_tokens, 64, contexts, 8)
     # a host pool smaller than one row's requests (stagger_groups of them) cannot hold the plan
     assert not AutoOffload(calibrated(90), stagger_groups=GROUPS).worth_staggering(gpu_tokens, 4096 * 10, 64,
                                                                                   contexts, 8)

@@ -290,6 +290,27 @@ def test_a_row_limit_caps_each_group_and_the_tokens_stay_hf_equal():
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 
+def test_the_row_limit_separates_the_jobs_fixed_cost_from_its_rows():
+    """Jobs of a filling pipeline (1..8 rows) that cost 3.2 ms plus 0.36 ms a row: the fit finds both, so the
+    limit is the rows that fit after the fixed part (a per-work average of the same jobs would allow 3)."""
+    from apex_compile.runtime.stagger import JOB_SHARE, RowLimit
+
+    work_per_row = 32 * 576
+    rows = RowLimit(width=8, num_layers=32, adaptive=True)
+    for used in (1, 2, 3, 4, 5, 6, 7, 8, 8, 8):
+        rows.observe_job(3.2e-3 + 0.36e-3 * used, work=used * work_per_row)
+    rows.observe_step(6.3e-3)
+    assert rows.fixed == pytest.approx(3.2e-3, rel=1e-6)
+    assert rows.rate * work_per_row == pytest.approx(0.36e-3, rel=1e-6)
+    assert rows.update(576) == int((JOB_SHARE * 6.3 - 3.2) / 0.36) == 6
+    # the same jobs read as a per-work rate: 6.08 ms for 8 rows, 0.76 ms a row, 7 rows (the fixed part would
+    # count once per row); with the jobs of one row only, 3.56 ms a row: 1
+    averaged = RowLimit(width=8, num_layers=32, adaptive=True)
+    averaged.observe_job(3.2e-3 + 0.36e-3, work=work_per_row)
+    averaged.observe_step(6.3e-3)
+    assert averaged.update(576) == 1
+
+
 def test_a_ceiling_of_zero_admits_nothing_and_lets_admitted_requests_finish():
     """offload="auto"'s model may set the rows to 0 (no gain beside the running device requests): the
     pipeline's capacity is 0, so nothing more enters the host pool, and requests admitted before still run
