@@ -87,7 +87,8 @@ class RowLimit:
         proportional = mean_y / mean_x
         variance = mean_xx - mean_x * mean_x
         if variance > (FIT_SPREAD * mean_x) ** 2:
-            self.rate = max((mean_xy - mean_x * mean_y) / variance, 0.1 * proportional)
+            # a slope above the per-work average would mean a negative fixed part (noise, contention): capped
+            self.rate = min(max((mean_xy - mean_x * mean_y) / variance, 0.1 * proportional), proportional)
         elif self.rate is None:
             self.rate = proportional
         self.fixed = min(max(mean_y - self.rate * mean_x, 0.0), mean_y)

@@ -305,6 +305,12 @@ def test_the_row_limit_separates_the_jobs_fixed_cost_from_its_rows():
     assert rows.update(576) == int((JOB_SHARE * 6.3 - 3.2) / 0.36) == 6
     # the same jobs read as a per-work rate: 6.08 ms for 8 rows, 0.76 ms a row, 7 rows (the fixed part would
     # count once per row); with the jobs of one row only, 3.56 ms a row: 1
+    # jobs whose time grows faster than their work (a fill's contention): never a negative fixed part
+    steep = RowLimit(width=8, num_layers=32, adaptive=True)
+    for used in (2, 4, 6, 8):
+        steep.observe_job(-1e-3 + 1e-3 * used, work=used * work_per_row)
+    steep.observe_step(6.3e-3)
+    assert steep.fixed == 0.0 and steep.update(576) >= int(JOB_SHARE * 6.3 / 1.0) - 1
     averaged = RowLimit(width=8, num_layers=32, adaptive=True)
     averaged.observe_job(3.2e-3 + 0.36e-3, work=work_per_row)
     averaged.observe_step(6.3e-3)
