@@ -252,7 +252,7 @@ class Engine:
         elif self.auto_policy is not None and self._auto_stagger_pays():
             # auto's plan: the model's ceiling (each step) and the measured CPU job (each turn) set the rows
             self.stagger = self._stagger_pipeline(self.config.stagger_width or "auto")
-        self._ceiling_key = None  # (device rows, context bucket) of the last auto ceiling
+        self._ceiling_key = None  # (device rows, context bucket, calibration state) of the last auto ceiling
         self.scheduler = Scheduler(self.config, self.kv, self.max_model_len, self._auto_host_policy(), self.stagger)
         self.runner = PagedAttentionRunner(self.kv, self.device)
         self.runner.stagger = self.stagger
@@ -309,9 +309,9 @@ class Engine:
         model predicts best beside the running device-pool requests; 0 when none beats GPU-only, so that no
         request enters the pipeline (those inside finish). Recomputed when the composition changes."""
         running = self.scheduler.running
-        device = [r for r in running if self.kv.pool_of(r.request_id) == DEVICE_POOL]
         if not running:
             return
+        device = [r for r in running if self.kv.pool_of(r.request_id) == DEVICE_POOL]
         context = sum(r.num_tokens for r in running) / len(running)
         key = (len(device), int(context) // 32, len(self.calibration.rows), self.calibration.stagger_width)
         if key == self._ceiling_key:
