@@ -26,6 +26,17 @@ def capture_sizes(max_rows: int) -> List[int]:
     return sorted(set(sizes))
 
 
+def replay_seconds(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """GPU seconds of one replay of `graph`: one replay first, then `replays` back to back."""
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / replays
+
+
 class DecodeGraphs:
     """The captured graphs of an engine: `size_for(rows)`, `capture(...)`, `replay(size)`."""
 
@@ -73,18 +84,8 @@ class DecodeGraphs:
     def time_replays(self, replays: int = 3) -> Tuple[List[int], List[float]]:
         """(sizes, GPU seconds per replay) of every captured graph replayed back to back over the inputs it
         holds (the performance model's `StepCalibration`, taken right after a capture of padding rows)."""
-        sizes, seconds = [], []
-        for size in sorted(self.graphs):
-            graph = self.graphs[size][0]
-            graph.replay()
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(replays):
-                graph.replay()
-            torch.cuda.synchronize()
-            sizes.append(size)
-            seconds.append((time.perf_counter() - start) / replays)
-        return sizes, seconds
+        sizes = sorted(self.graphs)
+        return sizes, [replay_seconds(self.graphs[size][0], replays) for size in sizes]
 
     def replay(self, size: int) -> torch.Tensor:
         """Replays the graph of `size` rows and returns its logits [size, vocab] (valid until the next replay)."""

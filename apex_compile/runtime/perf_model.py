@@ -117,7 +117,8 @@ class PerfModel:
         """GPU attention of `rows` requests of `context` tokens beyond the one token a calibration row reads."""
         return max(self.gpu_attention_s(int(rows * context)) - self.gpu_attention_s(rows), 0.0)
 
-    def _calibrated(self, stagger: bool) -> bool:
+    def is_calibrated(self, stagger: bool) -> bool:
+        """Whether the replays of the GPU-only (or, with `stagger`, the staggered) graphs are in."""
         c = self.calibration
         return c is not None and bool(c.stagger_rows if stagger else c.rows)
 
@@ -145,12 +146,12 @@ class PerfModel:
             raise ValueError("plan 'never' runs no request on the CPU")
         c = self.calibration
         if not cpu_requests:
-            if self._calibrated(False):
+            if self.is_calibrated(False):
                 step = interpolate(c.rows, c.step_s, gpu_requests) + self._context_s(gpu_requests, context)
             else:
                 step = self.linear_s(gpu_requests) + self.gpu_attention_s(int(gpu_requests * context))
             return Prediction("never", gpu_requests, 0, step)
-        if plan == "staggered" and self._calibrated(True):
+        if plan == "staggered" and self.is_calibrated(True):
             gpu = (interpolate(c.stagger_rows, c.stagger_s, gpu_requests) + self._context_s(gpu_requests, context)
                    + self.copy_s(max(c.stagger_width, cpu_requests)))
             step = max(gpu, self.cpu_attention_s(int(cpu_requests * context)))
@@ -339,7 +340,7 @@ class AutoOffload:
         rows = self.stagger_rows(gpu, context, width)
         chosen = self.model.predict("staggered", gpu, rows, context) if rows else None
         never = self.model.predict("never", gpu, 0, context)
-        calibrated = "calibrated by the captured graphs" if self.model._calibrated(True) else "not yet calibrated"
+        calibrated = "calibrated by the captured graphs" if self.model.is_calibrated(True) else "not yet calibrated"
         lines.append(f"staggered plan ({calibrated}): {rows} host row(s) per step ({rows * self.stagger_groups} "
                      f"host requests in flight), model predicts "
                      f"{(chosen or never).tokens_per_s:.0f} vs {never.tokens_per_s:.0f} tokens/s GPU-only "

@@ -13,6 +13,7 @@ from typing import Callable, List
 import torch
 import torch.nn.functional as F
 
+from apex_compile.runtime.cuda_graphs import replay_seconds
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL
 from apex_compile.runtime.perf_model import Profile, cached_profile
 
@@ -44,13 +45,7 @@ def _graph_seconds(fn: Callable[[], None], replays: int = 5) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(replays):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / replays
+    return replay_seconds(graph, replays)
 
 
 def linear_seconds(model: torch.nn.Module, tokens: int, replays: int = 5) -> float:

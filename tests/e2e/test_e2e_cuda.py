@@ -158,6 +158,20 @@ def test_auto_measures_a_profile_once_and_explains_its_verdict(fp32_model, tmp_p
     assert "verdict:" in first.offload_decision() and "ideal_gain" in first.offload_decision()
 
 
+GREEDY_20 = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+def small_pool_case(model):
+    """Seven requests for a device pool of 8 blocks (it holds few of them): (ids, mask, HF's greedy tokens,
+    the bytes of one KV block)."""
+    ids, mask = left_padded_batch([5, 17, 33, 64, 9, 40, 21])
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=mask, **GREEDY_20)
+    head_dim = SMALL["hidden_size"] // SMALL["num_attention_heads"]
+    block = 2 * SMALL["num_hidden_layers"] * SMALL["num_key_value_heads"] * 16 * head_dim * 4
+    return ids, mask, ref, block
+
+
 @pytest.mark.parametrize("width", [1, 3])
 def test_staggered_equals_hf_generate_fp32(width):
     """Requests the small device pool cannot take decode staggered from the host pool (CPU attention on the
@@ -168,16 +182,10 @@ def test_staggered_equals_hf_generate_fp32(width):
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(4)
             layer.self_attn.k_proj.weight.mul_(4)
-    ids, mask = left_padded_batch([5, 17, 33, 64, 9, 40, 21])
-    with torch.no_grad():
-        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    head_dim = SMALL["hidden_size"] // SMALL["num_attention_heads"]
-    block = 2 * SMALL["num_hidden_layers"] * SMALL["num_key_value_heads"] * 16 * head_dim * 4
+    ids, mask, ref, block = small_pool_case(model)
     apex = optimize(model, ApexConfig(offload="staggered", stagger_width=width, gpu_cache_size=8 * block,
                                       cpu_cache_size=32 * MB))
-    out = apex.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None,
-                        pad_token_id=0)
+    out = apex.generate(ids, attention_mask=mask, **GREEDY_20)
     assert torch.equal(out, ref)
     assert apex.engine.stats.requests_per_pool[1] >= 2  # some requests ran staggered from the host pool
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
@@ -201,20 +209,14 @@ def test_auto_that_chooses_the_staggered_plan_equals_hf_generate_fp32(tmp_path, 
     monkeypatch.setattr(perf_profile, "measure_profile", fast_cpu)
     monkeypatch.setattr(perf_model.AutoOffload, "stagger_rows", lambda self, gpu, context, width: width)
     model = random_llama(torch.float32)
-    ids, mask = left_padded_batch([5, 17, 33, 64, 9, 40, 21])
-    with torch.no_grad():
-        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    head_dim = SMALL["hidden_size"] // SMALL["num_attention_heads"]
-    block = 2 * SMALL["num_hidden_layers"] * SMALL["num_key_value_heads"] * 16 * head_dim * 4
+    ids, mask, ref, block = small_pool_case(model)
     apex = optimize(model, ApexConfig(offload="auto", gpu_cache_size=8 * block, cpu_cache_size=32 * MB))
     assert apex.engine.stagger is not None and apex.engine.stagger.rows.adaptive
     apex.engine.warmup()
     calibration = apex.engine.calibration
     assert calibration.rows and calibration.stagger_rows and calibration.stagger_width == 8
     assert all(t > 0 for t in calibration.step_s + calibration.stagger_s)
-    out = apex.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, eos_token_id=None,
-                        pad_token_id=0)
+    out = apex.generate(ids, attention_mask=mask, **GREEDY_20)
     assert torch.equal(out, ref)
     assert apex.engine.stats.requests_per_pool[1] >= 2  # some requests ran staggered from the host pool
     assert "staggered" in apex.offload_decision()
