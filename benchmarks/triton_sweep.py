@@ -1,6 +1,7 @@
 """Launch-parameter sweeps behind the defaults of the Triton kernels (H200; results under benchmarks/results/).
 
     python benchmarks/triton_sweep.py --out sweep.json [--sections timing,rms_norm,rms_copy,rms_store,rms_order,decode]
+    python benchmarks/triton_sweep.py --sections decode_append
 
 Sections:
   timing    a few rows timed both ways: steady-state CUDA-graph replay (what benchmarks/triton_kernels.py and
@@ -20,6 +21,10 @@ Sections:
   decode    chunk / warps / stages x resident programs per SM of the split-K plan of `paged_attention_gpu`
             over small and large decode shapes, with torch SDPA on contiguous K/V as the reference
             -> DECODE_* defaults and PROGRAMS_PER_SM in apex_compile/kernels/paged_attention.py.
+  decode_append (only when named) one layer of a CUDA-graph decode step, Llama-3-8B bf16, batch 1/16/64 at
+            context 192 with splits planned for a 320-token block table: append kernel + decode + merge kernel
+            (the separate launches) vs append + decode with the in-kernel merge vs the fused decode + append,
+            timed in interleaved rounds.
 Each variant's output is checked against the torch reference before it is timed.
 """
 import argparse
@@ -42,7 +47,10 @@ from triton_decode import decode_kv_bytes, decode_sets  # noqa: E402
 from triton_rms_norm import EPS, copy_rows_calls, memcpy_calls, rms_calls, rms_norm_sets, torch_rms_norm  # noqa: E402
 
 from apex_compile.kernels._common import next_pow2, pdl_available  # noqa: E402
-from apex_compile.kernels.paged_attention import decode_split_plan, paged_decode_launch  # noqa: E402
+from apex_compile.kernels.paged_attention import (  # noqa: E402
+    cache_append_launch, decode_chunk, decode_split_plan, paged_decode_append_launch, paged_decode_launch,
+    reserve_decode_counters,
+)
 
 RMS_SHAPES = [(h, t) for h in (2048, 4096, 8192) for t in (4096, 16384)]
 RMS_WARPS = [2, 4, 8, 16]
@@ -54,6 +62,8 @@ DECODE_LAUNCHES = [(64, 4, 2), (64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3),
 """(block_t, num_warps, num_stages)"""
 PROGRAMS_PER_SM = [2, 4, 8, 16]
 FORCED_SPLIT_TOKENS = [64, 128]
+APPEND_SHAPES = ("llama3-8b", [1, 16, 64], 192, 320)
+"""decode_append section: layout, batches, context, block-table capacity (tokens)."""
 
 
 def sweep_rms_norm(bench, results):
@@ -256,6 +266,58 @@ def sweep_decode(bench, results, block_size, shapes=None):
         torch.cuda.empty_cache()
 
 
+def decode_append_set(batch, ctx, capacity, block_size, num_kv_heads, num_heads, head_dim):
+    """Random caches of batch * capacity tokens, shuffled block tables, and each row's current token as strided
+    views of one QKV output with its slot (position ctx - 1)."""
+    blocks_per_seq = capacity // block_size
+    key_cache = torch.randn(batch * blocks_per_seq, num_kv_heads, block_size, head_dim, dtype=torch.bfloat16,
+                            device=DEVICE)
+    value_cache = torch.randn_like(key_cache)
+    block_tables = torch.randperm(batch * blocks_per_seq, device=DEVICE).to(torch.int32).view(batch, -1)
+    context_lens = torch.full((batch,), ctx, dtype=torch.int32, device=DEVICE)
+    slots = block_tables[:, (ctx - 1) // block_size].long() * block_size + (ctx - 1) % block_size
+    qkv = torch.randn(batch, num_heads + 2 * num_kv_heads, head_dim, dtype=torch.bfloat16, device=DEVICE)
+    q, k, v = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    return q, k, v, key_cache, value_cache, slots, block_tables, context_lens
+
+
+def sweep_decode_append(bench, results, block_size):
+    """Per layer: the append + decode (+ merge) launches a CUDA-graph decode step ran before, append + decode
+    with the in-kernel merge, and the fused launch, at APPEND_SHAPES (splits planned for the table's capacity)."""
+    model, batches, ctx, capacity = APPEND_SHAPES
+    num_heads, num_kv_heads, head_dim = ATTENTION_LAYOUTS[model]
+    for batch in batches:
+        kv_bytes = 2 * batch * capacity * num_kv_heads * head_dim * 2
+        sets = [decode_append_set(batch, ctx, capacity, block_size, num_kv_heads, num_heads, head_dim)
+                for _ in range(bench.rotation(kv_bytes))]
+        reserve_decode_counters(DEVICE, batch * num_kv_heads)
+
+        def separate(s, merge_kernel):
+            q, k, v, key_cache, value_cache, slots, block_tables, context_lens = s
+            cache_append_launch(k, v, key_cache, value_cache, slots)
+            return paged_decode_launch(q, key_cache, value_cache, block_tables, context_lens,
+                                       merge_kernel=merge_kernel)
+
+        variants = {"append+decode+merge kernel": lambda s: separate(s, True),
+                    "append+decode": lambda s: separate(s, False),
+                    "fused": lambda s: paged_decode_append_launch(*s)}
+        ref = variants["append+decode+merge kernel"](sets[0])
+        for label, call in variants.items():
+            check_close(f"decode_append {label} b={batch}", call(sets[0]), ref)
+        graphs = {label: bench.capture([lambda s=s, call=call: call(s) for s in sets])
+                  for label, call in variants.items()}
+        medians = interleaved_medians(graphs, len(sets))
+        block_t, programs_per_sm = decode_chunk(batch, num_kv_heads, head_dim, 2, torch.device(DEVICE))
+        splits, _ = decode_split_plan(batch, num_kv_heads, capacity, torch.device(DEVICE), block_t, programs_per_sm)
+        for label, ms in medians.items():
+            results.append({"section": "decode_append", "model": model, "batch": batch, "ctx": ctx,
+                            "capacity": capacity, "splits": splits, "variant": label, "us": ms * 1e3})
+        print(f"decode_append {model} b={batch:3d} ctx={ctx} capacity={capacity} splits={splits:2d} "
+              + "  ".join(f"{label} {ms * 1e3:6.2f} us" for label, ms in medians.items()), flush=True)
+        del sets, graphs
+        torch.cuda.empty_cache()
+
+
 def sweep_timing(bench, results, block_size):
     """The same calls timed in steady state and with do_bench's L2 clearing."""
     cases = []
@@ -308,6 +370,8 @@ def main():
             shapes = None if args.decode_shapes is None else [
                 (m, int(b), int(c)) for m, b, c in (item.split(":") for item in args.decode_shapes.split(","))]
             sweep_decode(bench, results, args.block_size, shapes)
+        if "decode_append" in sections:
+            sweep_decode_append(bench, results, args.block_size)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(DEVICE), "torch": torch.__version__,

@@ -1,5 +1,6 @@
 """GPU paged KV cache: allocation and the Triton kernels of KV append and decode attention (launched by the ops
-`apex::cache_append_gpu` and `apex::paged_attention_gpu`, defined in apex_compile.ops.gpu_attention).
+`apex::cache_append_gpu`, `apex::paged_attention_gpu` and `apex::paged_decode_append_gpu`, defined in
+apex_compile.ops.gpu_attention).
 
 Cache layout (notes/CONVENTIONS.md, identical to the CPU pool): key_cache and value_cache are contiguous
 `[num_blocks, num_kv_heads, block_size, head_dim]`; V is stored as that shape; inside each (block, kv_head)
@@ -17,8 +18,15 @@ Decode kernel (`_paged_decode_kernel`), grid (num_seqs, num_kv_heads, num_splits
   partial chunk is masked (`attend_chunk`, shared with the prefill kernel);
 - online softmax in base 2 with fp32 statistics and accumulator;
 - split-K over long contexts: when num_seqs * num_kv_heads programs cannot fill the GPU, each sequence's
-  tokens are split into ranges; each split writes its normalised partial output and log-sum-exp, and
-  `_paged_decode_merge_kernel` combines them. With one split the first kernel writes the output directly.
+  tokens are split into ranges. A sequence whose context fills one range writes its output directly; else
+  each of its non-empty splits writes its normalised partial output and log-sum-exp and increments a
+  per-(sequence, kv head) counter, and the split that arrives last merges the partials and resets the counter
+  to zero (`reserve_decode_counters`: the persistent counters). Where no large enough counters exist during a
+  CUDA graph capture, `_paged_decode_merge_kernel` merges instead, as a second launch.
+- fused append (`apex::paged_decode_append_gpu`, FUSED_APPEND): the current token of each row (position
+  context_len - 1) is not read from the cache but folded in from the key/value rows by the split whose range
+  ends at the context, which also stores it into the cache at its slot: one launch replaces
+  `cache_append_gpu` + decode.
 The number of splits depends only on shapes and an optional host-side `max_context_len` (no device sync); each
 sequence divides its own context over them (a short one uses fewer), so a launch planned for the block table's
 capacity, as a CUDA graph is, still spreads every context over the GPU.
@@ -138,14 +146,87 @@ def attend_chunk(
     return acc, m_new, l_i
 
 
+@triton.jit
+def _attend_and_append_current_token(
+    q, acc, m_i, l_i, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, seq64, kv_head, scale_log2e,
+    stride_key_seq, stride_key_head, stride_value_seq, stride_value_head, num_slots,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    """Online-softmax update of (acc, m_i, l_i) by the current token of row seq64, from its key/value rows (not
+    the cache), and the store of that token's K (panel-transposed) and V into the caches at its slot (skipped
+    for a slot outside [0, num_slots): padding rows)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    key = tl.load(key_ptr + seq64 * stride_key_seq + kv_head * stride_key_head + offs_d, mask=d_mask, other=0.0)
+    value = tl.load(value_ptr + seq64 * stride_value_seq + kv_head * stride_value_head + offs_d, mask=d_mask,
+                    other=0.0)
+    key = key.to(k_cache_ptr.dtype.element_ty)
+    value = value.to(v_cache_ptr.dtype.element_ty)
+    # One score per query head of the group: a row reduction (a single token needs no tensor-core dot).
+    scores = tl.sum(q.to(tl.float32) * key.to(tl.float32)[None, :], axis=1) * scale_log2e
+    m_new = tl.maximum(m_i, scores)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new)
+    l_i = l_i * alpha + p
+    p = p.to(v_cache_ptr.dtype.element_ty).to(tl.float32)  # rounded as attend_chunk rounds its P operand
+    acc = acc * alpha[:, None] + p[:, None] * value.to(tl.float32)[None, :]
+
+    slot = tl.load(slot_ptr + seq64).to(tl.int64)
+    in_range = (slot >= 0) & (slot < num_slots)
+    slot = tl.where(in_range, slot, 0)
+    offset = slot % BLOCK_SIZE
+    slab = ((slot // BLOCK_SIZE) * NUM_KV_HEADS + kv_head) * (BLOCK_SIZE * HEAD_DIM)
+    store_mask = offs_d < tl.where(in_range, HEAD_DIM, 0)
+    tl.store(k_cache_ptr + slab + (offset // 16) * (16 * HEAD_DIM) + offset % 16 + offs_d * 16, key,
+             mask=store_mask)
+    tl.store(v_cache_ptr + slab + offset * HEAD_DIM + offs_d, value, mask=store_mask)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _merge_partials(part_out_ptr, part_lse_ptr, part_rows, num_parts, g_mask, store_mask,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr):
+    """The output rows [BLOCK_G, BLOCK_D] merged from the first num_parts partials of part_rows (the partial of
+    split s of row r at r + s): the weighted mean of `_paged_decode_merge_kernel`, accumulated split by split
+    with a running maximum (no per-num_splits block size, so no recompilation). Loads bypass L1 (".cg"): the
+    partials were stored by other programs."""
+    offs_d = tl.arange(0, BLOCK_D)
+    m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    weight_sum = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for part in range(0, num_parts):
+        lse = tl.load(part_lse_ptr + part_rows + part, mask=g_mask, other=0.0, cache_modifier=".cg")
+        out = tl.load(part_out_ptr + (part_rows + part)[:, None] * HEAD_DIM + offs_d[None, :], mask=store_mask,
+                      other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        weight = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + out * weight[:, None]
+        weight_sum = weight_sum * alpha + weight
+        m = m_new
+    return acc / weight_sum[:, None]
+
+
+@triton.jit
+def _store_partial(part_out_ptr, part_lse_ptr, part_rows, acc, m_i, l_i, g_mask, store_mask,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Stores one split's normalised partial output (fp32) and its log-sum-exp (base 2) at part_rows."""
+    offs_d = tl.arange(0, BLOCK_D)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + offs_d[None, :], out, mask=store_mask)
+    # l_i >= 1 after any token; an empty split stores m_i = -inf (the max only avoids log2(0)).
+    tl.store(part_lse_ptr + part_rows, m_i + tl.log2(tl.maximum(l_i, 1e-30)), mask=g_mask)
+
+
 @triton.jit(do_not_specialize=["stride_block_tables", "max_blocks_per_seq", "num_splits", "tokens_per_split"])
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
-    scale_log2e, stride_q_seq, stride_q_head, stride_block_tables, max_blocks_per_seq,
-    num_splits, tokens_per_split,
+    out_ptr, part_out_ptr, part_lse_ptr, counters_ptr, key_ptr, value_ptr, slot_ptr,
+    scale_log2e, stride_q_seq, stride_q_head, stride_key_seq, stride_key_head, stride_value_seq, stride_value_head,
+    stride_block_tables, max_blocks_per_seq, num_slots, num_splits, tokens_per_split,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_T: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    MERGE_IN_KERNEL: tl.constexpr, FUSED_APPEND: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, MIN_SPLIT_TOKENS: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -160,9 +241,17 @@ def _paged_decode_kernel(
         # launch planned for the table's capacity (CUDA graphs), spreads each context over the splits.
         used_splits = tl.maximum(tl.minimum(num_splits, tl.cdiv(context_len, MIN_SPLIT_TOKENS)), 1)
         tokens_per_split = tl.cdiv(tl.cdiv(context_len, used_splits), BLOCK_T) * BLOCK_T
+    # Splits 0..used-1 hold this sequence's tokens, split used-1 the last one; later ranges are empty.
+    used = tl.maximum(tl.minimum(tl.cdiv(context_len, tl.maximum(tokens_per_split, 1)), num_splits), 1)
+    if MERGE_IN_KERNEL:
+        if split >= used:
+            return  # an empty range: the merge reads only the used splits' partials
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, context_len)
     end = tl.where(split == num_splits - 1, context_len, end)  # the last split covers any remainder
+    cache_end = end
+    if FUSED_APPEND:
+        cache_end = tl.minimum(end, context_len - 1)  # the current token comes from key/value, not the cache
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -182,33 +271,60 @@ def _paged_decode_kernel(
     block_table_row = block_tables_ptr + seq64 * stride_block_tables
     k_tile = offs_d[:, None] * 16 + (offs_t % 16)[None, :]
     v_tile = offs_d[None, :]
-    row_limit = tl.zeros([BLOCK_G], dtype=tl.int32) + (end - 1)
-    # Whole chunks need no masking; only the last, partial chunk of the range does.
-    full_end = start + tl.maximum(end - start, 0) // BLOCK_T * BLOCK_T
+    row_limit = tl.zeros([BLOCK_G], dtype=tl.int32) + (cache_end - 1)
+    # Whole chunks need no masking; only the last, partial chunk of the range does. With FUSED_APPEND the
+    # unmasked tail loads of that chunk may read the slot of position context_len - 1 while this launch writes
+    # it: harmless only because tail tokens are masked (score -inf, V zeroed by tl.where in attend_chunk).
+    full_end = start + tl.maximum(cache_end - start, 0) // BLOCK_T * BLOCK_T
     for chunk_start in range(start, full_end, BLOCK_T):
         acc, m_i, l_i = attend_chunk(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_row, chunk_start, context_len, kv_head,
-            scale_log2e, row_limit, end, k_tile, v_tile, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_T,
-            False, DOT_PRECISION, UPCAST_DOT)
-    for chunk_start in range(full_end, end, BLOCK_T):
+            scale_log2e, row_limit, cache_end, k_tile, v_tile, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
+            BLOCK_T, False, DOT_PRECISION, UPCAST_DOT)
+    for chunk_start in range(full_end, cache_end, BLOCK_T):
         acc, m_i, l_i = attend_chunk(
             q, acc, m_i, l_i, k_cache_ptr, v_cache_ptr, block_table_row, chunk_start, context_len, kv_head,
-            scale_log2e, row_limit, end, k_tile, v_tile, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_T,
-            True, DOT_PRECISION, UPCAST_DOT)
+            scale_log2e, row_limit, cache_end, k_tile, v_tile, NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_SIZE,
+            BLOCK_T, True, DOT_PRECISION, UPCAST_DOT)
+    if FUSED_APPEND:
+        if split == used - 1:
+            acc, m_i, l_i = _attend_and_append_current_token(
+                q, acc, m_i, l_i, key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, seq64, kv_head,
+                scale_log2e, stride_key_seq, stride_key_head, stride_value_seq, stride_value_head, num_slots,
+                NUM_KV_HEADS, HEAD_DIM, BLOCK_D, BLOCK_SIZE)
 
     num_heads = NUM_KV_HEADS * GROUP
     rows = seq64 * num_heads + heads
     store_mask = g_mask[:, None] & d_mask[None, :]
+    out_offsets = rows[:, None] * HEAD_DIM + offs_d[None, :]
+    part_rows = rows * num_splits
     if SINGLE_SPLIT:
         out = acc / l_i[:, None]  # a zero context gives 0/0 = NaN rows
-        tl.store(out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=store_mask)
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=store_mask)
+    elif MERGE_IN_KERNEL:
+        if used == 1:
+            out = acc / l_i[:, None]
+            tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=store_mask)
+        else:
+            _store_partial(part_out_ptr, part_lse_ptr, part_rows + split, acc, m_i, l_i, g_mask, store_mask,
+                           HEAD_DIM, BLOCK_D)
+            # The last split to arrive merges (the CUTLASS semaphore pattern: bar.sync, then one thread's
+            # gpu-scope release; one thread's acquire, then bar.sync). One thread issues the atomic: the barrier
+            # before it puts every thread's partial stores ahead of its release half (Triton releases before
+            # triton-lang/triton#10816 insert none themselves), its acquire half sees the partials the other
+            # splits released, and the barrier after it puts every thread's merge loads behind that acquire.
+            tl.debug_barrier()
+            counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == used - 1:
+                tl.debug_barrier()
+                tl.store(counter, 0)  # every split has arrived: zero for the next launch or graph replay
+                out = _merge_partials(part_out_ptr, part_lse_ptr, part_rows, used, g_mask, store_mask,
+                                      HEAD_DIM, BLOCK_D, BLOCK_G)
+                tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
-        part_rows = rows * num_splits + split
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(part_out_ptr + part_rows[:, None] * HEAD_DIM + offs_d[None, :], out, mask=store_mask)
-        # l_i >= 1 after any token; an empty split stores m_i = -inf (the max only avoids log2(0)).
-        tl.store(part_lse_ptr + part_rows, m_i + tl.log2(tl.maximum(l_i, 1e-30)), mask=g_mask)
+        _store_partial(part_out_ptr, part_lse_ptr, part_rows + split, acc, m_i, l_i, g_mask, store_mask,
+                       HEAD_DIM, BLOCK_D)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -374,15 +490,121 @@ def decode_chunk(num_seqs: int, num_kv_heads: int, head_dim: int, element_size: 
     return DECODE_BLOCK_T, PROGRAMS_PER_SM
 
 
-def paged_decode_launch(query, key_cache, value_cache, block_tables, context_lens, scale=None,
-                        max_context_len=None, tokens_per_split=None, block_t=None,
-                        num_warps=None, num_stages=DECODE_NUM_STAGES) -> torch.Tensor:
-    """Runs the Triton decode kernel(s); `tokens_per_split` / `block_t` force a split size / chunk (tests,
-    benchmarks; default: `decode_chunk` and `decode_split_plan`)."""
+_merge_counters: dict = {}
+"""torch.device -> the device's zeroed int32 split-arrival counters (see `reserve_decode_counters`)."""
+_retired_merge_counters: list = []
+"""Counters replaced by larger ones, kept alive: CUDA graphs captured with them hold their addresses."""
+
+
+def _capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _counter_device(device) -> torch.device:
+    """`device` with its index (the key of `_merge_counters`)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def reserve_decode_counters(device, count: int) -> torch.Tensor:
+    """Returns the persistent zero-initialised int32 counters of `device` through which the splits of a decode
+    launch find the last one to arrive (it merges their partials and resets its counter to zero), allocating or
+    growing them to at least `count` (= num_seqs * num_kv_heads of the largest launch). Call it before capturing
+    CUDA graphs: a launch captured with too few counters merges with a second kernel instead. Raises while a
+    CUDA graph is being captured if the counters must grow (no allocation may happen then). Every decode launch
+    on the device uses them from index 0, so two launches must not run at the same time (other streams)."""
+    device = _counter_device(device)
+    counters = _merge_counters.get(device)
+    if counters is None or counters.numel() < count:
+        if _capturing():
+            raise RuntimeError("decode split counters cannot grow while a CUDA graph is being captured: call "
+                               "reserve_decode_counters before the capture")
+        if counters is not None:
+            _retired_merge_counters.append(counters)
+        counters = torch.zeros(next_pow2(max(count, 1)), dtype=torch.int32, device=device)
+        _merge_counters[device] = counters
+    return counters
+
+
+def _counters_for_launch(device, count: int):
+    """The device's counters, grown to `count` if needed; None when they are too small and a CUDA graph is being
+    captured (the launch then merges with `_paged_decode_merge_kernel`)."""
+    counters = _merge_counters.get(_counter_device(device))
+    if counters is not None and counters.numel() >= count:
+        return counters
+    if _capturing():
+        return None
+    return reserve_decode_counters(device, count)
+
+
+def check_decode_append_inputs(query, key, value, key_cache, value_cache, slot_mapping, block_tables,
+                               context_lens):
+    """Validation of the fused decode + append op (on top of `check_attention_inputs`); returns (num_kv_heads,
+    group, block_size, head_dim). CPU tensors only: each slot must be that of position context_len - 1 in its
+    row's block table, or negative in a padding row of context 1."""
     num_kv_heads, group, block_size, head_dim = check_attention_inputs(
         query, key_cache, value_cache, block_tables, context_lens)
+    _check_append_inputs(key, value, key_cache, value_cache, slot_mapping)
+    num_seqs = query.shape[0]
+    if key.shape[0] != num_seqs or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"query, key/value and block_tables must have one row per sequence, got "
+                         f"{num_seqs}, {key.shape[0]} and {block_tables.shape[0]}")
+    if key.dtype != key_cache.dtype or value.dtype != key_cache.dtype:
+        raise TypeError(f"key/value dtypes {key.dtype}/{value.dtype} must equal the cache dtype {key_cache.dtype}")
+    if not slot_mapping.is_cuda and num_seqs:
+        last = context_lens.to(torch.int64) - 1
+        table_blocks = block_tables.gather(1, (last // block_size)[:, None])[:, 0].to(torch.int64)
+        expected = table_blocks * block_size + last % block_size
+        padding = slot_mapping < 0
+        if bool((padding & (context_lens != 1)).any()):
+            raise ValueError("a row with a negative slot (padding) must have context length 1")
+        if not bool(((slot_mapping == expected) | padding).all()):
+            raise ValueError("slot_mapping[s] must be the slot of position context_lens[s] - 1 in block_tables[s]")
+    return num_kv_heads, group, block_size, head_dim
+
+
+def paged_decode_launch(query, key_cache, value_cache, block_tables, context_lens, scale=None,
+                        max_context_len=None, tokens_per_split=None, block_t=None,
+                        num_warps=None, num_stages=DECODE_NUM_STAGES, merge_kernel=False) -> torch.Tensor:
+    """Runs the Triton decode kernel; `tokens_per_split` / `block_t` force a split size / chunk, `merge_kernel`
+    the separate merge launch (tests, benchmarks; default: `decode_chunk`, `decode_split_plan`, in-kernel
+    merge)."""
+    geometry = check_attention_inputs(query, key_cache, value_cache, block_tables, context_lens)
+    return _decode_launch(query, None, key_cache, value_cache, block_tables, context_lens, geometry, scale,
+                          max_context_len, tokens_per_split, block_t, num_warps, num_stages, merge_kernel)
+
+
+def paged_decode_append_launch(query, key, value, key_cache, value_cache, slot_mapping, block_tables, context_lens,
+                               scale=None, max_context_len=None, tokens_per_split=None, block_t=None,
+                               num_warps=None, num_stages=DECODE_NUM_STAGES, merge_kernel=False,
+                               out=None) -> torch.Tensor:
+    """`cache_append_launch` of each row's current token (key/value [num_seqs, num_kv_heads, head_dim] at
+    slot_mapping) followed by `paged_decode_launch`, in one Triton launch (same options). out: a contiguous
+    tensor shaped and typed like query to write the result into (e.g. rows of a larger output; default new)."""
+    geometry = check_decode_append_inputs(query, key, value, key_cache, value_cache, slot_mapping, block_tables,
+                                          context_lens)
+    if key.stride(2) != 1:
+        key = key.contiguous()
+    if value.stride(2) != 1:
+        value = value.contiguous()
+    return _decode_launch(query, (key, value, slot_mapping), key_cache, value_cache, block_tables, context_lens,
+                          geometry, scale, max_context_len, tokens_per_split, block_t, num_warps, num_stages,
+                          merge_kernel, out)
+
+
+def _decode_launch(query, current, key_cache, value_cache, block_tables, context_lens, geometry, scale,
+                   max_context_len, tokens_per_split, block_t, num_warps, num_stages, merge_kernel, out=None):
+    """The decode launch of validated inputs; `current`: None, or the (key, value, slot_mapping) to append."""
+    num_kv_heads, group, block_size, head_dim = geometry
     num_seqs, num_heads = query.shape[0], query.shape[1]
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    elif out.shape != query.shape or out.dtype != query.dtype or out.device != query.device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {query.dtype} tensor of shape {tuple(query.shape)} on "
+                         f"{query.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
     if num_seqs == 0:
         return out
     if query.stride(2) != 1:
@@ -405,23 +627,34 @@ def paged_decode_launch(query, key_cache, value_cache, block_tables, context_len
         num_splits = cdiv(capacity, tokens_per_split)
     scale = head_dim ** -0.5 if scale is None else scale
     single = num_splits == 1
+    counters = None
     if single:
         part_out = part_lse = out  # unused
     else:
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+        if not merge_kernel:
+            counters = _counters_for_launch(query.device, num_seqs * num_kv_heads)
+    merge_in_kernel = counters is not None
+    if current is None:
+        key, value, slot_mapping, num_slots = query, query, context_lens, 0  # unused
+    else:
+        key, value, slot_mapping = current
+        num_slots = key_cache.shape[0] * block_size
     block_d = next_pow2(head_dim)
     num_warps = num_warps or (4 if head_dim <= 128 else 8)
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, key_cache, value_cache, block_tables, context_lens, out, part_out, part_lse,
-        scale * LOG2E, query.stride(0), query.stride(1), block_tables.stride(0), block_tables.shape[1],
-        num_splits, tokens_per_split,
+        context_lens if counters is None else counters, key, value, slot_mapping,
+        scale * LOG2E, query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0),
+        value.stride(1), block_tables.stride(0), block_tables.shape[1], num_slots, num_splits, tokens_per_split,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_G=max(16, next_pow2(group)), BLOCK_SIZE=block_size, BLOCK_T=block_t,
-        SINGLE_SPLIT=single, DOT_PRECISION=dot_precision(key_cache.dtype), UPCAST_DOT=UPCAST_DOT_OPERANDS,
+        BLOCK_G=max(16, next_pow2(group)), BLOCK_SIZE=block_size, BLOCK_T=block_t, SINGLE_SPLIT=single,
+        MERGE_IN_KERNEL=merge_in_kernel, FUSED_APPEND=current is not None,
+        DOT_PRECISION=dot_precision(key_cache.dtype), UPCAST_DOT=UPCAST_DOT_OPERANDS,
         MIN_SPLIT_TOKENS=MIN_TOKENS_PER_SPLIT, num_warps=num_warps, num_stages=num_stages,
     )
-    if not single:
+    if not single and not merge_in_kernel:
         _paged_decode_merge_kernel[(num_seqs * num_heads,)](
             part_out, part_lse, out, num_splits,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=next_pow2(num_splits),

@@ -1,11 +1,15 @@
-"""Triton kernel of the staggered plan's residual swap (apex_compile.runtime.stagger): at a layer's residual
-add the block's first `width` rows leave (their residual is stored for the lane's next turn) and the stored
-rows of the requests arriving come back:
+"""Triton kernels of the staggered plan's row exchanges (apex_compile.runtime.stagger), one launch each where
+torch needs two or three:
 
-    out = [store; src[width:]]      store = src[:width]      (one kernel; torch needs a splice and a copy)
-
-One program per (row, column block): a block row reads its stored value before overwriting it, so the swap is
-race-free within one launch.
+- residual swap: at a layer's residual add the block's first `width` rows leave (their residual is stored for
+  the lane's next turn) and the stored rows of the requests arriving come back:
+      out = [store; src[width:]]      store = src[:width]
+  One program per (row, column block): a block row reads its stored value before overwriting it, so the swap
+  is race-free within one launch.
+- attention exchange: at a layer's attention the block rows' q, k, v heads are staged side by side for the CPU
+  job, and the attention the CPU computed for the requests arriving fills the block's rows of the output:
+      staged = [q | k | v] (along heads)      out = arriving
+  One program per (row, staged head).
 """
 import torch
 import triton
@@ -51,3 +55,52 @@ def swap_rows(src: torch.Tensor, store: torch.Tensor) -> torch.Tensor:
         src, store, out, cols, store.shape[0], src.stride(0), store.stride(0), out.stride(0), BLOCK=block,
         num_warps=4)
     return out
+
+
+@triton.jit
+def _exchange_kernel(q_ptr, k_ptr, v_ptr, staged_ptr, arriving_ptr, out_ptr,
+                     stride_q, stride_qh, stride_k, stride_kh, stride_v, stride_vh,
+                     stride_staged, stride_arriving, stride_out,
+                     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < HEAD_DIM
+    if head < NUM_HEADS:
+        value = tl.load(q_ptr + row * stride_q + head * stride_qh + offs, mask=mask)
+        kept = tl.load(arriving_ptr + row * stride_arriving + head * HEAD_DIM + offs, mask=mask)
+        tl.store(out_ptr + row * stride_out + head * HEAD_DIM + offs, kept, mask=mask)
+    elif head < NUM_HEADS + NUM_KV_HEADS:
+        value = tl.load(k_ptr + row * stride_k + (head - NUM_HEADS) * stride_kh + offs, mask=mask)
+    else:
+        value = tl.load(v_ptr + row * stride_v + (head - NUM_HEADS - NUM_KV_HEADS) * stride_vh + offs, mask=mask)
+    tl.store(staged_ptr + row * stride_staged + head * HEAD_DIM + offs, value, mask=mask)
+
+
+def exchange_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, staged: torch.Tensor,
+                  arriving: torch.Tensor, out: torch.Tensor) -> None:
+    """staged = cat([query, key, value], dim=1) and out = arriving, in one launch: query [w, Hq, D], key/value
+    [w, Hkv, D] (rows and heads may be strided, unit stride along D), staged [w, Hq + 2 Hkv, D] and arriving /
+    out [w, Hq, D] with contiguous rows; one dtype and device."""
+    check_same_device(query=query, key=key, value=value, staged=staged, arriving=arriving, out=out)
+    width, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    if (key.shape != value.shape or key.shape[0] != width or key.shape[2] != head_dim
+            or staged.shape != (width, num_heads + 2 * num_kv_heads, head_dim)
+            or arriving.shape != query.shape or out.shape != query.shape):
+        raise ValueError(f"exchange_rows: query [w, Hq, D], key/value [w, Hkv, D], staged [w, Hq + 2 Hkv, D], "
+                         f"arriving/out [w, Hq, D]; got {tuple(query.shape)}, {tuple(key.shape)}, "
+                         f"{tuple(value.shape)}, {tuple(staged.shape)}, {tuple(arriving.shape)}, {tuple(out.shape)}")
+    if len({t.dtype for t in (query, key, value, staged, arriving, out)}) != 1:
+        raise TypeError("exchange_rows: every tensor must have one dtype")
+    if any(t.stride(2) != 1 for t in (query, key, value)) or any(
+            t.stride(2) != 1 or t.stride(1) != head_dim for t in (staged, arriving, out)):
+        raise ValueError("exchange_rows: unit stride along D, and contiguous rows of staged / arriving / out")
+    if width == 0:
+        return
+    _exchange_kernel[(width, num_heads + 2 * num_kv_heads)](
+        query, key, value, staged, arriving, out, query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1), staged.stride(0), arriving.stride(0), out.stride(0),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
+        num_warps=1)

@@ -20,7 +20,8 @@ Conventions:
 import ctypes
 import mmap
 import sys
-from typing import List, Optional, Tuple
+import time
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -43,6 +44,12 @@ LIB.define(
     "paged_attention_cpu_multi(Tensor query, Tensor[] key_caches, Tensor[] value_caches, Tensor cache_index, "
     "Tensor block_tables, Tensor context_lens, float? scale=None) -> Tensor"
 )
+LIB.define(
+    "stagger_cpu_job(Tensor staged, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor cache_index, "
+    "Tensor block_tables, Tensor context_lens, Tensor slot_mapping, Tensor? rows, int num_heads, float scale, "
+    "Tensor(c!) out, Tensor ready_flags, int[] ready_values, float timeout_s, Tensor(d!) timings) -> ()"
+)
+LIB.define("wait_host_flags(Tensor flags, int[] values, float timeout_s) -> ()")
 LIB.define("cpu_isa_code() -> int")
 LIB.define("cpu_attention_work_split(int items_per_thread, int min_item_bytes, int min_thread_bytes) -> int[]")
 
@@ -83,6 +90,17 @@ def _paged_attention_cpu_multi_fake(query, key_caches, value_caches, cache_index
                context_lens=context_lens)
     torch._check(query.dim() == 3, lambda: f"query must be [num_seqs, num_heads, head_dim], got {query.shape}")
     return query.new_empty(query.shape)
+
+
+@torch.library.register_fake("apex::stagger_cpu_job", lib=LIB)
+def _stagger_cpu_job_fake(staged, key_caches, value_caches, cache_index, block_tables, context_lens, slot_mapping,
+                          rows, num_heads, scale, out, ready_flags, ready_values, timeout_s, timings):
+    _check_cpu("stagger_cpu_job", staged=staged, out=out, cache_index=cache_index, timings=timings)
+
+
+@torch.library.register_fake("apex::wait_host_flags", lib=LIB)
+def _wait_host_flags_fake(flags, values, timeout_s):
+    _check_cpu("wait_host_flags", flags=flags)
 
 
 _build.load_cpu_library()  # the C++ library registers the CPU kernels of the schemas above
@@ -170,6 +188,40 @@ def paged_attention_cpu_multi(query: torch.Tensor, key_caches: List[torch.Tensor
     (cache_index int32 [num_seqs]); block ids index that pair."""
     return torch.ops.apex.paged_attention_cpu_multi(query, key_caches, value_caches, cache_index, block_tables,
                                                     context_lens, scale)
+
+
+READY_TIMEOUT_S = 120.0
+"""How long a CPU job waits for its inputs before raising (they come from copies already queued on a GPU)."""
+
+
+def stagger_cpu_job(staged: torch.Tensor, key_caches: List[torch.Tensor], value_caches: List[torch.Tensor],
+                    cache_index: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                    slot_mapping: torch.Tensor, rows: Optional[torch.Tensor], num_heads: int, scale: float,
+                    out: torch.Tensor, ready_flags: Optional[torch.Tensor] = None,
+                    ready_values: Sequence[int] = (), timeout_s: float = READY_TIMEOUT_S) -> Tuple[float, float]:
+    """The staggered plan's CPU job as one call that needs no Python (and so no GIL) once started: waits until
+    ready_flags[i] >= ready_values[i] for every i (see `wait_host_flags`), then appends the K/V of the picked
+    rows of `staged` [layers, width, num_heads + 2 * num_kv_heads, head_dim] (each row's q, k, v heads side by
+    side) to the caches `cache_index` names and writes their attention into the same rows of `out` [layers,
+    width, num_heads, head_dim]; other rows of `out` are left as they are. rows: int64 indices into the
+    flattened layers * width rows (None: all of them, in order); cache_index / block_tables / context_lens /
+    slot_mapping hold one entry per picked row. Returns (seconds waiting for the flags, seconds running)."""
+    timings = torch.zeros(2, dtype=torch.float64)
+    flags = torch.zeros(0, dtype=torch.int64) if ready_flags is None else ready_flags
+    torch.ops.apex.stagger_cpu_job(staged, key_caches, value_caches, cache_index, block_tables, context_lens,
+                                   slot_mapping, rows, num_heads, scale, out, flags, list(ready_values), timeout_s,
+                                   timings)
+    waited, ran = timings.tolist()
+    return waited, ran
+
+
+def wait_host_flags(flags: torch.Tensor, values: Sequence[int], timeout_s: float = READY_TIMEOUT_S) -> float:
+    """Blocks (releasing the GIL) until flags[i] >= values[i] for every i; returns the seconds waited. flags is
+    a CPU int64 tensor of counters that only grow, raised by whoever finishes what they stand for (a GPU copy
+    into pinned memory queued after the guarded copies, another thread); raises RuntimeError after timeout_s."""
+    start = time.perf_counter()
+    torch.ops.apex.wait_host_flags(flags, list(values), timeout_s)
+    return time.perf_counter() - start
 
 
 def cpu_isa() -> str:

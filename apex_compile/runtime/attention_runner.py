@@ -23,6 +23,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from apex_compile.kernels.paged_attention import paged_decode_append_launch
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, KVManager
 from apex_compile.runtime.scheduler import ScheduledChunk
 from apex_compile.runtime.step_buffers import PoolPart
@@ -67,6 +68,9 @@ class PagedAttentionRunner:
         self._append = {DEVICE_POOL: cache_append_cpu if self._device_is_cpu else cache_append_gpu,
                         HOST_POOL: cache_append_cpu}
         # Unchecked op entries: the engine builds valid tables (the public wrappers check them, with a sync).
+        # The fused decode + append is launched directly: it writes into a given output (the staggered step's
+        # rows after its block).
+        self._decode_append = paged_decode_append_launch
         self._paged_gpu = torch.ops.apex.paged_attention_gpu
         self._prefill_gpu = torch.ops.apex.paged_prefill_attention_gpu
         self._paged_cpu = paged_attention_cpu
@@ -111,6 +115,34 @@ class PagedAttentionRunner:
         self._whole_paged = only if only is not None and only.paged_end == only.end else None
         self._stash.clear()
 
+    def compile_decode_variants(self, num_heads: int) -> None:
+        """Runs every launch variant of the device pool's decode kernel once (with and without the fused append;
+        64- and 128-token chunks; one split, or several merged in the kernel) on one dummy row that reads block
+        0 and writes nothing, so that no step meets Triton's compile of a variant at its first use (about a
+        second each: a warm-up's job). No-op without a CUDA device pool."""
+        pool = self.kv.pools[DEVICE_POOL]
+        if self._device_is_cpu or pool.device.type != "cuda" or not pool.key_caches:
+            return
+        from apex_compile.kernels.paged_attention import (DECODE_BLOCK_T, DECODE_BLOCK_T_SMALL_GRID,
+                                                           paged_decode_launch)
+
+        key_cache, value_cache = pool.key_caches[0], pool.value_caches[0]
+        _, num_kv_heads, block_size, head_dim = key_cache.shape
+        options = dict(dtype=key_cache.dtype, device=key_cache.device)
+        query = torch.zeros(1, num_heads, head_dim, **options)
+        key = value = torch.zeros(1, num_kv_heads, head_dim, **options)
+        slots = torch.full((1,), -1, dtype=torch.int64, device=key_cache.device)
+        context = torch.ones(1, dtype=torch.int32, device=key_cache.device)
+        for block_t in (DECODE_BLOCK_T, DECODE_BLOCK_T_SMALL_GRID):
+            tables = torch.zeros(1, -(-2 * block_t // block_size), dtype=torch.int32, device=key_cache.device)
+            for split in (None, block_t):  # one split (short table) / every chunk its own split
+                table = tables[:, :-(-block_t // block_size)] if split is None else tables
+                paged_decode_append_launch(query, key, value, key_cache, value_cache, slots, table, context,
+                                           tokens_per_split=split, block_t=block_t)
+                paged_decode_launch(query, key_cache, value_cache, table, context, tokens_per_split=split,
+                                    block_t=block_t)
+        torch.cuda.synchronize(key_cache.device)
+
     def _attend(self, part: PoolPart, layer_idx: int, query: torch.Tensor, scale: float) -> torch.Tensor:
         """Paged attention of the part's paged rows (query holds exactly those rows)."""
         pool = part.pool
@@ -130,15 +162,23 @@ class PagedAttentionRunner:
         return next((p for p in self.parts if p.pool.index == HOST_POOL), None)
 
     def _run_part(self, part: PoolPart, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
-                  value: torch.Tensor, scale: float) -> torch.Tensor:
-        """Appends and attends one pool's rows (tensors already on the pool's device); returns their output."""
+                  value: torch.Tensor, scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Appends and attends one pool's rows (tensors already on the pool's device); returns their output
+        (written into `out`, a contiguous tensor shaped like query, when given)."""
         index = part.pool.index
         key_cache, value_cache = part.pool.key_caches[layer_idx], part.pool.value_caches[layer_idx]
-        self._append[index](key, value, key_cache, value_cache, part.slot_mapping)
         num_paged = part.paged_end - part.start
+        if (index == DEVICE_POOL and not self._device_is_cpu and part.query_start_loc is None
+                and num_paged == part.end - part.start):
+            # every row decodes in the device pool: its append and its attention in one kernel
+            return self._decode_append(query, key, value, key_cache, value_cache, part.slot_mapping,
+                                       part.block_tables, part.context_lens, scale, part.max_context_len, out=out)
+        self._append[index](key, value, key_cache, value_cache, part.slot_mapping)
         if num_paged == part.end - part.start:
-            return self._attend(part, layer_idx, query, scale)
-        out = torch.empty_like(query)
+            result = self._attend(part, layer_idx, query, scale)
+            return result if out is None else out.copy_(result)
+        if out is None:
+            out = torch.empty_like(query)
         if num_paged:
             out[:num_paged] = self._attend(part, layer_idx, query[:num_paged], scale)
         _attend_fresh(part, query, key, value, scale, out)
@@ -149,24 +189,20 @@ class PagedAttentionRunner:
         """Appends every row's K/V to its request's cache and returns the attention output of all rows."""
         whole = self._whole_paged
         if whole is not None and whole.pool.device == query.device:
-            pool = whole.pool
-            self._append[pool.index](key, value, pool.key_caches[layer_idx], pool.value_caches[layer_idx],
-                                     whole.slot_mapping)
-            return self._attend(whole, layer_idx, query, scale)
-        arriving = None  # the staggered block's rows: the layer's outputs of the requests arriving
+            return self._run_part(whole, layer_idx, query, key, value, scale)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if self.stagger_rows:
+            # the staggered block's rows: their q/k/v staged for the CPU job, the outputs of the requests
+            # arriving (the CPU attended them since the lane's last turn) into the block's output rows
             block = slice(0, self.stagger_rows)
             self.stagger_scale = scale  # the CPU job attends with it after the step
-            arriving = self.stagger.exchange(layer_idx, query[block], key[block], value[block])
+            self.stagger.exchange(layer_idx, query[block], key[block], value[block], out[block])
             part = self.parts[0] if len(self.parts) == 1 else None
             if part is not None and (part.start, part.end) == (self.stagger_rows, query.shape[0]) and (
-                    part.pool.device == query.device):  # a decode step: the block's outputs and the pool's, one cat
+                    part.pool.device == query.device):  # a decode step: the pool's rows written in place
                 rows = slice(part.start, part.end)
-                return torch.cat([arriving, self._run_part(part, layer_idx, query[rows], key[rows], value[rows],
-                                                           scale)])
-        out = torch.empty_like(query)
-        if arriving is not None:
-            out[:self.stagger_rows] = arriving
+                self._run_part(part, layer_idx, query[rows], key[rows], value[rows], scale, out=out[rows])
+                return out
         for part in self.parts:
             rows = slice(part.start, part.end)
             if part.pool.device == query.device:

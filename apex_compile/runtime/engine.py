@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from apex_compile.config import GiB, ApexConfig
+from apex_compile.kernels.paged_attention import reserve_decode_counters
 from apex_compile.ops.kv_layout import to_device
 from apex_compile.runtime.attention_runner import PagedAttentionRunner, order_chunks
 from apex_compile.runtime.context import attention_runner
@@ -264,6 +265,8 @@ class Engine:
         self.stagger_pieces: Optional[PiecewiseGraphs] = None
         self.stagger_graphs: Optional[DecodeGraphs] = None
         if self.device.type == "cuda" and self.config.cuda_graphs and self.config.compile:
+            # the decode kernel's split counters at the largest launch's size, before any capture
+            reserve_decode_counters(self.device, (max_rows + width) * self.shape.num_kv_heads)
             sizes = self.config.capture_sizes or capture_sizes(min(self.config.max_num_seqs,
                                                                    self.config.max_num_batched_tokens))
             self.graphs = DecodeGraphs([n for n in sizes if n <= max_rows])
@@ -978,6 +981,7 @@ class Engine:
         self.generate([prompt, prompt + prompt], [SamplingParams(max_new_tokens=2), SamplingParams(max_new_tokens=3)])
         if self.graphs is None:
             self.generate([prompt], SamplingParams(max_new_tokens=2))  # a lone decode row: size-1 specialisation
+        self.runner.compile_decode_variants(self.model.config.num_attention_heads)
         self.capture_graphs()
         if self.stagger is not None:  # the staggered step compiles too (a quiet step of padding rows)
             width = self.stagger.width

@@ -20,9 +20,10 @@ Why two lanes: the whole step's host work then sits between steps. Before a step
 outputs (computed during the step before) go to the device in one copy; inside the step the attention op
 only copies rows between device buffers at fixed addresses (so whole-step CUDA graphs capture it, as for
 GPU-only decode); after the step the staged q/k/v of every layer go to the host in one copy and one job on
-the CPU worker appends and attends all layers, during the next step. The worker writes a lane's pinned
-output only after the event of its last copy to the device (the guard). On a CPU-only run the job runs at
-once.
+the CPU worker appends and attends all layers, during the next step. The job is one C++ call that waits for
+pinned counters the GPU stream raises behind those copies, so from its inputs' arrival to its end it needs no
+GIL; it writes a lane's pinned output only after that buffer's last copy to the device (the guard). On a
+CPU-only run the job runs at once.
 """
 import collections
 import concurrent.futures
@@ -35,8 +36,8 @@ import numpy as np
 import torch
 
 from apex_compile.kernels._common import INTERPRET
-from apex_compile.kernels.stagger import swap_rows
-from apex_compile.ops import cache_append_cpu_multi, paged_attention_cpu_multi
+from apex_compile.kernels.stagger import exchange_rows, swap_rows
+from apex_compile.ops.cpu_attention import stagger_cpu_job
 from apex_compile.runtime.kv_manager import HOST_POOL, KVManager
 from apex_compile.runtime.request import Request
 
@@ -46,6 +47,8 @@ JOB_SHARE = 0.9  # an adaptive pipeline keeps its CPU job within this share of a
 EMA = 0.2  # weight of the newest measurement in the adaptive pipeline's running averages
 FIT_EMA = 0.05  # decay per job of the weighted sums the job-time fit (fixed + rate x work) uses: ~20 jobs of memory
 FIT_SPREAD = 0.1  # the fit's slope is taken only from jobs whose work spreads by this share of its mean (a ramp)
+WAIT_SHARE = 0.05  # above this running share of a step spent waiting for the CPU job, rows are taken away
+REGROW_STEPS = 16  # steps without waiting for the CPU before a row taken away comes back
 
 
 class RowLimit:
@@ -53,8 +56,10 @@ class RowLimit:
     JOB_SHARE of a step, from a running fit of the job's seconds as a fixed part plus a rate per (layer, context
     token) (the slope from jobs of different work, as a filling pipeline runs; the fixed part keeps the job's
     per-call costs from reading as per-row ones) and a running average of the step (measured without the
-    launching thread's wait for the job, so a CPU that falls behind does not loosen its own limit). A fixed
-    pipeline keeps every row."""
+    launching thread's wait for the job, so a CPU that falls behind does not loosen its own limit). A guard
+    against a fit that flatters the CPU (a slower host than the fit's jobs showed): each step in which the
+    launching thread waits for the job more than WAIT_SHARE of the step, as it has on average lately, takes a
+    row away; one comes back after REGROW_STEPS steps without such a wait. A fixed pipeline keeps every row."""
 
     def __init__(self, width: int, num_layers: int, adaptive: bool):
         self.width = width
@@ -66,6 +71,9 @@ class RowLimit:
         self.rate: Optional[float] = None  # seconds per (layer, context token) of the CPU job beyond its fixed part
         self.fixed = 0.0  # seconds of a job that do not grow with its work
         self.step: Optional[float] = None  # seconds per step
+        self.wait_share: Optional[float] = None  # running share of a step the launching thread waited for the job
+        self.guard = width  # rows allowed by the waits for the CPU job (the guard in the class docstring)
+        self._calm_steps = 0  # steps since the last one that waited too long
         self._moments: Optional[List[float]] = None  # weighted sums of 1, work, seconds, work^2, work x seconds
 
     @staticmethod
@@ -93,9 +101,20 @@ class RowLimit:
             self.rate = proportional
         self.fixed = min(max(mean_y - self.rate * mean_x, 0.0), mean_y)
 
-    def observe_step(self, seconds: float) -> None:
+    def observe_step(self, seconds: float, waited: float = 0.0) -> None:
+        """A step's seconds without the launching thread's wait for the CPU job, and that wait."""
         if seconds > 0:
             self.step = self._average(self.step, seconds)
+            share = waited / (seconds + waited)
+            self.wait_share = self._average(self.wait_share, share)
+            if share > WAIT_SHARE and self.wait_share > WAIT_SHARE:  # this step waited, and it is no one-off
+                self.guard = max(1, min(self.guard, self.limit) - 1)
+                self._calm_steps = 0
+            else:
+                self._calm_steps += 1
+                if self._calm_steps >= REGROW_STEPS and self.guard < self.width:
+                    self.guard += 1
+                    self._calm_steps = 0
 
     def set_ceiling(self, rows: int) -> None:
         """The performance model's rows (0..width; 0: no request enters the pipeline)."""
@@ -108,7 +127,7 @@ class RowLimit:
         if self.adaptive and self.rate is not None and self.step is not None and mean_context > 0:
             per_row = self.rate * self.num_layers * mean_context  # a full lane: each row at every layer once
             budget = JOB_SHARE * self.step - self.fixed
-            self.measured = max(1, min(self.width, int(budget / per_row)))
+            self.measured = max(1, min(self.width, int(budget / per_row), self.guard))
         self.limit = min(self.measured, self.ceiling)
         return self.limit
 
@@ -134,8 +153,9 @@ class StaggerGroup:
 @dataclasses.dataclass
 class HostJob:
     """A lane turn's CPU attention metadata over every layer's group, one row per request-layer: built on the
-    launching thread while the GPU runs, so the worker thread runs only ops that release the GIL (its Python
-    work would otherwise take the GIL from the main thread in the host gap between two steps)."""
+    launching thread while the GPU runs, so the worker thread runs one C++ call (`host_attention`) that needs no
+    GIL: the main thread holds it for most of the host gap between two steps, just when the job's inputs
+    arrive."""
 
     cache_index: torch.Tensor  # int32 [n]: the layer (host cache) of each row
     block_tables: torch.Tensor  # int32 [n, table width]
@@ -340,7 +360,8 @@ class StaggerPipeline:
             now = time.perf_counter()
             if self._last_begin is not None:
                 waits = getattr(self.executor, "collect_seconds", None)
-                rows.observe_step(now - self._last_begin - (waits[-1] if waits else 0.0))
+                waited = waits[-1] if waits else 0.0
+                rows.observe_step(now - self._last_begin - waited, waited)
             self._last_begin = now
             lens = [g.context_lens for g in lane if g.size]
             rows.update(float(np.concatenate(lens).mean()) if lens else 0.0)
@@ -365,16 +386,16 @@ class StaggerPipeline:
         pool = self.kv.pools[HOST_POOL]
         plan = HostJob.of(lane[:self.num_layers], self.width)
         exports = runner.exports.queued()  # prompt K/V still on their way into the host cache
-
         work = int(plan.context_lens.sum())
+        num_heads = self.heads[0]
 
-        def job(staged, out):
+        def job(staged, out, ready_flags, ready_values):
             for export in exports:
                 export.result()
-            start = time.perf_counter()
-            query, key, value = staged.split(self.heads, dim=2)
-            host_attention(plan, query, key, value, pool.key_caches, pool.value_caches, runner.stagger_scale, out)
-            self.rows.observe_job(time.perf_counter() - start, work)
+            seconds = host_attention(plan, staged, num_heads, pool.key_caches, pool.value_caches,
+                                     runner.stagger_scale, out, ready_flags, ready_values)
+            self.rows.observe_job(seconds[1], work)
+            return seconds
 
         self.executor.launch(index, job, [self.staged], self.outputs)
 
@@ -418,12 +439,17 @@ class StaggerPipeline:
     # ------------------------------------------------------------------------------------------------
     # the graph's side: device copies at fixed addresses
 
-    def exchange(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """The attention op's block rows at `layer`: stages their q/k/v for the CPU and returns the block's
-        output rows, the layer's attention of the requests arriving (computed since the lane's last turn; a
-        view of the fixed buffer `collect` fills, for the caller to copy or splice)."""
-        torch.cat([query, key, value], dim=1, out=self.staged[layer])
-        return self.outputs[layer]
+    def exchange(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 out: torch.Tensor) -> None:
+        """The attention op's block rows at `layer`: stages their q/k/v for the CPU and writes into `out` (the
+        block's rows of the op's output) the layer's attention of the requests arriving (computed since the
+        lane's last turn, brought by `collect`); one Triton kernel on a GPU or under the interpreter."""
+        staged, arriving = self.staged[layer], self.outputs[layer]
+        if (query.is_cuda or INTERPRET) and all(t.stride(-1) == 1 for t in (query, key, value)):
+            exchange_rows(query, key, value, staged, arriving, out)
+            return
+        torch.cat([query, key, value], dim=1, out=staged)
+        out.copy_(arriving)
 
     def swap_residual(self, layer: int, residual: torch.Tensor) -> torch.Tensor:
         """The residual with the block's rows swapped: the rows' own value goes to the layer's store, the
@@ -445,30 +471,25 @@ class StaggerPipeline:
         return out.view(self.num_layers, *table.shape)
 
 
-def host_attention(job: Optional[HostJob], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   key_caches: List[torch.Tensor], value_caches: List[torch.Tensor], scale: float,
-                   out: torch.Tensor) -> None:
+def host_attention(job: Optional[HostJob], staged: torch.Tensor, num_heads: int, key_caches: List[torch.Tensor],
+                   value_caches: List[torch.Tensor], scale: float, out: torch.Tensor,
+                   ready_flags: Optional[torch.Tensor] = None, ready_values: Tuple[int, ...] = ()
+                   ) -> Tuple[float, float]:
     """CPU side of a lane's turn: group l's rows append their K/V to layer l's host cache and attend it, every
-    layer in one append and one attention call (one work split over all of them); query/out [layers, width,
-    Hq, D], key/value [layers, width, Hkv, D]. Rows without a request are left as they are."""
+    layer in one call that waits for its ready flags first and needs no GIL until it is done (the launching
+    thread holds the GIL for most of the host work between two steps: notes item 32). staged [layers, width,
+    Hq + 2 * Hkv, D] (q, k, v heads side by side), out [layers, width, Hq, D]; rows without a request are left
+    as they are. Returns (seconds waiting for the flags, seconds running)."""
     if job is None:
-        return
-    layers, width = query.shape[0], query.shape[1]
-    flat = [t.view(layers * width, *t.shape[2:]) for t in (query, key, value, out)]
-    rows = job.rows
-    q, k, v = flat[:3] if rows is None else (t.index_select(0, rows) for t in flat[:3])
-    cache_append_cpu_multi(k, v, key_caches, value_caches, job.cache_index, job.slots)
-    attended = paged_attention_cpu_multi(q, key_caches, value_caches, job.cache_index, job.block_tables,
-                                         job.context_lens, scale)
-    if rows is None:
-        flat[3].copy_(attended)
-    else:
-        flat[3].index_copy_(0, rows, attended)
+        return 0.0, 0.0
+    return stagger_cpu_job(staged, key_caches, value_caches, job.cache_index, job.block_tables, job.context_lens,
+                           job.slots, job.rows, num_heads, scale, out, ready_flags, ready_values)
 
 
 class SyncJobs:
     """CPU-only run: a job runs when launched; its output is handed out by the next `collect` of its key.
-    A job is called as job(*inputs, out) and writes its rows of `out` (shaped like `output`)."""
+    A job is called as job(*inputs, out, ready_flags, ready_values) (`AsyncJobs`; nothing to wait for here)
+    and writes its rows of `out` (shaped like `output`)."""
 
     def __init__(self):
         self.results: Dict[int, Optional[torch.Tensor]] = {}
@@ -481,7 +502,7 @@ class SyncJobs:
         out = self.buffers.get(key)
         if out is None or out.shape != output.shape:
             out = self.buffers[key] = torch.zeros(output.shape, dtype=output.dtype)
-        job(*inputs, out)
+        job(*inputs, out, None, ())
         self.results[key] = out
 
     def collect(self, key: int, out: torch.Tensor) -> None:
@@ -501,26 +522,34 @@ class SyncJobs:
 
 class CudaCopies:
     """The copies of `AsyncJobs` on CUDA, both on the compute stream (so the next step's writes to the staged
-    device buffers come after their copy out): inputs to pinned staging, outputs back; each returns an event."""
+    device buffers come after their copy out): inputs to pinned staging, outputs back. Each is followed on the
+    stream by a raise of a pinned counter (`flags`: 0 staged copies, 1 copies back) that a CPU job polls in C++
+    without the GIL; one stream completes its work in order, so a counter's value says every copy queued
+    before it is done. Each returns (flag index, value)."""
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.flags = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+        self._device_flags = torch.zeros(2, dtype=torch.int64, device=device)
+        self._raised = [0, 0]
 
-    def _event(self) -> torch.cuda.Event:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        return event
+    def _raise(self, index: int) -> Tuple[int, int]:
+        self._raised[index] += 1
+        value = self._raised[index]
+        self._device_flags[index].fill_(value)
+        self.flags[index].copy_(self._device_flags[index], non_blocking=True)
+        return index, value
 
-    def stage(self, pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
+    def stage(self, pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[int, int]:
         """Copies each (pinned dst, device src) after the work queued so far."""
         for dst, src in pairs:
             dst.copy_(src, non_blocking=True)
-        return self._event()
+        return self._raise(0)
 
-    def restore(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event:
+    def restore(self, dst: torch.Tensor, src: torch.Tensor) -> Tuple[int, int]:
         """Copies the pinned `src` into the device `dst`."""
         dst.copy_(src, non_blocking=True)
-        return self._event()
+        return self._raise(1)
 
 
 def worker_cores(threads: Optional[int] = None) -> List[int]:
@@ -546,8 +575,11 @@ def _pin_worker(cores: List[int]) -> None:
 class AsyncJobs:
     """Asynchronous CPU jobs, one in flight per key (a lane): `launch` stages the inputs into pinned buffers
     (`copies.stage`) and a worker thread runs the job into the key's pinned output buffer; the key's next
-    `collect` waits for it and copies the output to the device (`copies.restore`). A job rewrites its output
-    buffer only after the event of that buffer's last copy to the device (the guard)."""
+    `collect` waits for it and copies the output to the device (`copies.restore`). A job is called as
+    job(*staged, out, ready_flags, ready_values) and must touch neither before ready_flags[i] >=
+    ready_values[i] for every i (`wait_host_flags`; the engine's job waits in its C++ call): its inputs are
+    staged and the output buffer's last copy to the device is done (the guard). It returns (seconds waiting,
+    seconds running)."""
 
     def __init__(self, copies, pin_memory: bool = True, threads: Optional[int] = None):
         """threads: the worker's OpenMP threads, pinned to the last `threads` cores this process may use (None:
@@ -558,7 +590,7 @@ class AsyncJobs:
         self.worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="apex-stagger",
                                                             initializer=_pin_worker, initargs=(self.cores,))
         self.buffers: Dict[tuple, torch.Tensor] = {}
-        self.guards: Dict[int, object] = {}
+        self.guards: Dict[int, Tuple[int, int]] = {}  # key -> (flag, value) of its output buffer's last copy back
         self.pending: Dict[int, Optional[concurrent.futures.Future]] = {}
         # recent timings, seconds: (waiting for the inputs' copy and the guard, running the job) per job, and
         # the launching thread's wait in each collect (how far the CPU is behind the GPU)
@@ -572,25 +604,24 @@ class AsyncJobs:
         return buf
 
     def launch(self, key: int, job, inputs: List[torch.Tensor], output: torch.Tensor) -> None:
-        """Stages `inputs` and runs job(*staged, out) on the worker; out is pinned, shaped like `output` (the
-        device buffer the key's next `collect` fills)."""
+        """Stages `inputs` and runs the job on the worker; its out is pinned, shaped like `output` (the device
+        buffer the key's next `collect` fills)."""
         if job is None:
             self.pending[key] = None
             return
         staged = [self._buffer(f"in{i}", key, t) for i, t in enumerate(inputs)]
-        copied = self.copies.stage(list(zip(staged, inputs)))
-        out_buf = self._buffer("out", key, output)
+        values = [0] * len(self.copies.flags)
+        flag, value = self.copies.stage(list(zip(staged, inputs)))
+        values[flag] = value
         guard = self.guards.get(key)
+        if guard is not None:
+            values[guard[0]] = max(values[guard[0]], guard[1])
+        out_buf = self._buffer("out", key, output)
+        flags = self.copies.flags
 
         def run():
-            start = time.perf_counter()
-            copied.synchronize()
-            if guard is not None:
-                guard.synchronize()  # the last copy out of this buffer is done before it is rewritten
-            ready = time.perf_counter()
             with torch.inference_mode():
-                job(*staged, out_buf)
-            self.job_seconds.append((ready - start, time.perf_counter() - ready))
+                self.job_seconds.append(job(*staged, out_buf, flags, tuple(values)))
 
         self.pending[key] = self.worker.submit(run)
 
@@ -598,6 +629,7 @@ class AsyncJobs:
         future = self.pending.pop(key, None)
         if future is None:
             out.zero_()
+            self.collect_seconds.append(0.0)
             return
         start = time.perf_counter()
         future.result()

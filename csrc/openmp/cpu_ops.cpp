@@ -7,10 +7,12 @@
 
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cpu_attention.h"
@@ -334,6 +336,122 @@ void cache_append_cpu_multi(const at::Tensor& key, const at::Tensor& value, at::
   cache_append_impl(key, value, key_caches[0], value_caches[0], slot_mapping, &keys, &values, &cache_index);
 }
 
+// One pause of a spin-wait: tells the core this thread only polls (the sibling hyperthread gets its slot).
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// Waits until flags[i] >= values[i] for every i; returns the seconds waited. Each flag is a counter that only
+// grows, raised by another agent (a GPU copy into pinned memory, another thread) once what it guards is done;
+// it is read with acquire order, so what it guards is visible after. Spins for the first ~100 us (the common
+// wait is short and a wake-up would cost as much), then yields the core between polls. Raises after timeout_s.
+double wait_flags(const at::Tensor& flags, at::IntArrayRef values, double timeout_s) {
+  check_cpu(flags, "ready_flags");
+  APEX_CHECK(flags.scalar_type() == at::kLong && flags.dim() == 1 && flags.is_contiguous() &&
+                 flags.size(0) == int64_t(values.size()),
+             "ready_flags must be a contiguous int64 [", int64_t(values.size()), "] (one per value), got ",
+             flags.scalar_type(), " ", shape_of(flags));
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  int64_t* counters = flags.data_ptr<int64_t>();
+  for (size_t i = 0; i < values.size(); ++i) {
+    for (int64_t polls = 0; __atomic_load_n(counters + i, __ATOMIC_ACQUIRE) < values[i]; ++polls) {
+      if (polls < 20000) {
+        cpu_relax();
+        continue;
+      }
+      std::this_thread::yield();
+      if (polls % 1024 == 0 && std::chrono::duration<double>(clock::now() - start).count() > timeout_s) {
+        APEX_CHECK(false, "waited more than ", int64_t(timeout_s), " s for ready flag ", int64_t(i),
+                   " to reach ", values[i], " (it is ", __atomic_load_n(counters + i, __ATOMIC_ACQUIRE),
+                   "): the copies it stands for never completed");
+      }
+    }
+  }
+  return std::chrono::duration<double>(clock::now() - start).count();
+}
+
+void wait_host_flags(const at::Tensor& flags, at::IntArrayRef values, double timeout_s) {
+  wait_flags(flags, values, timeout_s);
+}
+
+// The staggered plan's CPU job in one call, so that the thread running it never needs Python (nor its GIL,
+// which the launching thread holds for most of the host work between two GPU steps) from the moment its inputs
+// are ready until the job is done: wait for the ready flags (the staged q/k/v copied to the host, the output
+// buffer's last copy to the device done), append every row's K/V to its layer's cache and attend, and write the
+// rows of `out`. staged [layers, width, num_heads + 2 * num_kv_heads, head_dim] holds each row's q, k, v heads
+// side by side; rows (int64, into the flattened [layers * width]) picks the rows holding a request (none: all,
+// in order); cache_index / block_tables / context_lens / slot_mapping describe those rows.
+// timings (float64 [2]) receives (seconds waiting for the flags, seconds running).
+void stagger_cpu_job(const at::Tensor& staged, at::TensorList key_caches, at::TensorList value_caches,
+                     const at::Tensor& cache_index, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                     const at::Tensor& slot_mapping, const std::optional<at::Tensor>& rows, int64_t num_heads,
+                     double scale, at::Tensor& out, const at::Tensor& ready_flags, at::IntArrayRef ready_values,
+                     double timeout_s, at::Tensor& timings) {
+  check_cpu(staged, "staged");
+  check_cpu(out, "out");
+  check_cpu(timings, "timings");
+  APEX_CHECK(timings.scalar_type() == at::kDouble && timings.numel() == 2 && timings.is_contiguous(),
+             "timings must be a contiguous float64 tensor of 2 elements, got ", timings.scalar_type(), " ",
+             shape_of(timings));
+  APEX_CHECK(staged.dim() == 4 && staged.is_contiguous(),
+             "staged must be a contiguous [layers, width, heads, head_dim] tensor, got ", shape_of(staged));
+  const int64_t layers = staged.size(0), width = staged.size(1), head_dim = staged.size(3);
+  const int64_t num_kv_heads = (staged.size(2) - num_heads) / 2;
+  APEX_CHECK(num_heads >= 1 && num_kv_heads >= 1 && staged.size(2) == num_heads + 2 * num_kv_heads,
+             "staged holds ", staged.size(2), " heads per row, not num_heads=", num_heads, " + 2 * num_kv_heads");
+  APEX_CHECK(out.dim() == 4 && out.is_contiguous() && out.size(0) == layers && out.size(1) == width &&
+                 out.size(2) == num_heads && out.size(3) == head_dim && out.scalar_type() == staged.scalar_type(),
+             "out must be a contiguous [", layers, ", ", width, ", ", num_heads, ", ", head_dim, "] tensor of the "
+             "staged dtype, got ", out.scalar_type(), " ", shape_of(out));
+  const int64_t count = rows.has_value() ? rows->numel() : layers * width;
+  if (rows.has_value()) {
+    check_cpu(*rows, "rows");
+    APEX_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1, "rows must be int64 [n], got ",
+               rows->scalar_type(), " ", shape_of(*rows));
+    const at::Tensor checked = rows->contiguous();
+    const int64_t* picked = checked.data_ptr<int64_t>();
+    for (int64_t i = 0; i < count; ++i) {
+      APEX_CHECK(picked[i] >= 0 && picked[i] < layers * width, "rows[", i, "] = ", picked[i],
+                 " is out of range for ", layers * width, " rows");
+    }
+  }
+  std::vector<void*> keys, values;
+  check_cache_list(key_caches, value_caches, cache_index, count, keys, values);
+
+  const double waited = wait_flags(ready_flags, ready_values, timeout_s);
+  const auto start = std::chrono::steady_clock::now();
+  if (count > 0) {
+    const at::Tensor flat = staged.view({layers * width, staged.size(2), head_dim});
+    at::Tensor query = flat.narrow(1, 0, num_heads);
+    at::Tensor key = flat.narrow(1, num_heads, num_kv_heads);
+    at::Tensor value = flat.narrow(1, num_heads + num_kv_heads, num_kv_heads);
+    if (rows.has_value()) {
+      query = query.index_select(0, *rows);
+      key = key.index_select(0, *rows);
+      value = value.index_select(0, *rows);
+    }
+    cache_append_impl(key, value, key_caches[0], value_caches[0], slot_mapping, &keys, &values, &cache_index);
+    const at::Tensor attended = paged_attention_impl(query, key_caches[0], value_caches[0], block_tables,
+                                                     context_lens, scale, &keys, &values, &cache_index);
+    at::Tensor out_rows = out.view({layers * width, num_heads, head_dim});
+    if (rows.has_value()) {
+      out_rows.index_copy_(0, *rows, attended);
+    } else {
+      out_rows.copy_(attended);
+    }
+  }
+  double* seconds = timings.data_ptr<double>();
+  seconds[0] = waited;
+  seconds[1] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 // Code of the kernel path the next call will use: 0 scalar, 1 avx2, 2 avx512 (errors like the ops would).
 int64_t cpu_isa_code() { return int64_t(select_isa()); }
 
@@ -356,6 +474,8 @@ TORCH_LIBRARY_IMPL(apex, CPU, m) {
   m.impl("cache_append_cpu", &cache_append_cpu);
   m.impl("paged_attention_cpu_multi", &paged_attention_cpu_multi);
   m.impl("cache_append_cpu_multi", &cache_append_cpu_multi);
+  m.impl("stagger_cpu_job", &stagger_cpu_job);
+  m.impl("wait_host_flags", &wait_host_flags);
 }
 
 TORCH_LIBRARY_IMPL(apex, CompositeExplicitAutograd, m) {

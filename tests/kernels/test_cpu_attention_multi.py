@@ -6,6 +6,7 @@ import torch
 from apex_compile.ops import (
     cache_append_cpu,
     cache_append_cpu_multi,
+    paged_attention_cpu,
     paged_attention_cpu_multi,
 )
 from tests.kernels.test_cpu_attention import DTYPES, TOLERANCE, PagedCase
@@ -97,3 +98,159 @@ def test_multi_errors():
     with pytest.raises(RuntimeError, match="cache_index must be int32 \\[2\\]"):
         cache_append_cpu_multi(c.keys[:2], c.values[:2], keys, values, torch.zeros(3, dtype=torch.int32),
                                torch.zeros(2, dtype=torch.long))
+
+
+def stagger_job_case(seed, layers=2, width=3, heads=4, kv_heads=2, dim=32, block=16, dtype=torch.float32):
+    """A staggered turn's inputs: per layer a host cache whose rows hold the earlier tokens of `width` requests,
+    the staged q/k/v of each request's current token (every row at its layer), and the rows' metadata."""
+    from apex_compile.ops import allocate_kv_cache_cpu
+
+    gen = torch.Generator().manual_seed(seed)
+    blocks = 3 * width + 2
+    caches = [allocate_kv_cache_cpu(blocks, kv_heads, block, dim, dtype) for _ in range(layers)]
+    tables, lens, slots = [], [], []
+    for key_cache, value_cache in caches:
+        key_cache.fill_(float("nan"))  # only written slots may be read
+        value_cache.fill_(float("nan"))
+        order = torch.randperm(blocks, generator=gen).to(torch.int32)
+        for row in range(width):
+            context = int(torch.randint(1, 3 * block, (1,), generator=gen))
+            table = order[3 * row:3 * row + 3]
+            earlier = torch.arange(context - 1)
+            cache_append_cpu(torch.randn(context - 1, kv_heads, dim, generator=gen).to(dtype),
+                             torch.randn(context - 1, kv_heads, dim, generator=gen).to(dtype), key_cache,
+                             value_cache, table[earlier // block].long() * block + earlier % block)
+            tables.append(table)
+            lens.append(context)
+            slots.append(int(table[(context - 1) // block]) * block + (context - 1) % block)
+    staged = torch.randn(layers, width, heads + 2 * kv_heads, dim, generator=gen).to(dtype)
+    meta = dict(cache_index=torch.arange(layers, dtype=torch.int32).repeat_interleave(width),
+                block_tables=torch.stack(tables), context_lens=torch.tensor(lens, dtype=torch.int32),
+                slot_mapping=torch.tensor(slots))
+    return caches, staged, meta
+
+
+def run_stagger_job(caches, staged, meta, picked, heads=4, **kwargs):
+    """stagger_cpu_job over the rows `picked` (None: all) into a NaN-filled output; returns it and the timings."""
+    from apex_compile.ops.cpu_attention import stagger_cpu_job
+
+    rows = None if picked is None else torch.tensor(picked)
+    chosen = {k: v if rows is None else v[rows] for k, v in meta.items()}
+    out = torch.full(staged.shape[:2] + (heads, staged.shape[3]), float("nan"), dtype=staged.dtype)
+    seconds = stagger_cpu_job(staged, [k for k, _ in caches], [v for _, v in caches], chosen["cache_index"],
+                              chosen["block_tables"], chosen["context_lens"], chosen["slot_mapping"], rows, heads,
+                              0.3, out, **kwargs)
+    return out, seconds
+
+
+@pytest.mark.parametrize("picked", [None, [0, 2, 4, 5]])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stagger_job_equals_per_layer_append_and_attention(picked, dtype, threads):
+    """The staggered turn's one call: each picked row appends its K/V to its layer's cache and attends it, as
+    one cache_append_cpu + paged_attention_cpu per row would; other rows of the output are left alone."""
+    torch.set_num_threads(2)
+    heads, kv_heads = 4, 2
+    caches, staged, meta = stagger_job_case(7, dtype=dtype)
+    expected_caches = [(k.clone(), v.clone()) for k, v in caches]
+    out, _ = run_stagger_job(caches, staged, meta, picked)
+    flat = staged.view(-1, heads + 2 * kv_heads, staged.shape[3])
+    flat_out = out.view(-1, heads, staged.shape[3])
+    for row in range(flat.shape[0]):
+        if picked is not None and row not in picked:
+            assert torch.isnan(flat_out[row]).all()
+            continue
+        key_cache, value_cache = expected_caches[int(meta["cache_index"][row])]
+        q, k, v = flat[row:row + 1].split([heads, kv_heads, kv_heads], dim=1)
+        cache_append_cpu(k, v, key_cache, value_cache, meta["slot_mapping"][row:row + 1])
+        want = paged_attention_cpu(q, key_cache, value_cache, meta["block_tables"][row:row + 1],
+                                   meta["context_lens"][row:row + 1], 0.3)
+        torch.testing.assert_close(flat_out[row:row + 1], want, rtol=0, atol=0)
+    for (k, v), (k1, v1) in zip(caches, expected_caches):
+        assert torch.equal(k.nan_to_num(-7.0), k1.nan_to_num(-7.0)) and torch.equal(v.nan_to_num(-7.0),
+                                                                                    v1.nan_to_num(-7.0))
+
+
+def test_stagger_job_waits_for_every_ready_flag(threads):
+    """Nothing is written before each flag reaches its value (a GPU copy raises it in the engine)."""
+    import concurrent.futures
+    import time
+
+    torch.set_num_threads(1)
+    caches, staged, meta = stagger_job_case(3)
+    flags = torch.zeros(2, dtype=torch.int64)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(run_stagger_job, caches, staged, meta, None, ready_flags=flags, ready_values=(1, 2))
+        time.sleep(0.05)
+        flags[0] = 1
+        flags[1] = 1  # below its value: still waiting
+        time.sleep(0.05)
+        assert not future.done()
+        flags[1] = 5
+        out, (waited, ran) = future.result(timeout=30)
+    assert not torch.isnan(out).any() and waited >= 0.09 and ran >= 0
+
+
+def written_while_python_holds_the_gil(job, out, flags, window=1.0):
+    """Starts job() on a worker thread (it waits for flags[0] >= 1), then raises the flag and runs pure Python
+    for up to `window` seconds with forced GIL switches pushed out to 30 s, polling out's first element through
+    raw memory; returns whether the job wrote it inside that window (the job is joined after it)."""
+    import concurrent.futures
+    import ctypes
+    import sys
+    import time
+
+    interval = sys.getswitchinterval()
+    first = ctypes.c_float.from_address(out.data_ptr())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(job)
+        time.sleep(0.1)  # the worker now waits for its flag (the GIL released)
+        sys.setswitchinterval(30.0)
+        try:
+            ctypes.c_int64.from_address(flags.data_ptr()).value = 1  # no op call: the GIL stays here
+            start = time.perf_counter()
+            written = False
+            while not written and time.perf_counter() - start < window:
+                written = first.value == first.value  # NaN until the job writes it
+        finally:
+            sys.setswitchinterval(interval)
+        future.result(timeout=60)
+    return written
+
+
+def test_stagger_job_runs_while_another_thread_holds_the_gil(threads):
+    """From its flags to its end the job needs no GIL: it finishes while the launching thread runs pure Python
+    without a pause, as the engine's main thread does between two steps. A job that goes back to Python after
+    its wait (as the staggered job did before it was one call) does not."""
+    from apex_compile.ops.cpu_attention import stagger_cpu_job, wait_host_flags
+
+    torch.set_num_threads(1)
+    caches, staged, meta = stagger_job_case(4)
+    keys, values = [k for k, _ in caches], [v for _, v in caches]
+
+    def fresh():
+        return torch.full(staged.shape[:2] + (4, staged.shape[3]), float("nan")), torch.zeros(1, dtype=torch.int64)
+
+    out, flags = fresh()
+
+    def one_call():
+        stagger_cpu_job(staged, keys, values, *meta.values(), None, 4, 0.3, out, flags, (1,))
+
+    assert written_while_python_holds_the_gil(one_call, out, flags)
+    assert not torch.isnan(out).any()
+    caches, staged, meta = stagger_job_case(4)
+    keys, values = [k for k, _ in caches], [v for _, v in caches]
+    out, flags = fresh()
+
+    def back_in_python():
+        wait_host_flags(flags, (1,))
+        stagger_cpu_job(staged, keys, values, *meta.values(), None, 4, 0.3, out)
+
+    assert not written_while_python_holds_the_gil(back_in_python, out, flags)
+
+
+def test_wait_host_flags_times_out_with_a_clear_error():
+    from apex_compile.ops.cpu_attention import wait_host_flags
+
+    with pytest.raises(RuntimeError, match="never completed"):
+        wait_host_flags(torch.zeros(1, dtype=torch.int64), [1], timeout_s=0.05)
+    assert wait_host_flags(torch.tensor([4, 9]), [4, 2]) >= 0.0

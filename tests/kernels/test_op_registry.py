@@ -23,10 +23,13 @@ EXPECTED_KERNELS = {
     "paged_attention_cpu": {"CPU"},
     "cache_append_cpu_multi": {"CPU"},
     "paged_attention_cpu_multi": {"CPU"},
+    "stagger_cpu_job": {"CPU"},
+    "wait_host_flags": {"CPU"},
     "cpu_isa_code": {"CompositeExplicitAutograd"},
     "cpu_attention_work_split": {"CompositeExplicitAutograd"},
     "cache_append_gpu": {"CPU", "CUDA"},
     "paged_attention_gpu": {"CPU", "CUDA"},
+    "paged_decode_append_gpu": {"CPU", "CUDA"},
     "paged_prefill_attention_gpu": {"CPU", "CUDA"},
     "rms_norm": {"CPU", "CUDA"},
     "silu_mul": {"CPU", "CUDA"},
@@ -83,8 +86,28 @@ def decode_multi_args():
             context_lens)
 
 
+def stagger_job_args():
+    """Two layers x two rows staged (q, k, v heads side by side), three of the rows holding a request."""
+    keys, values, block_tables, context_lens = multi_caches()
+    staged = torch.randn(2, 2, HEADS + 2 * KV_HEADS, DIM)
+    rows = torch.tensor([0, 1, 3])
+    return (staged, keys, values, torch.tensor([0, 0, 1], dtype=torch.int32), block_tables[[0, 1, 0]],
+            torch.tensor([20, 7, 5], dtype=torch.int32), torch.tensor([19, 54, 4]), rows, HEADS, 0.3,
+            torch.zeros(2, 2, HEADS, DIM), torch.tensor([3, 1]), [2, 1], 1.0, torch.zeros(2, dtype=torch.float64))
+
+
 def decode_args():
     return (torch.randn(2, HEADS, DIM), *paged_inputs())
+
+
+def decode_append_args():
+    """Two sequences' current tokens (strided key/value of one projection output) at their last slots, and a
+    padding row (slot -1, context 1)."""
+    key_cache, value_cache, block_tables, context_lens = paged_inputs()
+    qkv = torch.randn(3, HEADS + 2 * KV_HEADS, DIM)
+    return (qkv[:, :HEADS], qkv[:, HEADS:HEADS + KV_HEADS], qkv[:, HEADS + KV_HEADS:], key_cache, value_cache,
+            torch.tensor([35, 54, -1]), torch.cat([block_tables, torch.zeros_like(block_tables[:1])]),
+            torch.cat([context_lens, torch.ones_like(context_lens[:1])]))
 
 
 def prefill_args():
@@ -104,8 +127,11 @@ CASES = [
     ("paged_attention_cpu", decode_args, {"scale": 0.3}),
     ("cache_append_cpu_multi", append_multi_args, {}),
     ("paged_attention_cpu_multi", decode_multi_args, {"scale": 0.3}),
+    ("stagger_cpu_job", stagger_job_args, {}),
+    ("wait_host_flags", lambda: (torch.tensor([3, 1]), [2, 1], 1.0), {}),
     ("cache_append_gpu", append_args, {}),
     ("paged_attention_gpu", decode_args, {"scale": None, "max_context_len": 32}),
+    ("paged_decode_append_gpu", decode_append_args, {"scale": 0.3, "max_context_len": 32}),
     ("paged_prefill_attention_gpu", prefill_args, {"max_query_len": 3}),
     ("rms_norm", lambda: (torch.randn(3, 32), torch.randn(32), 1e-6), {}),
     ("rms_norm", lambda: (torch.randn(3, 32), torch.randn(32), 1e-6, torch.randn(3, 32)), {}),
@@ -216,6 +242,30 @@ def test_mutating_append_under_torch_compile(backend):
         out = compiled(query, key[:2], value[:2], key_cache, value_cache, slots)
     torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
     assert torch.equal(key_cache, eager_caches[0]) and torch.equal(value_cache, eager_caches[1])
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_fused_decode_append_under_torch_compile(backend):
+    """paged_decode_append_gpu's mutation of the caches survives functionalization and the compiled step (strided
+    views of one projection output in, as the engine passes them) equals eager."""
+    query, key, value, key_cache, value_cache, slots, block_tables, context_lens = decode_append_args()
+    qkv = torch.cat([query, key, value], dim=1)
+
+    def step(qkv, key_cache, value_cache):
+        q, k, v = qkv.split([HEADS, KV_HEADS, KV_HEADS], dim=1)
+        out = torch.ops.apex.paged_decode_append_gpu(q, k, v, key_cache, value_cache, slots, block_tables,
+                                                     context_lens)
+        return out * 2
+
+    eager_caches = key_cache.clone(), value_cache.clone()
+    expected = step(qkv, *eager_caches)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        out = compiled(qkv, key_cache, value_cache)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(key_cache, eager_caches[0]) and torch.equal(value_cache, eager_caches[1])
+    assert not torch.equal(key_cache, paged_inputs()[0]), "the current tokens were not appended"
 
 
 def test_importing_apex_compile_registers_every_op():

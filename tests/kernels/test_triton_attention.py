@@ -1,6 +1,6 @@
-"""GPU paged KV cache ops: allocate_kv_cache_gpu, apex::cache_append_gpu, apex::paged_attention_gpu (decode)
-and apex::paged_prefill_attention_gpu, against float64 references that decode the layout of notes/CONVENTIONS.md
-independently of the kernels.
+"""GPU paged KV cache ops: allocate_kv_cache_gpu, apex::cache_append_gpu, apex::paged_attention_gpu (decode),
+apex::paged_decode_append_gpu (decode fused with the append) and apex::paged_prefill_attention_gpu, against
+float64 references that decode the layout of notes/CONVENTIONS.md independently of the kernels.
 
 The "cpu" device runs the torch/C++ CPU path in a normal session and the Triton interpreter when
 TRITON_INTERPRET=1 (tests/kernels/test_triton_interpreter.py runs this file that way in a subprocess).
@@ -10,17 +10,22 @@ Caches are filled with NaN before any append, so a kernel that reads an unwritte
 import pytest
 import torch
 
+from apex_compile.kernels import paged_attention
 from apex_compile.kernels.paged_attention import (
     allocate_kv_cache_gpu,
     DECODE_BLOCK_T,
     DECODE_BLOCK_T_SMALL_GRID,
     PROGRAMS_PER_SM,
+    cache_append_launch,
     decode_chunk,
     decode_split_plan,
+    paged_decode_append_launch,
     paged_decode_launch,
+    reserve_decode_counters,
 )
 from apex_compile.kernels.prefill_attention import paged_prefill_launch
 from apex_compile.ops import cache_append_gpu, paged_attention_gpu, paged_prefill_attention_gpu
+from apex_compile.ops.gpu_attention import paged_decode_append_gpu
 
 from tests.devices import CUDA_ONLY, DEVICES, INTERPRET, TRITON_DEVICES, not_interpreted
 from tests.helpers import assert_rel_close
@@ -309,6 +314,235 @@ def test_decode_rejects_bad_inputs(device):
     if device == "cpu":  # data-dependent checks are made on CPU tensors only (no device sync on CUDA)
         with pytest.raises((ValueError, RuntimeError)):
             paged_attention_gpu(query, *args, torch.tensor([5, 0], dtype=torch.int32))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# decode fused with the append of the current token, and the in-kernel merge of splits
+
+
+def slot_of(block_tables, seq, position, block_size):
+    """The slot of token `position` of sequence `seq`."""
+    return int(block_tables[seq, position // block_size]) * block_size + position % block_size
+
+
+class AppendCase:
+    """A PagedBatch whose last token per sequence is not cached yet (its slot is NaN again) but given as the
+    key/value rows of a fused [rows, Hq + 2 * Hkv, D] projection output, as the engine passes them; plus
+    `padding` rows of context 1 with slot -1 (their block-table rows point at block 0, which they must not
+    touch). `expected_caches`: the caches after the append (every real token written, by `write_sequence`)."""
+
+    def __init__(self, lens, num_kv_heads, group, head_dim, block_size, dtype, device, padding=0,
+                 extra_table_columns=1):
+        self.batch = batch = PagedBatch(lens, num_kv_heads, head_dim, block_size, dtype, device,
+                                        extra_table_columns=extra_table_columns)
+        self.expected_caches = batch.key_cache.clone(), batch.value_cache.clone()
+        num_heads, rows = num_kv_heads * group, len(lens) + padding
+        self.qkv = torch.randn(rows, num_heads + 2 * num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.query = self.qkv[:, :num_heads]
+        self.key = self.qkv[:, num_heads:num_heads + num_kv_heads]
+        self.value = self.qkv[:, num_heads + num_kv_heads:]
+        slots = []
+        panels = batch.key_cache.view(batch.key_cache.shape[0], num_kv_heads, block_size // 16, head_dim, 16)
+        for seq, n in enumerate(lens):
+            self.key[seq] = batch.keys[seq][-1].to(dtype)
+            self.value[seq] = batch.values[seq][-1].to(dtype)
+            block, t = divmod(slot_of(batch.block_tables, seq, n - 1, block_size), block_size)
+            panels[block, :, t // 16, :, t % 16] = float("nan")
+            batch.value_cache[block, :, t, :] = float("nan")
+            slots.append(block * block_size + t)
+        self.slot_mapping = torch.tensor(slots + [-1] * padding, dtype=torch.int64, device=device)
+        self.block_tables = torch.cat([batch.block_tables, torch.zeros_like(batch.block_tables[:padding])])
+        self.context_lens = torch.tensor(list(lens) + [1] * padding, dtype=torch.int32, device=device)
+        self.args = (self.query, self.key, self.value, batch.key_cache, batch.value_cache, self.slot_mapping,
+                     self.block_tables, self.context_lens)
+
+    def reference(self, scale):
+        """float64 attention of every row over its whole context (padding rows: their own value rows)."""
+        real = len(self.batch.context_lens)
+        group = self.query.shape[1] // self.key.shape[1]
+        padding = self.value[real:].double().cpu().repeat_interleave(group, dim=1)
+        return torch.cat([decode_reference(self.query[:real], self.batch, scale), padding])
+
+    def assert_caches_appended(self):
+        """The caches hold every real token at its slot and nothing else changed (spare blocks stay NaN)."""
+        for got, expected in zip((self.batch.key_cache, self.batch.value_cache), self.expected_caches):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+
+
+def launch_both(case, **launch):
+    """(decode after a separate append, fused decode + append) on the case's inputs, by the kernel launches."""
+    split_caches = case.batch.key_cache.clone(), case.batch.value_cache.clone()
+    cache_append_launch(case.key, case.value, *split_caches, case.slot_mapping)
+    plain = paged_decode_launch(case.query, *split_caches, case.block_tables, case.context_lens, **launch)
+    fused = paged_decode_append_launch(*case.args, **launch)
+    return plain, fused
+
+
+def assert_counters_zero(device):
+    assert not reserve_decode_counters(device, 0).any(), "a split counter was left non-zero"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 4])
+def test_decode_append_matches_reference_and_appends(device, dtype, group):
+    """Ragged contexts (1, a block, one past it, a long one that splits) plus padding rows: the fused op equals
+    the float64 reference, writes each current token at its slot and nothing else."""
+    lens = [1, 16, 17, 300] if device == "cpu" else [1, 16, 17, 300, 1000, 4099]
+    case = AppendCase(lens, 2, group, 32, 16, dtype, device, padding=2)
+    out = paged_decode_append_gpu(*case.args)
+    assert out.shape == case.query.shape and out.dtype == dtype
+    assert_rel_close(out, case.reference(32 ** -0.5), tolerance(dtype, device), "fused decode")
+    case.assert_caches_appended()
+    assert torch.isfinite(out[len(lens):]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_append_scale_and_block_size(device):
+    case = AppendCase([31, 32, 33, 95], 1, 3, 80, 32, torch.float32, device)
+    out = paged_decode_append_gpu(*case.args, scale=0.3)
+    assert_rel_close(out, case.reference(0.3), 1e-5, "fused decode")
+    case.assert_caches_appended()
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens_per_split", [64, 128])
+def test_forced_splits_merge_in_kernel(device, dtype, tokens_per_split):
+    """Forced split sizes: rows using one split, several, and one whose current token starts a split of its own
+    (context 129 with 64 or 128 tokens per split); both ops, the in-kernel merge and the merge kernel agree with
+    the reference, twice in a row, and the counters are back to zero."""
+    case = AppendCase([1, 70, 129, 300], 2, 3, 64, 16, dtype, device)
+    ref = case.reference(64 ** -0.5)
+    for merge_kernel in (False, True):
+        for attempt in range(2):
+            plain, fused = launch_both(case, tokens_per_split=tokens_per_split, merge_kernel=merge_kernel)
+            for name, out in (("decode", plain), ("fused decode", fused)):
+                assert_rel_close(out, ref, tolerance(dtype, device),
+                                 f"{name}, merge_kernel={merge_kernel}, launch {attempt}")
+            assert_counters_zero(device)
+    case.assert_caches_appended()
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_splits_planned_for_table_capacity(device):
+    """A launch planned for a large block table (the CUDA-graph case): short rows use one split and write their
+    output directly, the long one merges several; the same launch twice leaves the counters at zero."""
+    lens = [1, 20, 70, 600] if device == "cpu" else [1, 20, 70, 600, 3000]
+    case = AppendCase(lens, 2, 2, 32, 16, torch.float32, device, padding=1, extra_table_columns=30)
+    splits, _ = decode_split_plan(len(lens) + 1, 2, case.block_tables.shape[1] * 16, case.query.device)
+    assert splits > 1
+    ref = case.reference(32 ** -0.5)
+    for attempt in range(2):
+        plain, fused = launch_both(case)
+        assert_rel_close(plain[:len(lens)], ref[:len(lens)], 1e-5, f"decode, launch {attempt}")
+        assert_rel_close(fused, ref, 1e-5, f"fused decode, launch {attempt}")
+        assert_counters_zero(device)
+    case.assert_caches_appended()
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_capture_with_too_few_counters_uses_the_merge_kernel(device, monkeypatch):
+    """While a CUDA graph is being captured counters cannot grow: a launch that needs more than exist merges
+    with the separate kernel (same result) and leaves the counters alone; reserving then raises."""
+    case = AppendCase([40, 300], 2, 2, 32, 16, torch.float32, device)
+    ref = case.reference(32 ** -0.5)
+    counter_device = torch.device(device) if device == "cpu" else torch.device("cuda", torch.cuda.current_device())
+    too_few = torch.zeros(1, dtype=torch.int32, device=device)
+    monkeypatch.setattr(paged_attention, "_merge_counters", {counter_device: too_few})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    plain, fused = launch_both(case, tokens_per_split=128)
+    assert_rel_close(plain, ref, 1e-5, "decode")
+    assert_rel_close(fused, ref, 1e-5, "fused decode")
+    assert paged_attention._merge_counters[counter_device] is too_few and not too_few.any()
+    with pytest.raises(RuntimeError, match="captured"):
+        reserve_decode_counters(device, 4)
+    case.assert_caches_appended()
+
+
+def test_reserve_decode_counters_grows_and_keeps_old_buffers(monkeypatch):
+    monkeypatch.setattr(paged_attention, "_merge_counters", {})
+    monkeypatch.setattr(paged_attention, "_retired_merge_counters", [])
+    small = reserve_decode_counters("cpu", 3)
+    assert small.dtype == torch.int32 and small.numel() >= 3 and not small.any()
+    assert reserve_decode_counters("cpu", 2) is small
+    large = reserve_decode_counters("cpu", 100)
+    assert large.numel() >= 100 and not large.any()
+    assert paged_attention._retired_merge_counters == [small]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_append_rejects_bad_inputs(device):
+    case = AppendCase([5, 20], 2, 2, 16, 16, torch.float32, device)
+    query, key, value, key_cache, value_cache, slots, tables, lens = case.args
+    with pytest.raises((TypeError, RuntimeError)):
+        paged_decode_append_gpu(query, key.double(), value, key_cache, value_cache, slots, tables, lens)
+    with pytest.raises((ValueError, RuntimeError)):
+        paged_decode_append_gpu(query, key[:1], value[:1], key_cache, value_cache, slots[:1], tables, lens)
+    with pytest.raises((ValueError, RuntimeError)):
+        paged_decode_append_gpu(query, key, value, key_cache, value_cache, slots.int(), tables, lens)
+    if device == "cpu":  # data-dependent checks are made on CPU tensors only (no device sync on CUDA)
+        with pytest.raises(ValueError, match="slot of position"):
+            paged_decode_append_gpu(query, key, value, key_cache, value_cache, slots + 1, tables, lens)
+        with pytest.raises(ValueError, match="padding"):
+            paged_decode_append_gpu(query, key, value, key_cache, value_cache, torch.tensor([slots[0], -1]),
+                                    tables, lens)
+        with pytest.raises(IndexError):
+            paged_decode_append_gpu(query, key, value, key_cache, value_cache, slots + 10000, tables, lens)
+
+
+@pytest.mark.parametrize("device", CUDA_ONLY)
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(32, 8, 128), (32, 32, 128), (8, 1, 256)])
+def test_decode_append_cuda_model_layouts(device, block_size, num_heads, num_kv_heads, head_dim):
+    case = AppendCase([1, 17, 1000, 4099, 9000], num_kv_heads, num_heads // num_kv_heads, head_dim, block_size,
+                      torch.bfloat16, device, padding=3)
+    out = paged_decode_append_gpu(*case.args, max_context_len=9000)
+    assert_rel_close(out, case.reference(head_dim ** -0.5), 1e-2, "fused decode")
+    case.assert_caches_appended()
+    assert_counters_zero(device)
+
+
+@pytest.mark.parametrize("device", CUDA_ONLY)
+def test_in_kernel_merge_under_many_concurrent_splits(device):
+    """Thousands of splits finishing together, over a fresh query each launch: every in-kernel merge equals the
+    merge kernel's (a partial read before its store lands would show as a stale row of the previous launch)."""
+    lens = torch.randint(1000, 4000, (48,)).tolist()
+    batch = PagedBatch(lens, 8, 128, 16, torch.float32, device)
+    args = (batch.key_cache, batch.value_cache, batch.block_tables, batch.context_lens_tensor)
+    for attempt in range(20):
+        query = make_query(len(lens), 32, 128, torch.float32, device)
+        merged = paged_decode_launch(query, *args, tokens_per_split=64)
+        separate = paged_decode_launch(query, *args, tokens_per_split=64, merge_kernel=True)
+        assert_rel_close(merged, separate, 1e-5, f"launch {attempt}")
+    assert_counters_zero(device)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA")
+def test_decode_append_in_a_cuda_graph_planned_for_capacity():
+    """The engine's use: captured once for the table's capacity (several splits), replayed twice over new
+    tokens; every replay equals the reference and leaves the counters at zero."""
+    lens = [1, 70, 600, 2000]
+    case = AppendCase(lens, 8, 4, 128, 16, torch.bfloat16, "cuda", padding=2, extra_table_columns=200)
+    reserve_decode_counters("cuda", len(lens) * 8 + 16)
+    expected = case.reference(128 ** -0.5)
+    inputs = [t.clone() for t in case.args]
+    paged_decode_append_gpu(*inputs)  # warm-up (compilation) outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.apex.paged_decode_append_gpu(*inputs)
+    for _ in range(2):
+        for buffer, source in zip(inputs, case.args):
+            buffer.copy_(source)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_rel_close(out, expected, 1e-2, "graph replay")
+        assert_counters_zero("cuda")
+        for got, want in zip(inputs[3:5], case.expected_caches):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from apex_compile.runtime.context import attention_runner, get_attention_runner
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, CacheShape, KVManager
 from apex_compile.runtime.request import Request, SamplingParams
 from apex_compile.runtime.scheduler import ScheduledChunk
+from tests.devices import INTERPRET
 
 HQ, HKV, D, LAYERS = 4, 2, 32, 2
 
@@ -210,3 +211,40 @@ def test_context_installs_and_restores_the_runner():
         assert get_attention_runner() is runner
     with pytest.raises(RuntimeError):
         get_attention_runner()
+
+
+@pytest.mark.skipif(not INTERPRET, reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1 "
+                    "(test_triton_interpreter.py runs this file so)")
+def test_warm_up_compiles_every_decode_variant_and_writes_nothing(monkeypatch):
+    """compile_decode_variants launches the device pool's decode kernel in each variant a step may meet (fused
+    append or not x 64/128-token chunks x one split or several), reading block 0 and writing no cache slot."""
+    import apex_compile.kernels.paged_attention as kernels
+    from apex_compile.runtime.kv_manager import CacheShape
+
+    kv = KVManager(CacheShape(2, 2, 32, 16, torch.float32), 8, 0, torch.device("cpu"))
+    runner = PagedAttentionRunner(kv, torch.device("cpu"))
+    pool = kv.pools[DEVICE_POOL]
+    for cache in pool.key_caches + pool.value_caches:
+        cache.normal_()
+    before = [c.clone() for c in pool.key_caches + pool.value_caches]
+    monkeypatch.setattr(runner, "_device_is_cpu", False)
+    monkeypatch.setattr(pool, "device", torch.device("cuda"))  # a CUDA pool as far as the runner can tell
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    launched = set()
+    for name in ("paged_decode_launch", "paged_decode_append_launch"):
+        original = getattr(kernels, name)
+
+        def recording(*args, _name=name, _original=original, **kwargs):
+            table = args[6] if _name == "paged_decode_append_launch" else args[3]
+            splits = 1 if kwargs["tokens_per_split"] is None else -(-table.shape[1] * 16 // kwargs["tokens_per_split"])
+            launched.add((_name, kwargs["block_t"], splits > 1))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(kernels, name, recording)
+    import apex_compile.runtime.attention_runner as runner_module
+    monkeypatch.setattr(runner_module, "paged_decode_append_launch", kernels.paged_decode_append_launch)
+    runner.compile_decode_variants(num_heads=4)
+    assert launched == {(name, block_t, multi) for name in ("paged_decode_launch", "paged_decode_append_launch")
+                        for block_t in (kernels.DECODE_BLOCK_T, kernels.DECODE_BLOCK_T_SMALL_GRID)
+                        for multi in (False, True)}
+    assert all(torch.equal(b, c) for b, c in zip(before, pool.key_caches + pool.value_caches))

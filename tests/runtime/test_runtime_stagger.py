@@ -12,6 +12,7 @@ from apex_compile import ApexConfig, SamplingParams, optimize
 from apex_compile.passes import PassReport, PatternError
 from apex_compile.passes.partition_attention import partition_attention
 from apex_compile.passes.stagger import stagger_rows
+from apex_compile.ops.cpu_attention import wait_host_flags
 from apex_compile.runtime.stagger import AsyncJobs
 from tests.helpers import capture, count_calls, engine_step, tiny_model
 
@@ -86,22 +87,25 @@ def test_staggered_tokens_equal_hf_generate_with_a_full_pipeline(monkeypatch):
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 
-class ImmediateEvent:
-    def synchronize(self):
-        pass
-
-
 class ImmediateCopies:
-    """Copies that complete when issued (the order CUDA's one compute stream gives the engine's step)."""
+    """Copies that complete when issued (the order CUDA's one compute stream gives the engine's step): each
+    raises its ready counter at once."""
+
+    def __init__(self):
+        self.flags = torch.zeros(2, dtype=torch.int64)
+
+    def _raise(self, index):
+        self.flags[index] += 1
+        return index, int(self.flags[index])
 
     def stage(self, pairs):
         for dst, src in pairs:
             dst.copy_(src)
-        return ImmediateEvent()
+        return self._raise(0)
 
     def restore(self, dst, src):
         dst.copy_(src)
-        return ImmediateEvent()
+        return self._raise(1)
 
 
 def test_staggered_tokens_equal_hf_generate_with_the_worker_thread():
@@ -219,13 +223,13 @@ def test_aborting_one_pipeline_request_writes_nothing_into_its_freed_blocks(monk
     bs = engine.kv.block_size
     freed = set(engine.kv.tables[victim.request_id].block_ids)
     written = []
-    original = stagger_module.cache_append_cpu_multi
+    original = stagger_module.stagger_cpu_job
 
-    def recording(key, value, key_caches, value_caches, cache_index, slots):
+    def recording(staged, key_caches, value_caches, cache_index, block_tables, context_lens, slots, *args):
         written.extend(int(s) // bs for s in slots)
-        return original(key, value, key_caches, value_caches, cache_index, slots)
+        return original(staged, key_caches, value_caches, cache_index, block_tables, context_lens, slots, *args)
 
-    monkeypatch.setattr(stagger_module, "cache_append_cpu_multi", recording)
+    monkeypatch.setattr(stagger_module, "stagger_cpu_job", recording)
     assert engine.abort([victim.request_id]) == 1
     assert stagger.num_members == len(stagger.members())
     while engine.has_unfinished():
@@ -315,6 +319,31 @@ def test_the_row_limit_separates_the_jobs_fixed_cost_from_its_rows():
     averaged.observe_job(3.2e-3 + 0.36e-3, work=work_per_row)
     averaged.observe_step(6.3e-3)
     assert averaged.update(576) == 1
+
+
+def test_rows_are_taken_away_while_the_gpu_waits_for_the_cpu_job():
+    """A fit that flatters the CPU (its jobs ran faster than the jobs now do): the steps show the launching
+    thread waiting for the job, so a row goes per step until the waits stop, and comes back only after
+    REGROW_STEPS calm steps."""
+    from apex_compile.runtime.stagger import REGROW_STEPS, RowLimit
+
+    work_per_row = 32 * 576
+    rows = RowLimit(width=8, num_layers=32, adaptive=True)
+    for used in (2, 4, 6, 8):
+        rows.observe_job(0.5e-3 * used, work=used * work_per_row)  # 0.5 ms a row: 8 rows fit a 6 ms step
+    rows.observe_step(6e-3)
+    assert rows.update(576) == 8
+    seen = []
+    for _ in range(6):  # the job now takes 1.2 ms a row: the GPU waits for it
+        waited = max(1.2e-3 * rows.limit - 6e-3, 0.0)
+        rows.observe_step(6e-3, waited)
+        seen.append(rows.update(576))
+    assert seen == [7, 6, 5, 5, 5, 5]  # 5 rows of 1.2 ms fit the step: no wait, no further loss
+    for _ in range(REGROW_STEPS - 4):  # with the 3 calm steps above: one short of REGROW_STEPS
+        rows.observe_step(6e-3, 0.0)
+    assert rows.update(576) == 5
+    rows.observe_step(6e-3, 0.0)
+    assert rows.update(576) == 6  # a row comes back to try again
 
 
 def test_a_ceiling_of_zero_admits_nothing_and_lets_admitted_requests_finish():
@@ -419,34 +448,43 @@ def test_pass_needs_paged_attention():
         stagger_rows(gm, PassReport())
 
 
-class FakeEvent:
-    def __init__(self, future):
-        self.future = future
-
-    def synchronize(self):
-        self.future.result()
-
-
 class FakeCopies:
     """CPU stand-ins for the CUDA streams: staging copies run on one thread, copies back on another after
-    `restore_delay` seconds (a slow host-to-device copy), each reading its source when it runs."""
+    `restore_delay` seconds (a slow host-to-device copy), each reading its source when it runs and raising its
+    ready counter after it (as the GPU stream does behind its copies)."""
 
     def __init__(self, restore_delay):
         self.copy_stream = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         self.compute_stream = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         self.restore_delay = restore_delay
+        self.flags = torch.zeros(2, dtype=torch.int64)
+        self.issued = [0, 0]
+
+    def _issue(self, index):
+        self.issued[index] += 1
+        return index, self.issued[index]
 
     def stage(self, pairs):
+        index, value = self._issue(0)
+
         def run():
             for dst, src in pairs:
                 dst.copy_(src)
-        return FakeEvent(self.copy_stream.submit(run))
+            self.flags[index] = value
+
+        self.copy_stream.submit(run)
+        return index, value
 
     def restore(self, dst, src):
+        index, value = self._issue(1)
+
         def run():
             time.sleep(self.restore_delay)
             dst.copy_(src)
-        return FakeEvent(self.compute_stream.submit(run))
+            self.flags[index] = value
+
+        self.compute_stream.submit(run)
+        return index, value
 
     def flush(self):
         self.compute_stream.submit(lambda: None).result()
@@ -463,8 +501,10 @@ def run_jobs(jobs, copies, steps):
         delivered[step] = out
         q = torch.full((2, 3), float(step))
 
-        def job(q, k, v, out):
+        def job(q, k, v, out, ready_flags, ready_values):
+            waited = wait_host_flags(ready_flags, ready_values)
             out.copy_(q + 0.5)
+            return waited, 0.0
 
         jobs.launch(lane, job, [q, q.clone(), q.clone()], out)
     copies.flush()
@@ -484,11 +524,13 @@ def test_async_jobs_deliver_each_lane_result_at_its_next_turn():
 
 def test_output_buffer_is_not_rewritten_before_its_copy_back():
     """A lane's copy back is slow; its next job, launched right after, writes the same pinned buffer and must
-    wait for that copy (the guard event), else the delivery reads the newer result."""
+    wait for that copy (the guard: the copy's ready counter), else the delivery reads the newer result."""
     copies = FakeCopies(restore_delay=0.05)
     delivered = run_jobs(AsyncJobs(copies, pin_memory=False), copies, steps=6)
     wrong = [(step, out[0, 0].item()) for step, out in delivered.items() if not torch.all(out == expected(step))]
     assert not wrong
+
+
 def test_worker_threads_run_on_their_cores():
     from apex_compile.runtime.stagger import worker_cores
 
