@@ -23,6 +23,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from apex_compile.kernels import paged_attention as decode_kernels
 from apex_compile.kernels.paged_attention import paged_decode_append_launch
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, KVManager
 from apex_compile.runtime.scheduler import ScheduledChunk
@@ -123,9 +124,6 @@ class PagedAttentionRunner:
         pool = self.kv.pools[DEVICE_POOL]
         if self._device_is_cpu or pool.device.type != "cuda" or not pool.key_caches:
             return
-        from apex_compile.kernels.paged_attention import (DECODE_BLOCK_T, DECODE_BLOCK_T_SMALL_GRID,
-                                                           paged_decode_launch)
-
         key_cache, value_cache = pool.key_caches[0], pool.value_caches[0]
         _, num_kv_heads, block_size, head_dim = key_cache.shape
         options = dict(dtype=key_cache.dtype, device=key_cache.device)
@@ -133,14 +131,14 @@ class PagedAttentionRunner:
         key = value = torch.zeros(1, num_kv_heads, head_dim, **options)
         slots = torch.full((1,), -1, dtype=torch.int64, device=key_cache.device)
         context = torch.ones(1, dtype=torch.int32, device=key_cache.device)
-        for block_t in (DECODE_BLOCK_T, DECODE_BLOCK_T_SMALL_GRID):
+        for block_t in (decode_kernels.DECODE_BLOCK_T, decode_kernels.DECODE_BLOCK_T_SMALL_GRID):
             tables = torch.zeros(1, -(-2 * block_t // block_size), dtype=torch.int32, device=key_cache.device)
             for split in (None, block_t):  # one split (short table) / every chunk its own split
                 table = tables[:, :-(-block_t // block_size)] if split is None else tables
                 paged_decode_append_launch(query, key, value, key_cache, value_cache, slots, table, context,
                                            tokens_per_split=split, block_t=block_t)
-                paged_decode_launch(query, key_cache, value_cache, table, context, tokens_per_split=split,
-                                    block_t=block_t)
+                decode_kernels.paged_decode_launch(query, key_cache, value_cache, table, context,
+                                                   tokens_per_split=split, block_t=block_t)
         torch.cuda.synchronize(key_cache.device)
 
     def _attend(self, part: PoolPart, layer_idx: int, query: torch.Tensor, scale: float) -> torch.Tensor:
