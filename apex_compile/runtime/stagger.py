@@ -522,34 +522,31 @@ class SyncJobs:
 
 class CudaCopies:
     """The copies of `AsyncJobs` on CUDA, both on the compute stream (so the next step's writes to the staged
-    device buffers come after their copy out): inputs to pinned staging, outputs back. Each is followed on the
-    stream by a raise of a pinned counter (`flags`: 0 staged copies, 1 copies back) that a CPU job polls in C++
-    without the GIL; one stream completes its work in order, so a counter's value says every copy queued
-    before it is done. Each returns (flag index, value)."""
+    device buffers come after their copy out): inputs to pinned staging, outputs back. Each staging is followed
+    on the stream by a raise of a pinned counter (`flags`) that a CPU job polls in C++ without the GIL; one
+    stream completes its work in order, so the counter's value says every copy queued before it is done,
+    copies back included: a copy back is done once the next staging's raise is seen (no raise of its own in
+    the host gap before a step). Each returns (flag index, value)."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.flags = torch.zeros(2, dtype=torch.int64, pin_memory=True)
-        self._device_flags = torch.zeros(2, dtype=torch.int64, device=device)
-        self._raised = [0, 0]
-
-    def _raise(self, index: int) -> Tuple[int, int]:
-        self._raised[index] += 1
-        value = self._raised[index]
-        self._device_flags[index].fill_(value)
-        self.flags[index].copy_(self._device_flags[index], non_blocking=True)
-        return index, value
+        self.flags = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        self._device_flag = torch.zeros(1, dtype=torch.int64, device=device)
+        self._raised = 0
 
     def stage(self, pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[int, int]:
         """Copies each (pinned dst, device src) after the work queued so far."""
         for dst, src in pairs:
             dst.copy_(src, non_blocking=True)
-        return self._raise(0)
+        self._raised += 1
+        self._device_flag.fill_(self._raised)
+        self.flags.copy_(self._device_flag, non_blocking=True)
+        return 0, self._raised
 
     def restore(self, dst: torch.Tensor, src: torch.Tensor) -> Tuple[int, int]:
         """Copies the pinned `src` into the device `dst`."""
         dst.copy_(src, non_blocking=True)
-        return self._raise(1)
+        return 0, self._raised + 1  # the next staging comes after it on the stream
 
 
 def worker_cores(threads: Optional[int] = None) -> List[int]:
