@@ -37,6 +37,13 @@ class ApexConfig:
         last cores this process may use. None: all of them but one, left to the thread that launches GPU work.
     max_num_seqs: most requests in one step.
     max_num_batched_tokens: most tokens in one step (the chunked-prefill budget).
+    prefill_tokens_while_decoding: most prompt tokens a step takes into the device pool while requests decode
+        (Sarathi-Serve's stall-free batching): a decode step's GEMMs read every weight whatever its rows, so a
+        few hundred prompt tokens ride along almost free, and steps stay short and uniform, which keeps the
+        staggered plan's CPU job busy (it advances one layer per step, however long the step). A host-pool
+        prompt is still taken whole (a continued host chunk attends on the CPU). For a large
+        max_num_batched_tokens (whole host prompts): e.g. 256. None: no cap beyond max_num_batched_tokens (whose
+        default already keeps steps short; a small cap would slow the admission of a long-prompt batch).
     max_model_len: longest prompt + generation; None: the model's max_position_embeddings.
     preemption: what happens to a request evicted when its pool is full: "swap" (its blocks move to the other
         pool when it has room and is not running requests there; else recompute) or "recompute" (blocks freed,
@@ -66,6 +73,7 @@ class ApexConfig:
     offload: Union[str, float] = "auto"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    prefill_tokens_while_decoding: Optional[int] = None
     max_model_len: Optional[int] = None
     preemption: str = "swap"
     compile: bool = True
@@ -94,6 +102,10 @@ class ApexConfig:
             raise ValueError(f"ApexConfig.max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"ApexConfig.max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        cap = self.prefill_tokens_while_decoding
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"ApexConfig.prefill_tokens_while_decoding must be a positive number of tokens or None, "
+                             f"got {cap!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"ApexConfig.max_model_len must be >= 1, got {self.max_model_len}")
         if self.preemption not in PREEMPTION_MODES:

@@ -239,7 +239,8 @@ class ApexModel:
         lines.append("  offload: " + self.offload_decision())
         config = self.apex_config
         lines.append(f"  batching: max_num_seqs={config.max_num_seqs}, max_num_batched_tokens="
-                     f"{config.max_num_batched_tokens} (chunked prefill), preemption={config.preemption}")
+                     f"{config.max_num_batched_tokens} (chunked prefill), prefill_tokens_while_decoding="
+                     f"{config.prefill_tokens_while_decoding}, preemption={config.preemption}")
         if not self.apex_config.compile:
             lines.append("  compile: off (eager HF modules, attention routed to the paged runner)")
         elif not engine.reports:

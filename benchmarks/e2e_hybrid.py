@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_throughput import SHAPES, kv_bytes_per_token, random_llama, timed_generate, write_json  # noqa: E402
 
 from apex_compile import ApexConfig, SamplingParams, optimize  # noqa: E402
+from apex_compile.runtime import stagger as stagger_module  # noqa: E402
 from apex_compile.runtime.kv_manager import HOST_POOL  # noqa: E402
 from apex_compile.runtime.perf_model import PerfModel, StepCalibration  # noqa: E402
 from apex_compile.runtime.perf_profile import engine_profile  # noqa: E402
@@ -114,6 +115,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     ahead = engine.stats.ahead_steps - ahead  # the window's steps queued before the previous step's tokens
     window_phases = phases[-window_steps:] if window_steps else []
     decode_phases = [p for p, s in zip(window_phases, steps) if not s[4]]
+    prefill_phases = [p for p, s in zip(window_phases, steps) if s[4]]
     generated = engine.stats.generated_tokens - tokens
     slow = slow_steps(steps, window_phases, events[-window_steps:] if window_steps else [])
     probed = probe(lambda: one_step()[0]) if probe is not None else None
@@ -125,7 +127,9 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
             "steps": steps, "prefill": prefill,
             "probe": probed, "slow_decode_steps": slow,
             "decode_phase_s": {k: statistics.median(p[k] for p in decode_phases)
-                               for k in decode_phases[0]} if decode_phases else None}
+                               for k in decode_phases[0]} if decode_phases else None,
+            "prefill_phase_s": {k: statistics.median(p[k] for p in prefill_phases)
+                                for k in prefill_phases[0]} if prefill_phases else None}
 
 
 def _event_counts(engine) -> dict:
@@ -190,6 +194,7 @@ def run_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seq
     config = ApexConfig(offload=offload, stagger_width=width, gpu_cache_size=device_bytes,
                         cpu_attention_threads=args.cpu_threads,
                         cpu_cache_size=host_bytes, max_num_seqs=max_seqs, max_num_batched_tokens=2048,
+                        prefill_tokens_while_decoding=args.prefill_while_decoding,
                         max_model_len=len(prompts[0]) + new_tokens + 64)
     apex = optimize(model, config)
     engine = apex.engine
@@ -277,6 +282,12 @@ def main():
                         help="at most this many steps to fill the staggered pipeline before --warm-steps")
     parser.add_argument("--warm-steps", type=int, default=100, help="steps before the measured window")
     parser.add_argument("--window-steps", type=int, default=300)
+    parser.add_argument("--prefill-while-decoding", type=lambda v: None if v == "none" else int(v), default=256,
+                        help="prefill_tokens_while_decoding: prompt tokens a step that decodes takes into the device "
+                             "pool ('none': up to the 2048-token step budget, which whole host prompts need)")
+    parser.add_argument("--no-job-gate", action="store_true",
+                        help="the staggered CPU job starts as soon as its inputs arrive, not after the next forward is "
+                             "queued (apex_compile.runtime.stagger.GATE_JOBS off: an A/B of the gate)")
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="cpu_attention_threads of the staggered plan's CPU worker (default: all cores but one)")
     parser.add_argument("--hf-batch", type=int, default=0,
@@ -286,11 +297,15 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("e2e_hybrid.py needs a CUDA GPU")
+    if args.no_job_gate:
+        stagger_module.GATE_JOBS = False
     result = {"benchmark": "e2e_hybrid", "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "machine": {"gpu": torch.cuda.get_device_name(), "cpus": os.cpu_count(),
                           "torch": torch.__version__, "python": platform.python_version()},
               "args": vars(args), "rows": []}
     modes = args.modes.split(",")
+    print(f"prompt tokens a decoding step takes into the device pool: {args.prefill_while_decoding or 'no cap'} "
+          f"(step budget 2048)")
     print(f"{'shape':10} {'pool GiB':>8} {'reqs':>4} | " + " | ".join(f"{str(m):>16}" for m in modes)
           + " | ideal_gain  auto eff  model err")
     for shape_name in args.shapes.split(","):
@@ -335,9 +350,12 @@ def main():
                           "(slow vs other steps) " + ", ".join(f"{k} {a:.0%}/{b:.0%}"
                                                                for k, (a, b) in slow["event_rate"].items()),
                           flush=True)
-                if r.get("decode_phase_s"):
-                    print(f"   {shape_name} {gib:g} GiB {m} decode step, main thread: " + ", ".join(
-                        f"{k} {v * 1e3:.3f} ms" for k, v in r["decode_phase_s"].items()), flush=True)
+                for kind in ("decode", "prefill"):
+                    if r.get(f"{kind}_phase_s"):
+                        mixed = [s[3] for s in r["steps"] if bool(s[4]) == (kind == "prefill")]
+                        print(f"   {shape_name} {gib:g} GiB {m} {kind} steps ({len(mixed)}, median "
+                              f"{statistics.median(mixed) * 1e3:.2f} ms), main thread: " + ", ".join(
+                                  f"{k} {v * 1e3:.3f} ms" for k, v in r[f"{kind}_phase_s"].items()), flush=True)
                 partial = {"shape": shape_name, "device_gib": gib, "partial": True,
                            "modes": runs}
                 write_json(args.out, dict(result, rows=result["rows"] + [partial]))

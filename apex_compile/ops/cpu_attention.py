@@ -218,7 +218,8 @@ def stagger_cpu_job(staged: torch.Tensor, key_caches: List[torch.Tensor], value_
 def wait_host_flags(flags: torch.Tensor, values: Sequence[int], timeout_s: float = READY_TIMEOUT_S) -> float:
     """Blocks (releasing the GIL) until flags[i] >= values[i] for every i; returns the seconds waited. flags is
     a CPU int64 tensor of counters that only grow, raised by whoever finishes what they stand for (a GPU copy
-    into pinned memory queued after the guarded copies, another thread); raises RuntimeError after timeout_s."""
+    into pinned memory queued after the guarded copies, another thread); raises RuntimeError after timeout_s.
+    A negative value -v is soft: flags[i] >= v is waited for at most 30 ms (a hint when to start, not a guard)."""
     start = time.perf_counter()
     torch.ops.apex.wait_host_flags(flags, list(values), timeout_s)
     return time.perf_counter() - start

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from apex_compile.kernels import paged_attention as decode_kernels
-from apex_compile.kernels.paged_attention import paged_decode_append_launch
+from apex_compile.kernels.paged_attention import cache_append_launch, paged_decode_append_launch, paged_decode_launch
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, KVManager
 from apex_compile.runtime.scheduler import ScheduledChunk
 from apex_compile.runtime.step_buffers import PoolPart
@@ -59,21 +59,23 @@ class PagedAttentionRunner:
 
     def __init__(self, kv: KVManager, device: torch.device):
         from apex_compile.kernels._common import INTERPRET
-        from apex_compile.ops import cache_append_cpu, cache_append_gpu, paged_attention_cpu
+        from apex_compile.kernels.prefill_attention import paged_prefill_launch
+        from apex_compile.ops import cache_append_cpu, paged_attention_cpu
 
         self.kv = kv
         self.device = device
         # On a CPU-only run the device pool is host memory too; the GPU ops' CPU kernels are these same C++ ops
         # behind an op wrapper (~0.2 ms per layer), so call them directly unless Triton is interpreted.
         self._device_is_cpu = device.type == "cpu" and not INTERPRET
-        self._append = {DEVICE_POOL: cache_append_cpu if self._device_is_cpu else cache_append_gpu,
+        # The GPU kernels are launched directly, not through their torch ops: the engine builds valid tables
+        # (the public wrappers check them, with a sync), and a mixed step runs these eagerly between its graph
+        # pieces, where the dispatcher's ~20-40 us per call is host time on the step's critical path. The fused
+        # decode + append also writes into a given output (the staggered step's rows after its block).
+        self._append = {DEVICE_POOL: cache_append_cpu if self._device_is_cpu else cache_append_launch,
                         HOST_POOL: cache_append_cpu}
-        # Unchecked op entries: the engine builds valid tables (the public wrappers check them, with a sync).
-        # The fused decode + append is launched directly: it writes into a given output (the staggered step's
-        # rows after its block).
         self._decode_append = paged_decode_append_launch
-        self._paged_gpu = torch.ops.apex.paged_attention_gpu
-        self._prefill_gpu = torch.ops.apex.paged_prefill_attention_gpu
+        self._paged_gpu = paged_decode_launch
+        self._prefill_gpu = paged_prefill_launch
         self._paged_cpu = paged_attention_cpu
         self.parts: List[PoolPart] = []
         self.num_rows = 0

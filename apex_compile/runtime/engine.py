@@ -309,19 +309,22 @@ class Engine:
 
     def _update_stagger_ceiling(self) -> None:
         """offload="auto" with the staggered plan, before a step: the host rows per step that the (calibrated)
-        model predicts best beside the running device-pool requests; 0 when none beats GPU-only, so that no
-        request enters the pipeline (those inside finish). Recomputed when the composition changes."""
+        model predicts best beside the running device-pool requests, among the rows the measured CPU job fits;
+        0 when none beats GPU-only, so that no request enters the pipeline (those inside finish): a plan whose
+        job fits fewer rows than its overhead needs to pay stops taking requests. Recomputed when the
+        composition or the measured rows change."""
         running = self.scheduler.running
         if not running:
             return
+        stagger = self.stagger
         device = [r for r in running if self.kv.pool_of(r.request_id) == DEVICE_POOL]
         context = sum(r.num_tokens for r in running) / len(running)
-        key = (len(device), int(context) // 32, len(self.calibration.rows), self.calibration.stagger_width)
+        fits = min(stagger.width, stagger.rows.measured)
+        key = (len(device), int(context) // 32, len(self.calibration.rows), self.calibration.stagger_width, fits)
         if key == self._ceiling_key:
             return
         self._ceiling_key = key
-        stagger = self.stagger
-        stagger.rows.set_ceiling(self.auto_policy.stagger_rows(len(device), context, stagger.width))
+        stagger.rows.set_ceiling(self.auto_policy.stagger_rows(len(device), context, fits))
 
     def _auto_host_policy(self) -> Optional[AutoOffload]:
         """The auto policy if its model predicts that host requests pay for some typical load, else None (then
@@ -742,6 +745,8 @@ class Engine:
                 logit_rows.append(row - 1)
                 sampled.append(chunk.request)
         logits = self._forward_chunks(chunks, logit_rows, device_ids)
+        if self.stagger is not None:
+            self.stagger.forward_queued()  # the CPU job of the step before may start now
         pending = self.sampler.launch(logits, sampled) if sampled else None
         self._advance_pipeline()
         for _, request in staggered:

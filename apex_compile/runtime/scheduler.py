@@ -121,16 +121,30 @@ class Scheduler:
         if budget <= 0:
             return True
         request = self.waiting[0]
-        end = request.num_computed + min(request.num_tokens - request.num_computed, budget)
+        rest = request.num_tokens - request.num_computed
+        end = request.num_computed + min(rest, budget)
+        room = self._prefill_room()  # every running request decodes: the whole room is the first chunk's
 
         def full(pool: int) -> bool:
-            return self.kv.extra_blocks(request.request_id, end) > self.kv.num_free(pool)
+            last = end if pool == HOST_POOL or room is None else request.num_computed + min(rest, budget, room)
+            return self.kv.extra_blocks(request.request_id, last) > self.kv.num_free(pool)
 
         if self.stagger is not None:  # the host pool takes one only while the pipeline has a row for it
             return full(DEVICE_POOL) and self._pipeline_full()
         if len(self.run_pools) > 1:
             return False  # a policy picks the pool: leave it to the step
         return full(self.run_pools[0])
+
+    def _prefill_room(self) -> Optional[int]:
+        """Prompt tokens the device pool may take this step (`prefill_tokens_while_decoding`) while a running
+        request or the staggered pipeline decodes; None: no cap (nothing decodes, or no cap set)."""
+        cap = self.config.prefill_tokens_while_decoding
+        if cap is None:
+            return None
+        decoding = any(r.num_tokens - r.num_computed == 1 for r in self.running)
+        if decoding or (self.stagger is not None and self.stagger.num_members):
+            return cap
+        return None
 
     def _pipeline_full(self) -> bool:
         """Whether the staggered pipeline has no row left for another host request (members, and host-pool
@@ -183,15 +197,25 @@ class Scheduler:
         """Picks this step's chunks, evicting requests where pools are full."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        room = self._prefill_room()  # None: no cap on the device pool's prompt tokens this step
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_tokens = min(request.num_tokens - request.num_computed, budget)
+            rest = request.num_tokens - request.num_computed
+            num_tokens = min(rest, budget)
+            capped = room is not None and rest > 1 and self.kv.pool_of(request.request_id) == DEVICE_POOL
+            if capped:
+                num_tokens = min(num_tokens, room)
+                if num_tokens == 0:  # its next chunk waits for a step with room
+                    index += 1
+                    continue
             if not self._grow_evicting(request, index, num_tokens, out):
                 continue  # the request itself was evicted; the list shifted left
             pool = self.kv.pool_of(request.request_id)
             out.chunks.append(ScheduledChunk(request, request.num_computed, num_tokens, pool))
             budget -= num_tokens
+            if capped and pool == DEVICE_POOL:
+                room -= num_tokens
             index += 1
         while self.parked and len(self.running) < self.config.max_num_seqs and budget > 0:
             request = self.parked[0]
@@ -209,13 +233,20 @@ class Scheduler:
             out.resumed.append(request)
             out.chunks.append(ScheduledChunk(request, request.num_computed, num_tokens, pool))
             budget -= num_tokens
+        if room is None and self.running and self.config.prefill_tokens_while_decoding is not None:
+            room = self._prefill_room()  # a resumed request decodes now
         while (self.waiting and not self.parked and len(self.running) < self.config.max_num_seqs
-               and budget > 0):
+               and budget > 0 and (room is None or room > 0)):
             request = self.waiting[0]
             num_tokens = min(request.num_tokens - request.num_computed, budget)
-            pool = self._admit_pool(request, num_tokens)
+            device_tokens = num_tokens if room is None else min(num_tokens, room)
+            pool = self._admit_pool(request, num_tokens, device_tokens)
             if pool is None:
                 break
+            if pool == DEVICE_POOL:
+                num_tokens = device_tokens
+                if room is not None:
+                    room -= num_tokens
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -267,8 +298,9 @@ class Scheduler:
         out.recomputed.append(request)
         return False
 
-    def _admit_pool(self, request: Request, num_tokens: int) -> Optional[int]:
-        """Allocates the first chunk of a waiting request in the pool the offload policy picks; None if full.
+    def _admit_pool(self, request: Request, num_tokens: int, device_tokens: int) -> Optional[int]:
+        """Allocates the first chunk of a waiting request in the pool the offload policy picks (`num_tokens` in
+        the host pool, `device_tokens` in the device pool: its prompt cap); None if full.
 
         With a fraction, the pick keeps the host share of running requests at the fraction; when that pool is
         full the request waits rather than tipping the share (a pool too small for the whole request is never
@@ -277,23 +309,26 @@ class Scheduler:
         total = self.max_tokens(request)
         fitting = [p for p in self.run_pools if self.kv.pools[p].num_blocks * self.kv.block_size >= total]
         if self.stagger is not None:
-            return self._admit_staggered(request, num_tokens, fitting)
+            return self._admit_staggered(request, num_tokens, device_tokens, fitting)
         if self.host_policy is not None:
-            return self._admit_auto(request, num_tokens, fitting)
+            return self._admit_auto(request, num_tokens, device_tokens, fitting)
         pool = fitting[0]
         if len(fitting) == 2:
             on_host = sum(1 for r in self.running if self.kv.pool_of(r.request_id) == HOST_POOL)
             pool = HOST_POOL if on_host < self.host_fraction * (len(self.running) + 1) else DEVICE_POOL
         if pool == HOST_POOL and self._splits_host_prompt(request, num_tokens):
             return None
-        if self.kv.grow(request.request_id, pool, request.num_computed + num_tokens):
+        chunk = device_tokens if pool == DEVICE_POOL else num_tokens
+        if self.kv.grow(request.request_id, pool, request.num_computed + chunk):
             return pool
         return None
 
-    def _admit_auto(self, request: Request, num_tokens: int, fitting: List[int]) -> Optional[int]:
+    def _admit_auto(self, request: Request, num_tokens: int, device_tokens: int,
+                    fitting: List[int]) -> Optional[int]:
         """offload="auto": the device pool when it has room, else the host pool if the model says it pays."""
         end = request.num_computed + num_tokens
-        if DEVICE_POOL in fitting and self.kv.grow(request.request_id, DEVICE_POOL, end):
+        if DEVICE_POOL in fitting and self.kv.grow(request.request_id, DEVICE_POOL,
+                                                   request.num_computed + device_tokens):
             return DEVICE_POOL
         if HOST_POOL not in fitting or self._splits_host_prompt(request, num_tokens):
             return None
@@ -301,10 +336,12 @@ class Scheduler:
             return HOST_POOL
         return None
 
-    def _admit_staggered(self, request: Request, num_tokens: int, fitting: List[int]) -> Optional[int]:
+    def _admit_staggered(self, request: Request, num_tokens: int, device_tokens: int,
+                         fitting: List[int]) -> Optional[int]:
         """The staggered plan: the device pool when it has room, else the host pool while the pipeline has a
         row for the request, with blocks for its whole length (a pipeline request never waits for a block)."""
-        if DEVICE_POOL in fitting and self.kv.grow(request.request_id, DEVICE_POOL, request.num_computed + num_tokens):
+        if DEVICE_POOL in fitting and self.kv.grow(request.request_id, DEVICE_POOL,
+                                                   request.num_computed + device_tokens):
             return DEVICE_POOL
         if HOST_POOL not in fitting or self._splits_host_prompt(request, num_tokens):
             return None

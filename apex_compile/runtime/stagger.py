@@ -368,6 +368,11 @@ class StaggerPipeline:
         # requests already admitted still enter after the model's ceiling fell to 0 (one row per turn)
         return max(rows.limit, 1) if self.joining else rows.limit
 
+    def forward_queued(self) -> None:
+        """After every forward the engine queues: the CPU job launched after the step before starts now, not
+        while the launching thread still queues this one (it would slow that thread: notes item 33)."""
+        self.executor.forward_queued()
+
     def collect(self) -> None:
         """Just before a begun step's forward: the attention outputs its lane's CPU job computed during the step
         before go to the device (waiting for the job only here, where the GPU would wait for it)."""
@@ -512,12 +517,19 @@ class SyncJobs:
         else:
             out.copy_(result)
 
+    def forward_queued(self) -> None:
+        """Nothing waits for it here."""
+
     def drain(self) -> None:
         """Nothing runs in the background."""
 
     def close(self) -> None:
         self.results.clear()
         self.buffers.clear()
+
+
+# Whether a staggered CPU job waits (softly) for the launching thread to queue the next forward before it runs.
+GATE_JOBS = True
 
 
 class CudaCopies:
@@ -530,9 +542,12 @@ class CudaCopies:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.flags = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        # [0]: raised by the stream behind each staging; [1]: the forwards the launching thread has queued (the
+        # gate: a job starts once the next step is queued, so it never competes with that launch for the host)
+        self.flags = torch.zeros(2, dtype=torch.int64, pin_memory=True)
         self._device_flag = torch.zeros(1, dtype=torch.int64, device=device)
         self._raised = 0
+        self._forwards = 0
 
     def stage(self, pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[int, int]:
         """Copies each (pinned dst, device src) after the work queued so far."""
@@ -540,8 +555,18 @@ class CudaCopies:
             dst.copy_(src, non_blocking=True)
         self._raised += 1
         self._device_flag.fill_(self._raised)
-        self.flags.copy_(self._device_flag, non_blocking=True)
+        self.flags[:1].copy_(self._device_flag, non_blocking=True)
         return 0, self._raised
+
+    def gate(self) -> Tuple[int, int]:
+        """(flag, soft value) of a job launched now: start once the next forward is queued, or after 30 ms
+        (no wait when GATE_JOBS is off: an A/B switch for benchmarks)."""
+        return 1, -(self._forwards + 1) if GATE_JOBS else 0
+
+    def forward_queued(self) -> None:
+        """The launching thread queued a step's forward: jobs gated on it may start."""
+        self._forwards += 1
+        self.flags[1] = self._forwards
 
     def restore(self, dst: torch.Tensor, src: torch.Tensor) -> Tuple[int, int]:
         """Copies the pinned `src` into the device `dst`."""
@@ -613,6 +638,10 @@ class AsyncJobs:
         guard = self.guards.get(key)
         if guard is not None:
             values[guard[0]] = max(values[guard[0]], guard[1])
+        gate = getattr(self.copies, "gate", None)
+        if gate is not None:  # a soft wait: starts after the next forward is queued (launches stay uncontended)
+            flag, value = gate()
+            values[flag] = value
         out_buf = self._buffer("out", key, output)
         flags = self.copies.flags
 
@@ -621,6 +650,12 @@ class AsyncJobs:
                 self.job_seconds.append(job(*staged, out_buf, flags, tuple(values)))
 
         self.pending[key] = self.worker.submit(run)
+
+    def forward_queued(self) -> None:
+        """The launching thread queued a forward: a job waiting for that (`CudaCopies.gate`) may start."""
+        queued = getattr(self.copies, "forward_queued", None)
+        if queued is not None:
+            queued()
 
     def collect(self, key: int, out: torch.Tensor) -> None:
         future = self.pending.pop(key, None)

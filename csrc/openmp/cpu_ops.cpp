@@ -347,10 +347,15 @@ inline void cpu_relax() {
 #endif
 }
 
+// Longest wait for a soft flag (a negative value): a hint to start after something, not a guard.
+constexpr double kSoftWaitS = 0.03;
+
 // Waits until flags[i] >= values[i] for every i; returns the seconds waited. Each flag is a counter that only
 // grows, raised by another agent (a GPU copy into pinned memory, another thread) once what it guards is done;
 // it is read with acquire order, so what it guards is visible after. Spins for the first ~100 us (the common
 // wait is short and a wake-up would cost as much), then yields the core between polls. Raises after timeout_s.
+// A negative value -v is soft: flags[i] >= v is waited for at most kSoftWaitS (never raising), then the wait
+// goes on without it.
 double wait_flags(const at::Tensor& flags, at::IntArrayRef values, double timeout_s) {
   check_cpu(flags, "ready_flags");
   APEX_CHECK(flags.scalar_type() == at::kLong && flags.dim() == 1 && flags.is_contiguous() &&
@@ -361,16 +366,24 @@ double wait_flags(const at::Tensor& flags, at::IntArrayRef values, double timeou
   const auto start = clock::now();
   int64_t* counters = flags.data_ptr<int64_t>();
   for (size_t i = 0; i < values.size(); ++i) {
-    for (int64_t polls = 0; __atomic_load_n(counters + i, __ATOMIC_ACQUIRE) < values[i]; ++polls) {
+    const bool soft = values[i] < 0;
+    const int64_t target = soft ? -values[i] : values[i];
+    const auto begin = clock::now();
+    for (int64_t polls = 0; __atomic_load_n(counters + i, __ATOMIC_ACQUIRE) < target; ++polls) {
       if (polls < 20000) {
         cpu_relax();
         continue;
       }
       std::this_thread::yield();
-      if (polls % 1024 == 0 && std::chrono::duration<double>(clock::now() - start).count() > timeout_s) {
-        APEX_CHECK(false, "waited more than ", int64_t(timeout_s), " s for ready flag ", int64_t(i),
-                   " to reach ", values[i], " (it is ", __atomic_load_n(counters + i, __ATOMIC_ACQUIRE),
-                   "): the copies it stands for never completed");
+      if (polls % 256 == 0) {
+        const auto now = clock::now();
+        if (soft) {
+          if (std::chrono::duration<double>(now - begin).count() > kSoftWaitS) break;
+          continue;
+        }
+        APEX_CHECK(std::chrono::duration<double>(now - start).count() <= timeout_s, "waited more than ",
+                   int64_t(timeout_s), " s for ready flag ", int64_t(i), " to reach ", target, " (it is ",
+                   __atomic_load_n(counters + i, __ATOMIC_ACQUIRE), "): the copies it stands for never completed");
       }
     }
   }

@@ -254,3 +254,21 @@ def test_wait_host_flags_times_out_with_a_clear_error():
     with pytest.raises(RuntimeError, match="never completed"):
         wait_host_flags(torch.zeros(1, dtype=torch.int64), [1], timeout_s=0.05)
     assert wait_host_flags(torch.tensor([4, 9]), [4, 2]) >= 0.0
+
+
+def test_a_soft_flag_is_waited_for_a_bounded_time():
+    """A negative value is a soft wait (a hint when to start): it returns once the flag is raised, or after
+    ~30 ms without it, and never raises; the hard flags beside it are still waited for."""
+    import threading
+
+    from apex_compile.ops.cpu_attention import wait_host_flags
+
+    flags = torch.zeros(2, dtype=torch.int64)
+    waited = wait_host_flags(flags, [0, -1], timeout_s=0.01)  # never raised: gives up after ~30 ms
+    assert 0.02 <= waited < 1.0
+    flags[1] = 1
+    assert wait_host_flags(flags, [0, -1], timeout_s=0.01) < 0.02  # raised: no wait
+    raise_later = threading.Timer(0.1, lambda: flags.__setitem__(0, 3))
+    raise_later.start()
+    assert wait_host_flags(flags, [3, -5], timeout_s=5.0) >= 0.09  # the hard flag still holds it
+    raise_later.join()

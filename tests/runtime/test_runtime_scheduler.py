@@ -91,6 +91,74 @@ def test_decode_tokens_go_first_and_new_prompts_share_the_budget():
     assert [(c.request, c.num_tokens) for c in plan.chunks] == [(first, 1), (second, 19)]
 
 
+def advance(sched, plan):
+    """What the engine does after a step: tokens computed, a token sampled where the chunk samples."""
+    for chunk in plan.chunks:
+        chunk.request.num_computed += chunk.num_tokens
+        if chunk.samples:
+            chunk.request.output_token_ids.append(0)
+            if len(chunk.request.output_token_ids) == chunk.request.sampling.max_new_tokens:
+                sched.finish(chunk.request, "length")
+
+
+def test_prompt_tokens_are_capped_while_requests_decode():
+    """prefill_tokens_while_decoding: a step with decoding rows takes at most that many prompt tokens into the
+    device pool (a running prompt's next chunk and new admissions share it); a step where nothing decodes
+    takes the whole budget; every request still finishes."""
+    sched, kv = make(60, 0, offload="never", max_num_batched_tokens=64, prefill_tokens_while_decoding=12)
+    first = add(sched, 0, 40, 6)
+    plan = sched.schedule()
+    assert [(c.request, c.num_tokens) for c in plan.chunks] == [(first, 40)]  # nothing decodes: no cap
+    advance(sched, plan)
+    second, third = add(sched, 1, 30, 3), add(sched, 2, 30, 3)
+    plan = sched.schedule()
+    assert [(c.request, c.num_tokens) for c in plan.chunks] == [(first, 1), (second, 12)]
+    advance(sched, plan)
+    plan = sched.schedule()  # the running prompt's chunk uses the room first; nothing left to admit the third
+    assert [(c.request, c.num_tokens) for c in plan.chunks] == [(first, 1), (second, 12)]
+    advance(sched, plan)
+    plan = sched.schedule()  # 6 left of the second prompt, 6 tokens of room for the third
+    assert [(c.request, c.num_tokens) for c in plan.chunks] == [(first, 1), (second, 6), (third, 6)]
+    advance(sched, plan)
+    _, shapes = drive(sched, kv)
+    assert all(sum(n for n, _ in step if n > 1) <= 12 for step in shapes if any(n == 1 for n, _ in step))
+    assert all(r.is_finished for r in (first, second, third)) and kv.num_used(DEVICE_POOL) == 0
+    uncapped, kv = make(60, 0, offload="never", max_num_batched_tokens=64)
+    runs = add(uncapped, 0, 40, 4)
+    advance(uncapped, uncapped.schedule())
+    add(uncapped, 1, 30, 3)
+    assert [c.num_tokens for c in uncapped.schedule().chunks] == [1, 30]
+
+
+def test_admits_nothing_knows_the_capped_first_chunk():
+    """A step queued ahead must not skip an admission: with the cap the first chunk of a prompt too long for
+    the device pool's free blocks fits them, so the next step admits it."""
+    sched, kv = make(5, 0, offload="never", max_num_batched_tokens=64, prefill_tokens_while_decoding=12)
+    first = add(sched, 0, 40, 6)
+    advance(sched, sched.schedule())  # 3 of 5 blocks held: 32 tokens free
+    waiting = add(sched, 1, 60, 2)
+    assert not sched.admits_nothing()
+    assert [(c.request, c.num_tokens) for c in sched.schedule().chunks] == [(first, 1), (waiting, 12)]
+
+
+def test_a_host_pool_prompt_is_taken_whole_past_the_prompt_cap():
+    """The cap is the device pool's: a host-pool prompt (a continued host chunk attends on the CPU) still runs
+    whole in a step that decodes, as long as the step's budget holds it."""
+    sched, kv = make(40, 40, offload="all", max_num_batched_tokens=32, prefill_tokens_while_decoding=4)
+    first = add(sched, 0, 20, 3)
+    second = add(sched, 1, 20, 3)
+    advance(sched, sched.schedule())
+    plan = sched.schedule()
+    assert [(c.request, c.num_tokens, c.pool) for c in plan.chunks] == [(first, 1, HOST_POOL),
+                                                                        (second, 20, HOST_POOL)]
+
+
+def test_the_prompt_cap_is_validated():
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="prefill_tokens_while_decoding"):
+            ApexConfig(prefill_tokens_while_decoding=bad)
+
+
 @pytest.mark.parametrize("offload,expected", [("never", (4, 0)), ("auto", (4, 0)), ("all", (0, 4)),
                                               (0.5, (2, 2)), (0.25, (3, 1))])
 def test_placement_follows_the_offload_mode(offload, expected):

@@ -382,6 +382,33 @@ def test_a_ceiling_of_zero_admits_nothing_and_lets_admitted_requests_finish():
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 
+def test_auto_ceiling_is_chosen_among_the_rows_the_cpu_job_fits():
+    """offload="auto": the model's rows are chosen among those the measured job fits, so a plan whose job fits
+    fewer rows than its overhead needs to pay gets a ceiling of 0 (no request enters the pipeline), where the
+    model alone would have asked for more rows than the CPU can serve."""
+    apex = staggered(sharp_model(), width="auto")
+    engine, stagger = apex.engine, apex.engine.stagger
+    asked = []
+
+    class Policy:  # pays from 3 rows on (the plan's overhead needs them)
+        def stagger_rows(self, gpu_requests, context, width):
+            asked.append(width)
+            return width if width >= 3 else 0
+
+    engine.auto_policy = Policy()
+    engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=2))
+    engine.scheduler.schedule()  # a running request: the ceiling is computed beside it
+    engine._update_stagger_ceiling()
+    assert asked[-1] == 8 and stagger.rows.ceiling == 8  # nothing measured yet: every row
+    stagger.rows.measured = 2
+    engine._update_stagger_ceiling()
+    assert asked[-1] == 2 and stagger.rows.ceiling == 0 and stagger.rows.update(0) == 0
+    stagger.rows.measured = 5
+    engine._update_stagger_ceiling()
+    assert stagger.rows.ceiling == 5
+    apex.close()
+
+
 def test_an_adaptive_pipeline_gives_hf_tokens():
     torch.manual_seed(7)
     model = sharp_model()
@@ -529,6 +556,55 @@ def test_output_buffer_is_not_rewritten_before_its_copy_back():
     delivered = run_jobs(AsyncJobs(copies, pin_memory=False), copies, steps=6)
     wrong = [(step, out[0, 0].item()) for step, out in delivered.items() if not torch.all(out == expected(step))]
     assert not wrong
+
+
+class GatedCopies(FakeCopies):
+    """FakeCopies with CudaCopies' gate: flag 2 counts the forwards queued."""
+
+    def __init__(self):
+        super().__init__(0.0)
+        self.flags = torch.zeros(3, dtype=torch.int64)
+        self.forwards = 0
+
+    def gate(self):
+        return 2, -(self.forwards + 1)
+
+    def forward_queued(self):
+        self.forwards += 1
+        self.flags[2] = self.forwards
+
+
+def test_a_job_starts_once_the_next_forward_is_queued():
+    """The gate: a CPU job launched after step N's forward waits (softly, at most ~30 ms) until the launching
+    thread has queued step N + 1's, so it never competes with that launch for the host; without the call it
+    starts after the soft limit, so a stalled engine never hangs on it."""
+    copies = GatedCopies()
+    jobs = AsyncJobs(copies, pin_memory=False, threads=1)
+    started = []
+
+    def job(q, out, ready_flags, ready_values):
+        waited = wait_host_flags(ready_flags, ready_values)
+        started.append(time.perf_counter())
+        out.copy_(q)
+        return waited, 0.0
+
+    q = torch.ones(2, 3)
+    jobs.launch(0, job, [q], q)
+    time.sleep(0.01)
+    assert not started  # its inputs are there, the next forward is not
+    queued = time.perf_counter()
+    jobs.forward_queued()
+    out = torch.zeros(2, 3)
+    jobs.collect(0, out)
+    copies.flush()
+    assert started and started[0] >= queued and torch.equal(out, q)
+    jobs.launch(1, job, [q], q)  # no forward follows: it starts after the soft limit anyway
+    out = torch.zeros(2, 3)
+    jobs.collect(1, out)
+    copies.flush()
+    assert len(started) == 2 and torch.equal(out, q)
+    assert jobs.job_seconds[-1][0] >= 0.02
+    jobs.close()
 
 
 def test_worker_threads_run_on_their_cores():
