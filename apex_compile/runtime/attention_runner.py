@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from apex_compile.kernels import paged_attention as decode_kernels
 from apex_compile.kernels.paged_attention import cache_append_launch, paged_decode_append_launch, paged_decode_launch
+from apex_compile.kernels.prefill_attention import paged_prefill_launch
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, KVManager
 from apex_compile.runtime.scheduler import ScheduledChunk
 from apex_compile.runtime.step_buffers import PoolPart
@@ -59,7 +60,6 @@ class PagedAttentionRunner:
 
     def __init__(self, kv: KVManager, device: torch.device):
         from apex_compile.kernels._common import INTERPRET
-        from apex_compile.kernels.prefill_attention import paged_prefill_launch
         from apex_compile.ops import cache_append_cpu, paged_attention_cpu
 
         self.kv = kv
@@ -139,8 +139,8 @@ class PagedAttentionRunner:
                 table = tables[:, :-(-block_t // block_size)] if split is None else tables
                 paged_decode_append_launch(query, key, value, key_cache, value_cache, slots, table, context,
                                            tokens_per_split=split, block_t=block_t)
-                decode_kernels.paged_decode_launch(query, key_cache, value_cache, table, context,
-                                                   tokens_per_split=split, block_t=block_t)
+                paged_decode_launch(query, key_cache, value_cache, table, context, tokens_per_split=split,
+                                    block_t=block_t)
         torch.cuda.synchronize(key_cache.device)
 
     def _attend(self, part: PoolPart, layer_idx: int, query: torch.Tensor, scale: float) -> torch.Tensor:

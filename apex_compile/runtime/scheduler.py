@@ -233,7 +233,7 @@ class Scheduler:
             out.resumed.append(request)
             out.chunks.append(ScheduledChunk(request, request.num_computed, num_tokens, pool))
             budget -= num_tokens
-        if room is None and self.running and self.config.prefill_tokens_while_decoding is not None:
+        if room is None:
             room = self._prefill_room()  # a resumed request decodes now
         while (self.waiting and not self.parked and len(self.running) < self.config.max_num_seqs
                and budget > 0 and (room is None or room > 0)):

@@ -561,7 +561,7 @@ class CudaCopies:
     def gate(self) -> Tuple[int, int]:
         """(flag, soft value) of a job launched now: start once the next forward is queued, or after 30 ms
         (no wait when GATE_JOBS is off: an A/B switch for benchmarks)."""
-        return 1, -(self._forwards + 1) if GATE_JOBS else 0
+        return 1, (-(self._forwards + 1) if GATE_JOBS else 0)
 
     def forward_queued(self) -> None:
         """The launching thread queued a step's forward: jobs gated on it may start."""
