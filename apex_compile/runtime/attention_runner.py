@@ -69,7 +69,7 @@ class PagedAttentionRunner:
         self._device_is_cpu = device.type == "cpu" and not INTERPRET
         # The GPU kernels are launched directly, not through their torch ops: the engine builds valid tables
         # (the public wrappers check them, with a sync), and a mixed step runs these eagerly between its graph
-        # pieces, where the dispatcher's ~20-40 us per call is host time on the step's critical path. The fused
+        # pieces, where the dispatcher's hop per call is host time on the step's critical path. The fused
         # decode + append also writes into a given output (the staggered step's rows after its block).
         self._append = {DEVICE_POOL: cache_append_cpu if self._device_is_cpu else cache_append_launch,
                         HOST_POOL: cache_append_cpu}
