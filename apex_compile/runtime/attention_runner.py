@@ -139,8 +139,8 @@ class PagedAttentionRunner:
                 table = tables[:, :-(-block_t // block_size)] if split is None else tables
                 paged_decode_append_launch(query, key, value, key_cache, value_cache, slots, table, context,
                                            tokens_per_split=split, block_t=block_t)
-                paged_decode_launch(query, key_cache, value_cache, table, context, tokens_per_split=split,
-                                    block_t=block_t)
+                decode_kernels.paged_decode_launch(query, key_cache, value_cache, table, context,
+                                                   tokens_per_split=split, block_t=block_t)
         torch.cuda.synchronize(key_cache.device)
 
     def _attend(self, part: PoolPart, layer_idx: int, query: torch.Tensor, scale: float) -> torch.Tensor:
