@@ -137,10 +137,11 @@ class DenseCausalRunner:
         scores = scores.masked_fill(~visible, -math.inf)
         return torch.einsum("hts,shd->thd", scores.softmax(-1), values)
 
-    def attention(self, layer_idx, query, key, value, scale):
+    def attention(self, layer_idx, query, key, value, scale, out=None):
         self.calls.append(("attention", layer_idx))
         start = self._append(layer_idx, key, value)
-        return self._attend(layer_idx, query, start, slice(None), scale)
+        result = self._attend(layer_idx, query, start, slice(None), scale)
+        return result if out is None else out.copy_(result)
 
     def offload_launch(self, layer_idx, query, key, value, scale):
         self.calls.append(("offload_launch", layer_idx))

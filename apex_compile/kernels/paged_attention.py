@@ -34,6 +34,8 @@ capacity, as a CUDA graph is, still spreads every context over the GPU.
 On CUDA, data-dependent checks are not made (they would synchronise): a zero context gives NaN rows, and
 cache_append_gpu ignores slots outside [0, num_blocks * block_size). On CPU tensors (interpreter) both raise.
 """
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -566,15 +568,26 @@ def check_decode_append_inputs(query, key, value, key_cache, value_cache, slot_m
     return num_kv_heads, group, block_size, head_dim
 
 
+def output_for(query: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+    """A launcher's output: `out` when given (checked: a contiguous tensor shaped and typed like query, on its
+    device), else a new one."""
+    if out is None:
+        return torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {query.dtype} tensor of shape {tuple(query.shape)} on "
+                         f"{query.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+    return out
+
+
 def paged_decode_launch(query, key_cache, value_cache, block_tables, context_lens, scale=None,
                         max_context_len=None, tokens_per_split=None, block_t=None,
-                        num_warps=None, num_stages=DECODE_NUM_STAGES, merge_kernel=False) -> torch.Tensor:
+                        num_warps=None, num_stages=DECODE_NUM_STAGES, merge_kernel=False, out=None) -> torch.Tensor:
     """Runs the Triton decode kernel; `tokens_per_split` / `block_t` force a split size / chunk, `merge_kernel`
     the separate merge launch (tests, benchmarks; default: `decode_chunk`, `decode_split_plan`, in-kernel
-    merge)."""
+    merge); out: as `paged_decode_append_launch`'s."""
     geometry = check_attention_inputs(query, key_cache, value_cache, block_tables, context_lens)
     return _decode_launch(query, None, key_cache, value_cache, block_tables, context_lens, geometry, scale,
-                          max_context_len, tokens_per_split, block_t, num_warps, num_stages, merge_kernel)
+                          max_context_len, tokens_per_split, block_t, num_warps, num_stages, merge_kernel, out)
 
 
 def paged_decode_append_launch(query, key, value, key_cache, value_cache, slot_mapping, block_tables, context_lens,
@@ -600,11 +613,7 @@ def _decode_launch(query, current, key_cache, value_cache, block_tables, context
     """The decode launch of validated inputs; `current`: None, or the (key, value, slot_mapping) to append."""
     num_kv_heads, group, block_size, head_dim = geometry
     num_seqs, num_heads = query.shape[0], query.shape[1]
-    if out is None:
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    elif out.shape != query.shape or out.dtype != query.dtype or out.device != query.device or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {query.dtype} tensor of shape {tuple(query.shape)} on "
-                         f"{query.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+    out = output_for(query, out)
     if num_seqs == 0:
         return out
     if query.stride(2) != 1:

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from apex_compile.kernels._common import UPCAST_DOT_OPERANDS, cdiv, dot_precision, next_pow2
-from apex_compile.kernels.paged_attention import LOG2E, attend_chunk, check_attention_inputs
+from apex_compile.kernels._common import UPCAST_DOT_OPERANDS, cdiv, dot_precision, next_pow2, sm_count
+from apex_compile.kernels.paged_attention import LOG2E, attend_chunk, check_attention_inputs, output_for
 
 
 @triton.jit(do_not_specialize=["stride_block_tables", "max_blocks_per_seq", "num_q_blocks"])
@@ -82,13 +82,18 @@ def _paged_prefill_kernel(
              mask=row_valid[:, None] & d_mask[None, :])
 
 
-def default_prefill_config(head_dim: int, device: torch.device) -> dict:
-    """Tile sizes of the prefill kernel: 128-row query tiles on the GPU, small tiles under the interpreter."""
+def default_prefill_config(head_dim: int, device: torch.device, tiles_128: Optional[int] = None) -> dict:
+    """Tile sizes of the prefill kernel: 128-row query tiles on the GPU, small tiles under the interpreter.
+    tiles_128: the launch's programs with 128-row tiles (heads x query blocks x sequences); under two per SM
+    (a prompt chunk beside decode rows) 64-row tiles, which give twice the programs."""
     if device.type != "cuda":
         return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
-    if head_dim <= 128:  # the best of the configs benchmarks/triton_kernels.py tried on the H200
-        return {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+    if head_dim > 128:
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+    # the best of the configs benchmarks/triton_kernels.py and benchmarks/mixed_attention.py tried on the H200
+    if tiles_128 is not None and tiles_128 < 2 * sm_count(device):
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
 
 
 def check_prefill_inputs(query, key_cache, value_cache, block_tables, query_start_loc, context_lens):
@@ -111,11 +116,12 @@ def check_prefill_inputs(query, key_cache, value_cache, block_tables, query_star
 
 
 def paged_prefill_launch(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale=None,
-                         max_query_len=None, config: Optional[dict] = None) -> torch.Tensor:
-    """Runs the Triton prefill kernel; `config` overrides the tile sizes (tests, benchmarks)."""
+                         max_query_len=None, config: Optional[dict] = None, out=None) -> torch.Tensor:
+    """Runs the Triton prefill kernel; `config` overrides the tile sizes (tests, benchmarks); out: a contiguous
+    tensor shaped and typed like query to write into (default new)."""
     num_kv_heads, group, block_size, head_dim = check_prefill_inputs(
         query, key_cache, value_cache, block_tables, query_start_loc, context_lens)
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    out = output_for(query, out)
     num_seqs = block_tables.shape[0]
     if num_seqs == 0 or query.shape[0] == 0:
         return out
@@ -123,7 +129,8 @@ def paged_prefill_launch(query, key_cache, value_cache, block_tables, query_star
         query = query.contiguous()
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    config = config or default_prefill_config(head_dim, query.device)
+    config = config or default_prefill_config(head_dim, query.device,
+                                              query.shape[1] * cdiv(max_query_len, 128) * num_seqs)
     num_q_blocks = cdiv(max_query_len, config["BLOCK_M"])
     if num_q_blocks == 0:
         return out

@@ -32,8 +32,9 @@ from apex_compile.runtime.step_buffers import PoolPart
 
 
 def order_chunks(chunks: Sequence[ScheduledChunk]) -> List[ScheduledChunk]:
-    """The step's token order: device pool then host pool; inside each, paged chunks then fresh ones."""
-    return sorted(chunks, key=lambda c: (c.pool, c.start == 0))
+    """The step's token order: device pool then host pool; inside each, decode rows, then chunks that continue
+    a prompt, then fresh ones (a mixed step's decode rows then run the decode kernel apart from its chunks)."""
+    return sorted(chunks, key=lambda c: (c.pool, c.start == 0, c.num_tokens > 1))
 
 
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
@@ -79,7 +80,7 @@ class PagedAttentionRunner:
         self._paged_cpu = paged_attention_cpu
         self.parts: List[PoolPart] = []
         self.num_rows = 0
-        self._whole_paged: Optional[PoolPart] = None  # set when one pool's paged rows are the whole step
+        self._whole_paged: Optional[PoolPart] = None  # set when one pool's paged rows are the step's (padding aside)
         self._async = _HostOffload(device) if device.type == "cuda" else None
         # fresh host-pool chunks' K/V on their way to the host cache (in the background: `exports.wait`)
         self.exports = KVExports(cache_append_cpu, background=device.type == "cuda")
@@ -102,7 +103,8 @@ class PagedAttentionRunner:
         from apex_compile.runtime.step_buffers import StepBuffers
 
         num_rows = sum(c.num_tokens for c in chunks)
-        longest = max((c.start + c.num_tokens for c in chunks), default=1)
+        longest = max((len(self.kv.tables[c.request.request_id].block_ids) * self.kv.block_size for c in chunks),
+                      default=1)  # table width: every block a request holds
         self._own_buffers = StepBuffers(self.kv, max(num_rows, 2), longest, self.device)
         parts, rows = self._own_buffers.fill(list(chunks), [max(num_rows - 1, 0)])
         self._own_buffers.copy_to_device()
@@ -114,7 +116,7 @@ class PagedAttentionRunner:
         self.stagger_rows = stagger_rows
         self.parts = parts
         self.num_rows = num_rows
-        only = parts[0] if len(parts) == 1 and parts[0].start == 0 and parts[0].end == num_rows else None
+        only = parts[0] if len(parts) == 1 and parts[0].start == 0 else None  # rows after it: padding
         self._whole_paged = only if only is not None and only.paged_end == only.end else None
         self._stash.clear()
 
@@ -143,18 +145,29 @@ class PagedAttentionRunner:
                                                    tokens_per_split=split, block_t=block_t)
         torch.cuda.synchronize(key_cache.device)
 
-    def _attend(self, part: PoolPart, layer_idx: int, query: torch.Tensor, scale: float) -> torch.Tensor:
-        """Paged attention of the part's paged rows (query holds exactly those rows)."""
+    def _attend(self, part: PoolPart, layer_idx: int, query: torch.Tensor, scale: float,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Paged attention of the part's paged rows (query holds exactly those rows), written into `out` when
+        given."""
         pool = part.pool
         if pool.index == DEVICE_POOL and not self._device_is_cpu:
-            if part.query_start_loc is not None:  # chunks of several tokens: causal over cache + chunk
-                return self._prefill_gpu(query, pool.key_caches[layer_idx], pool.value_caches[layer_idx],
-                                         part.block_tables, part.query_start_loc, part.context_lens, scale,
-                                         part.max_query_len)
-            return self._paged_gpu(query, pool.key_caches[layer_idx], pool.value_caches[layer_idx],
-                                   part.block_tables, part.context_lens, scale, part.max_context_len)
-        return self._paged_cpu(query, pool.key_caches[layer_idx], pool.value_caches[layer_idx], part.block_tables,
-                               part.context_lens, scale)
+            key_cache, value_cache = pool.key_caches[layer_idx], pool.value_caches[layer_idx]
+            if part.query_start_loc is None:
+                return self._paged_gpu(query, key_cache, value_cache, part.block_tables, part.context_lens, scale,
+                                       part.max_context_len, out=out)
+            # chunks of several tokens: causal over cache + chunk; the decode rows before them (a 128-row query
+            # tile each in the prefill kernel) by the decode kernel
+            out = torch.empty_like(query) if out is None else out
+            n = part.num_decode
+            if n:
+                self._paged_gpu(query[:n], key_cache, value_cache, part.block_tables[:n], part.context_lens[:n],
+                                scale, part.max_context_len, out=out[:n])
+            self._prefill_gpu(query[n:], key_cache, value_cache, part.block_tables[n:], part.query_start_loc,
+                              part.context_lens[n:], scale, part.max_query_len, out=out[n:])
+            return out
+        result = self._paged_cpu(query, pool.key_caches[layer_idx], pool.value_caches[layer_idx],
+                                 part.block_tables, part.context_lens, scale)
+        return result if out is None else out.copy_(result)
 
     @property
     def host_part(self) -> Optional[PoolPart]:
@@ -175,22 +188,28 @@ class PagedAttentionRunner:
                                        part.block_tables, part.context_lens, scale, part.max_context_len, out=out)
         self._append[index](key, value, key_cache, value_cache, part.slot_mapping)
         if num_paged == part.end - part.start:
-            result = self._attend(part, layer_idx, query, scale)
-            return result if out is None else out.copy_(result)
+            return self._attend(part, layer_idx, query, scale, out)
         if out is None:
             out = torch.empty_like(query)
         if num_paged:
-            out[:num_paged] = self._attend(part, layer_idx, query[:num_paged], scale)
+            self._attend(part, layer_idx, query[:num_paged], scale, out[:num_paged])
         _attend_fresh(part, query, key, value, scale, out)
         return out
 
     def attention(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  scale: float) -> torch.Tensor:
-        """Appends every row's K/V to its request's cache and returns the attention output of all rows."""
+                  scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Appends every row's K/V to its request's cache and returns the attention output of all rows (written
+        into `out`, a contiguous tensor shaped like query, when given: a piecewise graph's persistent buffer)."""
         whole = self._whole_paged
         if whole is not None and whole.pool.device == query.device:
-            return self._run_part(whole, layer_idx, query, key, value, scale)
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+            if whole.end == query.shape[0]:
+                return self._run_part(whole, layer_idx, query, key, value, scale, out)
+            out = torch.empty_like(query) if out is None else out  # rows past the part's: padding, unread
+            rows = slice(0, whole.end)
+            self._run_part(whole, layer_idx, query[rows], key[rows], value[rows], scale, out[rows])
+            return out
+        if out is None:
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if self.stagger_rows:
             # the staggered block's rows: their q/k/v staged for the CPU job, the outputs of the requests
             # arriving (the CPU attended them since the lane's last turn) into the block's output rows
@@ -206,7 +225,7 @@ class PagedAttentionRunner:
         for part in self.parts:
             rows = slice(part.start, part.end)
             if part.pool.device == query.device:
-                out[rows] = self._run_part(part, layer_idx, query[rows], key[rows], value[rows], scale)
+                self._run_part(part, layer_idx, query[rows], key[rows], value[rows], scale, out=out[rows])
             else:
                 out[rows] = self._host_rows_from_device(part, layer_idx, query[rows], key[rows], value[rows],
                                                         scale).to(query.device)

@@ -6,7 +6,7 @@ for the current step. The caches therefore never pass through the graph, so func
 clone them, and one compiled graph serves every step whatever its batch composition.
 """
 import contextlib
-from typing import Iterator, Protocol
+from typing import Iterator, Optional, Protocol
 
 import torch
 
@@ -21,8 +21,9 @@ class AttentionRunner(Protocol):
     """
 
     def attention(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  scale: float) -> torch.Tensor:
-        """Appends key/value to each token's request cache and returns the attention output for all rows."""
+                  scale: float, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Appends key/value to each token's request cache and returns the attention output for all rows (written
+        into `out` when given, a contiguous tensor shaped like query)."""
 
     def offload_launch(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        scale: float) -> torch.Tensor:

@@ -123,6 +123,8 @@ def weak_ref(tensor: torch.Tensor) -> torch.Tensor:
 # stream or thread that reads them after the call returns (the host rows' device-to-host copy).
 _ASYNC_READERS = ("offload_launch",)
 RUNNER_METHODS = ("attention", "offload_launch", "device_attention", "offload_wait")
+# Runner methods that write into a given output (the persistent buffer: no copy at each replay).
+_WRITES_OUT = ("attention",)
 # Runner methods that only copy between device buffers at fixed addresses: captured inside the piece.
 CAPTURED_METHODS = ("stagger_residual", "stagger_rope_layers")
 
@@ -136,7 +138,10 @@ class _Call:
     out: torch.Tensor
 
     def run(self, runner) -> None:
-        self.out.copy_(getattr(runner, self.method)(*self.args))
+        if self.method in _WRITES_OUT:
+            getattr(runner, self.method)(*self.args, out=self.out)
+        else:
+            self.out.copy_(getattr(runner, self.method)(*self.args))
 
 
 class _Recorder:

@@ -54,9 +54,9 @@ class PoolPart:
     """The rows of one pool in a step and the metadata its ops need (tensors on the pool's device).
 
     Paged rows (decode tokens, tokens of a chunk continuing a cached prompt) come first, fresh chunks (a prompt's
-    first chunk) follow. Block-table rows and context lengths are per token for the CPU kernels (a decode row
-    each), per chunk for the GPU pool's kernels (decode kernel, or the paged prefill kernel when a chunk has
-    several tokens).
+    first chunk, attended to itself by SDPA) follow. Block-table rows and context lengths are per token for the
+    CPU kernels (a decode row each), per chunk for the GPU pool's kernels (decode kernel, or the paged prefill
+    kernel when a chunk has several tokens); there every chunk is paged, a first chunk included.
     """
 
     pool: KVPool
@@ -72,6 +72,9 @@ class PoolPart:
     # query_start_loc [chunks + 1] (rows relative to `start`) when a chunk has several tokens (prefill kernel).
     query_start_loc: Optional[torch.Tensor] = None
     max_query_len: int = 1
+    # With query_start_loc: the leading decode rows (a table row each) that the decode kernel serves apart;
+    # query_start_loc then covers the chunks after them, rows relative to the first chunk's.
+    num_decode: int = 0
 
 
 class _PoolRows:
@@ -177,14 +180,22 @@ class StepBuffers:
         kv, bs = self.kv, self.kv.block_size
         ids, positions, rows = self.ids, self.positions, self.rows[pool_index]
         row, entries, max_ctx, max_q, fresh = start, 0, 0, 1, []  # entries: table rows written
+        num_decode = None  # per-chunk tables: the decode rows before the first chunk of several tokens
         for chunk in chunks:
             request, first, n = chunk.request, chunk.start, chunk.num_tokens
+            if num_decode is None and (n > 1 or not first):
+                num_decode = entries
             table = kv.tables[request.request_id]
             block_ids, prompt, outputs = table.block_ids, request.prompt_token_ids, request.output_token_ids
             n_prompt, known = len(prompt), request.num_tokens
-            if first and rows.per_chunk:
+            # The GPU kernels attend a prompt's first chunk from the cache too (appended first): with it among
+            # the paged chunks a mixed step's attention is one prefill launch, not one SDPA call per chunk.
+            paged = first or rows.per_chunk
+            if paged and rows.per_chunk:
                 rows.write_table(entries, table)
-                rows.ctx[entries], rows.qstart[entries] = first + n, row - start
+                rows.ctx[entries] = first + n
+                if num_decode is not None:  # a chunk's first row, from the first chunk's
+                    rows.qstart[entries] = row - start - num_decode
                 entries += 1
                 max_q = max(max_q, n)
             for p in range(first, first + n):
@@ -198,7 +209,7 @@ class StepBuffers:
                     rows.ctx[entries] = p + 1
                     entries += 1
                 row += 1
-            if first:
+            if paged:
                 max_ctx = max(max_ctx, first + n)
             else:
                 fresh.append((row - n, row))
@@ -210,13 +221,13 @@ class StepBuffers:
             rows.ctx[entries:pad_to] = 1
             entries, row = pad_to, end
             paged_end = row
-        qstart = None
+        qstart, num_decode = None, (num_decode or 0) if max_q > 1 else 0
         if max_q > 1:
-            rows.qstart[entries] = paged_end - start
-            qstart = rows.dev_qstart[:entries + 1]
+            rows.qstart[entries] = paged_end - start - num_decode
+            qstart = rows.dev_qstart[num_decode:entries + 1]
         return PoolPart(kv.pools[pool_index], start, row, paged_end, rows.dev_slot[:row - start],
                         rows.dev_tables[:entries] if entries else None, rows.dev_ctx[:entries] if entries else None,
-                        None if pad_to is not None else max_ctx, fresh, qstart, max_q)
+                        None if pad_to is not None else max_ctx, fresh, qstart, max_q, num_decode)
 
     def copy_to_device(self, device_ids: Optional[torch.Tensor] = None, first_row: int = 0) -> None:
         """The step's one host-to-device copy (the used prefix of the arena; no-op on a CPU-only run), then

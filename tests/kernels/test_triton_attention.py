@@ -23,7 +23,8 @@ from apex_compile.kernels.paged_attention import (
     paged_decode_launch,
     reserve_decode_counters,
 )
-from apex_compile.kernels.prefill_attention import paged_prefill_launch
+from apex_compile.kernels import prefill_attention
+from apex_compile.kernels.prefill_attention import default_prefill_config, paged_prefill_launch
 from apex_compile.ops import cache_append_gpu, paged_attention_gpu, paged_prefill_attention_gpu
 from apex_compile.ops.gpu_attention import paged_decode_append_gpu
 
@@ -626,3 +627,14 @@ def test_attention_op_registration():
     torch.library.opcheck(torch.ops.apex.cache_append_gpu.default,
                           (torch.randn(3, 2, 16), torch.randn(3, 2, 16), key_cache, value_cache,
                            torch.tensor([0, 5, 17])))
+
+
+def test_prefill_tiles_follow_the_grid(monkeypatch):
+    """A launch of fewer than two 128-row programs per SM (a prompt chunk beside decode rows) takes 64-row tiles;
+    a long prompt keeps 128-row ones; the interpreter its small tiles."""
+    monkeypatch.setattr(prefill_attention, "sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert default_prefill_config(128, cuda, 32 * 2 * 1)["BLOCK_M"] == 64  # 32 heads, one 256-token chunk
+    assert default_prefill_config(128, cuda, 32 * 32 * 1)["BLOCK_M"] == 128  # one 4096-token prompt
+    assert default_prefill_config(128, cuda)["BLOCK_M"] == 128
+    assert default_prefill_config(128, torch.device("cpu"), 1)["BLOCK_M"] == 32

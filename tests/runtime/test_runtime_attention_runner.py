@@ -93,8 +93,12 @@ def test_attention_matches_float64_reference(mix, block_size):
         q, k, v = new[layer]
         out = runner.attention(layer, q.float(), k.float(), v.float(), scale)
         assert out.shape == (q.shape[0], HQ, D) and not out.isnan().any()
-        torch.testing.assert_close(out.double(), reference(ordered, history, q, k, v, layer, scale),
-                                   rtol=1e-5, atol=1e-5)
+        expected = reference(ordered, history, q, k, v, layer, scale)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+        # into a given output (a piecewise graph's buffer); the append again writes the same K/V
+        given = torch.full_like(out, float("nan"))
+        assert runner.attention(layer, q.float(), k.float(), v.float(), scale, out=given) is given
+        torch.testing.assert_close(given.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def slow_append(seconds):

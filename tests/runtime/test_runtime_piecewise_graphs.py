@@ -28,9 +28,10 @@ class Runner:
     def __init__(self, offset):
         self.offset, self.calls = offset, []
 
-    def attention(self, layer_idx, q, k, v, scale):
+    def attention(self, layer_idx, q, k, v, scale, out=None):
         self.calls.append(("attention", layer_idx))
-        return q * (layer_idx + 1) + self.offset
+        result = q * (layer_idx + 1) + self.offset
+        return result if out is None else out.copy_(result)
 
     def offload_launch(self, layer_idx, q, k, v, scale):
         self.calls.append(("offload_launch", layer_idx))

@@ -134,16 +134,19 @@ def test_padding_rows_of_a_captured_size():
 
 
 def test_gpu_layout_has_one_table_row_per_chunk_and_query_starts():
-    """The device pool's GPU kernels take one table row per paged chunk, its full context length and the chunk's
-    first row (query_start_loc); decode-only steps keep one row per token and no query starts."""
+    """The device pool's GPU kernels take one table row per chunk (a prompt's first chunk too: they attend it from
+    the cache) and its full context length; the decode rows come first (the decode kernel's), then the chunks
+    with their first rows counted from the first chunk's (query_start_loc, the prefill kernel's); decode-only
+    steps keep one row per token and no query starts."""
     kv, buffers = setup(max_tokens=64, per_chunk=True)
     decode, continuing, fresh = device_pool_mix(kv)
     chunks = order_chunks(mix_chunks(decode, continuing, fresh))
+    assert [c.request for c in chunks] == [decode, continuing, fresh]
     [part], rows = buffers.fill(chunks, [0])
-    assert rows == 25 and (part.paged_end, part.fresh) == (15, [(15, 25)])
-    assert part.context_lens.tolist() == [decode.num_tokens, 30]
-    assert part.query_start_loc.tolist() == [0, 1, 15] and part.max_query_len == 14
-    for row, request_id in enumerate((0, 1)):
+    assert rows == 25 and (part.paged_end, part.fresh, part.num_decode) == (25, [], 1)
+    assert part.context_lens.tolist() == [decode.num_tokens, 30, 10] and part.max_context_len == 30
+    assert part.query_start_loc.tolist() == [0, 14, 24] and part.max_query_len == 14
+    for row, request_id in enumerate((0, 1, 2)):
         blocks = kv.tables[request_id].block_ids
         assert part.block_tables[row, :len(blocks)].tolist() == blocks
     [part], _ = buffers.fill([ScheduledChunk(decode, decode.num_computed, 1, DEVICE_POOL)], [0])
