@@ -285,9 +285,9 @@ def main():
     parser.add_argument("--prefill-while-decoding", type=lambda v: None if v == "none" else int(v), default=256,
                         help="prefill_tokens_while_decoding: prompt tokens a step that decodes takes into the device "
                              "pool ('none': up to the 2048-token step budget, which whole host prompts need)")
-    parser.add_argument("--no-job-gate", action="store_true",
-                        help="the staggered CPU job starts as soon as its inputs arrive, not after the next forward is "
-                             "queued (apex_compile.runtime.stagger.GATE_JOBS off: an A/B of the gate)")
+    parser.add_argument("--job-gate", action="store_true",
+                        help="the staggered CPU job starts only after the next forward is queued, not as soon as its "
+                             "inputs arrive (apex_compile.runtime.stagger.GATE_JOBS on: an A/B of the gate)")
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="cpu_attention_threads of the staggered plan's CPU worker (default: all cores but one)")
     parser.add_argument("--hf-batch", type=int, default=0,
@@ -297,8 +297,8 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("e2e_hybrid.py needs a CUDA GPU")
-    if args.no_job_gate:
-        stagger_module.GATE_JOBS = False
+    if args.job_gate:
+        stagger_module.GATE_JOBS = True
     result = {"benchmark": "e2e_hybrid", "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "machine": {"gpu": torch.cuda.get_device_name(), "cpus": os.cpu_count(),
                           "torch": torch.__version__, "python": platform.python_version()},
@@ -372,8 +372,8 @@ def main():
             del probe
             context = args.prompt + args.new_tokens / 2
             ideal = perf.ideal_gain(context)
-            never = runs["never"]["tokens_per_s"]
-            efficiency = (runs["auto"]["tokens_per_s"] - never) / ideal if "auto" in runs else None
+            never = runs["never"]["tokens_per_s"] if "never" in runs else None  # (an A/B run of other modes)
+            efficiency = (runs["auto"]["tokens_per_s"] - never) / ideal if "auto" in runs and never else None
             # each mode's model: the profile, calibrated by the replays of that mode's own captured graphs
             errors = {m: prediction_error(PerfModel(perf.profile, StepCalibration(**r["calibration"])), r["steps"],
                                           r["plan"]) for m, r in runs.items()}
@@ -385,7 +385,7 @@ def main():
                    "kv_bytes_per_host_request_step": perf.profile.kv_bytes_per_token * context,
                    "auto_efficiency": efficiency, "model_error": errors, "uncalibrated_model_error": raw_errors,
                    "best_mode": best, "hf_offloaded": hf,
-                   "best_efficiency": (runs[best]["tokens_per_s"] - never) / ideal,
+                   "best_efficiency": (runs[best]["tokens_per_s"] - never) / ideal if never else None,
                    "modes": {m: {k: v for k, v in r.items() if k != "steps"} for m, r in runs.items()},
                    "steps": {m: r["steps"] for m, r in runs.items()}}
             result["rows"].append(row)
@@ -395,7 +395,8 @@ def main():
             eff = f"{efficiency:8.2f}" if efficiency is not None else "       -"
             err_text = f"{err:9.1%}" if err is not None else "        -"
             print(f"{shape_name:10} {gib:8.1f} {count:4d} | {cells} | {ideal:10.0f} {eff} {err_text}", flush=True)
-            print(f"   best {best}: efficiency {row['best_efficiency']:.2f}; model error per mode: "
+            best_eff = f"{row['best_efficiency']:.2f}" if row["best_efficiency"] is not None else "-"
+            print(f"   best {best}: efficiency {best_eff}; model error per mode: "
                   + ", ".join(f"{m} {e:.1%}" for m, e in errors.items() if e is not None)
                   + " (uncalibrated: " + ", ".join(f"{m} {e:.1%}" for m, e in raw_errors.items() if e is not None)
                   + ")", flush=True)

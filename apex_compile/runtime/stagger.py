@@ -529,7 +529,8 @@ class SyncJobs:
 
 
 # Whether a staggered CPU job waits (softly) for the launching thread to queue the next forward before it runs.
-GATE_JOBS = True
+# Off: on the H200 a gated job made auto's mixed steps slower, not faster (notes item 34).
+GATE_JOBS = False
 
 
 class CudaCopies:
@@ -560,7 +561,7 @@ class CudaCopies:
 
     def gate(self) -> Tuple[int, int]:
         """(flag, soft value) of a job launched now: start once the next forward is queued, or after 30 ms
-        (no wait when GATE_JOBS is off: an A/B switch for benchmarks)."""
+        (no wait while GATE_JOBS is off, the default: an A/B switch for benchmarks)."""
         return 1, (-(self._forwards + 1) if GATE_JOBS else 0)
 
     def forward_queued(self) -> None:
