@@ -47,13 +47,13 @@ def main():
     parser.add_argument("--chunks", default="256:0,256:256")
     args = parser.parse_args()
     scale = D ** -0.5
-    configs = [default_prefill_config(D, torch.device("cuda"))] + [
-        {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s}
-        for m, n, w, s in itertools.product((16, 32, 64, 128), (32, 64), (4, 8), (2, 3))]
-    print(f"{'decode rows':>11} {'chunk':>5} {'prefix':>6} | {'one prefill':>11} {'dec+prefill':>11} | best chunk config "
-          f"(us; default's chunk time first)")
+    swept = [{"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s}
+             for m, n, w, s in itertools.product((16, 32, 64, 128), (32, 64), (4, 8), (2, 3))]
+    print(f"{'decode rows':>11} {'chunk':>5} {'prefix':>6} | {'one prefill':>11} {'dec+prefill':>11} | best chunk "
+          f"config (us; the launcher's default first)")
     for num_decode, spec in itertools.product((int(x) for x in args.decode.split(",")), args.chunks.split(",")):
         chunk, prefix = (int(x) for x in spec.split(":"))
+        configs = [default_prefill_config(D, torch.device("cuda"), HQ * -(-chunk // 128))] + swept
         query, (kc, vc), tables, ctx, qstart_all, qstart_chunk = case(num_decode, args.decode_ctx, chunk, prefix)
         n = num_decode
         out = torch.empty_like(query)

@@ -3,7 +3,7 @@ CPU is too slow, hybrid when the bound is large, never a plan predicted slower t
 APEX's inequality, explain(), and the on-disk profile cache."""
 import pytest
 
-from apex_compile.runtime.perf_model import (PLANS, AutoOffload, PerfModel, Profile, StepCalibration,
+from apex_compile.runtime.perf_model import (PLANS, STAGGER_MARGIN, AutoOffload, PerfModel, Profile, StepCalibration,
                                              apex_pipeline_inequality,
                                              cached_profile, interpolate, profile_path)
 
@@ -173,6 +173,21 @@ def test_auto_stagger_rows_follow_the_calibrated_model():
     assert AutoOffload(calibrated(stagger_extra_ms=4.0), stagger_groups=GROUPS).stagger_rows(12, 576, 8) == 0
     # a device batch so large that 8 rows are a small share: the overhead decides
     assert AutoOffload(calibrated(stagger_extra_ms=1.5), stagger_groups=GROUPS).stagger_rows(64, 576, 8) == 0
+
+
+def test_the_staggered_plan_needs_its_margin_over_gpu_only():
+    """A predicted gain below `stagger_margin` (default STAGGER_MARGIN: the plan's unmodelled costs) takes no
+    host rows; above it the best count; explain() shows the best prediction and the margin."""
+    model = calibrated(cpu_gbps=90)
+    never = model.predict("never", 12, 0, 576).tokens_per_s
+    gain = max(model.predict("staggered", 12, r, 576).tokens_per_s for r in range(1, 9)) / never - 1
+    assert gain > 0
+    assert AutoOffload(model, stagger_groups=GROUPS, stagger_margin=gain * 0.99).stagger_rows(12, 576, 8) > 0
+    assert AutoOffload(model, stagger_groups=GROUPS, stagger_margin=gain * 1.01).stagger_rows(12, 576, 8) == 0
+    assert AutoOffload(model).stagger_margin == STAGGER_MARGIN > AutoOffload(model).margin
+    text = AutoOffload(model, stagger_groups=GROUPS, stagger_margin=gain * 1.01).explain(
+        12 * 576, 10 ** 7, 64, 576)[-1]
+    assert f"{gain:+.1%}" in text and text.endswith(": 0 row(s)")
 
 
 def test_auto_builds_the_staggered_plan_only_where_a_typical_load_gains():
