@@ -136,7 +136,8 @@ def main():
 
     run = steady_state(engine, prompts, SamplingParams(max_new_tokens=args.new_tokens), args.warm_steps, 50,
                        args.fill_steps, probe=probe)
-    print(f"== {tag}: window {run['tokens_per_s']:.0f} tokens/s")
+    print(f"== {tag}: the 50 steps before the profile ran at {run['tokens_per_s']:.0f} tokens/s (too few steps for a "
+          f"throughput: e2e_hybrid's window is that)")
     apex.close()
 
 

@@ -1,5 +1,6 @@
 """Helpers of the end-to-end benchmark scripts that run without a GPU: HF generate as a baseline (its timing
 bookkeeping, and a cache that cannot run here reported as an error instead of stopping the benchmark)."""
+import json
 import os
 import sys
 
@@ -10,6 +11,7 @@ from tests.helpers import tiny_model
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "benchmarks"))
 import e2e_hybrid  # noqa: E402
+import step_profile  # noqa: E402
 
 
 def test_hf_generate_baseline_reports_tokens_per_s_and_decode_step():
@@ -41,3 +43,23 @@ def test_slow_steps_name_what_happened_in_the_long_decode_steps():
     assert slow["phase_s"] == {"forward": 0.021, "wait": 0.009}
     assert slow["event_rate"] == {"parked": (1.0, 0.0), "running": (1.0, 1 / 8)}
     assert e2e_hybrid.slow_steps(steps[-1:], phases[-1:], events[-1:]) is None
+
+
+def test_gpu_busy_is_the_union_of_gpu_intervals_in_each_step_window(tmp_path):
+    """step_profile.gpu_busy: a step's window runs from its start to the next step's (the last: to its end);
+    overlapping kernels count once toward busy time, each in full toward its own name; CPU events do not count."""
+    def event(name, ts, dur, cat):
+        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat}
+
+    trace = {"traceEvents": [
+        event("apex_step_0", 0, 10, "user_annotation"), event("apex_step_1", 100, 50, "user_annotation"),
+        event("gemm", 20, 30, "kernel"), event("attn", 40, 20, "kernel"),  # overlap: busy 20..60
+        event("copy", 90, 20, "gpu_memcpy"),  # crosses into step 1: 90..100 in step 0, 100..110 in step 1
+        event("aten::mm", 0, 200, "cpu_op"), event("gemm", 140, 30, "kernel")]}  # step 1 ends at 150
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    busy = step_profile.gpu_busy(str(path), {"apex_step_0", "apex_step_1"})
+    wall, gpu, kernels = busy["apex_step_0"]
+    assert (wall, gpu) == (100, 50) and dict(kernels) == {"gemm": 30, "attn": 20, "copy": 10}
+    wall, gpu, kernels = busy["apex_step_1"]
+    assert (wall, gpu) == (50, 20) and dict(kernels) == {"copy": 10, "gemm": 10}
