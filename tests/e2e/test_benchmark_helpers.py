@@ -4,6 +4,7 @@ import json
 import os
 import sys
 
+import pytest
 import torch
 
 from tests.helpers import tiny_model
@@ -14,13 +15,22 @@ import e2e_hybrid  # noqa: E402
 import step_profile  # noqa: E402
 
 
-def test_hf_generate_baseline_reports_tokens_per_s_and_decode_step():
+def test_hf_generate_baseline_reports_tokens_per_s_and_decode_step(monkeypatch):
+    """The baseline's bookkeeping: tokens/s of the whole call, and the decode step as the difference of two
+    lengths (the real generate runs; its clock is replaced by 0.1 s a token + 0.05 s, so the check is exact)."""
     model = tiny_model("llama", layers=2)
     model.generation_config.eos_token_id = None
     prompts = torch.randint(3, 96, (4, 8)).tolist()
+    real = e2e_hybrid.timed_generate
+
+    def timed(model, ids, tokens, **kwargs):
+        _, generated = real(model, ids, tokens, **kwargs)
+        return 0.05 + 0.1 * generated, generated
+
+    monkeypatch.setattr(e2e_hybrid, "timed_generate", timed)
     row = e2e_hybrid.hf_generate(model, prompts, 8, 3, cache_implementation=None)
     assert row["batch"] == 3 and "error" not in row
-    assert row["tokens_per_s"] > 0 and row["decode_step_s"] > 0
+    assert row["tokens_per_s"] == pytest.approx(3 * 8 / 0.85) and row["decode_step_s"] == pytest.approx(0.1)
     assert row["decode_tokens_per_s"] == 3 / row["decode_step_s"]
 
 
