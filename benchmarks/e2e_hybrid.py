@@ -187,16 +187,21 @@ def parse_mode(mode: str):
     return (mode if mode in ("never", "auto", "all") else float(mode)), None
 
 
+def hybrid_config(mode, device_bytes, host_bytes, max_seqs, max_tokens, prefill_while_decoding, cpu_threads=None):
+    """The engine config of a mode in this benchmark: a 2048-token step budget (whole host prompts), the prompt
+    cap beside decoding, requests up to `max_tokens` (prompt + new tokens)."""
+    offload, width = parse_mode(mode)
+    return ApexConfig(offload=offload, stagger_width=width, gpu_cache_size=device_bytes,
+                      cpu_attention_threads=cpu_threads, cpu_cache_size=host_bytes, max_num_seqs=max_seqs,
+                      max_num_batched_tokens=2048, prefill_tokens_while_decoding=prefill_while_decoding,
+                      max_model_len=max_tokens + 64)
+
+
 def run_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seqs, args):
     """{tokens_per_s, decode_step_s, host_requests, steps: [(gpu rows, cpu rows, mean context, seconds)]} at
     steady state (a first, shorter run captures the graphs its step shapes need)."""
-    offload, width = parse_mode(mode)
-    config = ApexConfig(offload=offload, stagger_width=width, gpu_cache_size=device_bytes,
-                        cpu_attention_threads=args.cpu_threads,
-                        cpu_cache_size=host_bytes, max_num_seqs=max_seqs, max_num_batched_tokens=2048,
-                        prefill_tokens_while_decoding=args.prefill_while_decoding,
-                        max_model_len=len(prompts[0]) + new_tokens + 64)
-    apex = optimize(model, config)
+    apex = optimize(model, hybrid_config(mode, device_bytes, host_bytes, max_seqs, len(prompts[0]) + new_tokens,
+                                         args.prefill_while_decoding, args.cpu_threads))
     engine = apex.engine
     engine.warmup()
     sampling = SamplingParams(max_new_tokens=new_tokens)

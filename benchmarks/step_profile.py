@@ -21,10 +21,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from e2e_hybrid import GiB, parse_mode, steady_state  # noqa: E402
+from e2e_hybrid import GiB, hybrid_config, steady_state  # noqa: E402
 from e2e_throughput import SHAPES, random_llama  # noqa: E402
 
-from apex_compile import ApexConfig, SamplingParams, optimize  # noqa: E402
+from apex_compile import SamplingParams, optimize  # noqa: E402
 
 
 def gpu_busy(trace_path: str, names):
@@ -71,12 +71,8 @@ def main():
     shape = SHAPES[args.shape]
     torch.manual_seed(0)
     model = random_llama(shape)
-    offload, width = parse_mode(args.mode)
-    apex = optimize(model, ApexConfig(offload=offload, stagger_width=width, gpu_cache_size=int(args.device_gib * GiB),
-                                      cpu_cache_size=int(args.host_gib * GiB), max_num_seqs=64,
-                                      max_num_batched_tokens=2048,
-                                      prefill_tokens_while_decoding=args.prefill_while_decoding,
-                                      max_model_len=args.prompt + args.new_tokens + 64))
+    apex = optimize(model, hybrid_config(args.mode, int(args.device_gib * GiB), int(args.host_gib * GiB), 64,
+                                         args.prompt + args.new_tokens, args.prefill_while_decoding))
     engine = apex.engine
     engine.warmup()
     prompts = torch.randint(3, shape["vocab_size"], (64, args.prompt)).tolist()

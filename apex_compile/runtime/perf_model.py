@@ -309,12 +309,13 @@ class AutoOffload:
         `context`-token requests: the count with the most predicted tokens/s, 0 unless it beats GPU-only by
         `stagger_margin` (then no request enters the pipeline)."""
         never = self.model.predict("never", gpu_requests, 0, context).tokens_per_s
-        best, rows = never * (1 + self.stagger_margin), 0
-        for cpu_requests in range(1, width + 1):
-            tokens = self.model.predict("staggered", gpu_requests, cpu_requests, context).tokens_per_s
-            if tokens > best:
-                best, rows = tokens, cpu_requests
-        return rows
+        best = self._best_staggered(gpu_requests, context, width)
+        return best.cpu_requests if best and best.tokens_per_s > never * (1 + self.stagger_margin) else 0
+
+    def _best_staggered(self, gpu_requests: int, context: float, width: int) -> Optional[Prediction]:
+        """The staggered plan's prediction at its best host row count in 1..width (None when width < 1)."""
+        return max((self.model.predict("staggered", gpu_requests, rows, context) for rows in range(1, width + 1)),
+                   key=lambda p: p.tokens_per_s, default=None)
 
     def worth_staggering(self, gpu_tokens: int, cpu_tokens: int, max_seqs: int, contexts: Sequence[int],
                          width: int) -> bool:
@@ -346,8 +347,7 @@ class AutoOffload:
         lines = self.model.explain(gpu, cpu, context, plans=("never", "overlap"))
         rows = self.stagger_rows(gpu, context, width)
         never = self.model.predict("never", gpu, 0, context)
-        best = max((self.model.predict("staggered", gpu, r, context) for r in range(1, width + 1)),
-                   key=lambda p: p.tokens_per_s, default=never)
+        best = self._best_staggered(gpu, context, width) or never
         calibrated = "calibrated by the captured graphs" if self.model.is_calibrated(True) else "not yet calibrated"
         lines.append(f"staggered plan ({calibrated}): at best {best.cpu_requests} host row(s) per step "
                      f"({best.cpu_requests * self.stagger_groups} host requests in flight), model predicts "
