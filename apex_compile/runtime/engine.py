@@ -292,9 +292,11 @@ class Engine:
             raise ValueError("offload='staggered' needs ApexConfig(compile=True): the staggered rows are swapped "
                              "per layer by the compiler's passes")
         config = self.model.config
+        # the profiled CPU rate bounds the adaptive rows' job fit (auto has a profile)
+        prior = self.auto_policy.model.cpu_seconds_per_token() / self.shape.num_layers if self.auto_policy else None
         return StaggerPipeline(self.kv, width, config.hidden_size, config.num_attention_heads,
                                rope_tables(self.model, self.max_model_len), self.device, self.dtype,
-                               self.max_model_len, self.config.cpu_attention_threads, adaptive)
+                               self.max_model_len, self.config.cpu_attention_threads, adaptive, prior)
 
     def _typical_contexts(self) -> List[int]:
         return sorted({min(c, self.max_model_len) for c in (256, 1024, 4096)})

@@ -188,6 +188,10 @@ class PerfModel:
         p = self.profile
         return p.cpu_attention_ctx[-1] * p.kv_bytes_per_token / p.cpu_attention_s[-1]
 
+    def cpu_seconds_per_token(self) -> float:
+        """Seconds the CPU attention takes per context token of a request, all layers, at its bandwidth."""
+        return self.profile.kv_bytes_per_token / self.cpu_bandwidth()
+
     def gpu_bandwidth(self) -> float:
         """Bytes/s the GPU attention reads at the largest profiled context."""
         p = self.profile
@@ -354,4 +358,10 @@ class AutoOffload:
                      f"{best.tokens_per_s:.0f} vs {never.tokens_per_s:.0f} tokens/s GPU-only "
                      f"({best.tokens_per_s / never.tokens_per_s - 1:+.1%}; it needs {self.stagger_margin:+.0%}): "
                      f"{rows} row(s)")
+        # what the host pool allows at all: each row holds stagger_groups requests (a token per step per row)
+        pool_rows = cpu_tokens // max(context, 1) // self.stagger_groups
+        bound = pool_rows / never.step_s
+        lines.insert(-1, f"host-pool bound of the staggered plan: {pool_rows} row(s) of {self.stagger_groups} requests of "
+                     f"{context} tokens, so at most +{bound:.0f} tokens/s at the GPU-only step "
+                     f"({bound / self.model.ideal_gain(context):.2f} of ideal_gain)")
         return lines

@@ -49,6 +49,11 @@ FIT_EMA = 0.05  # decay per job of the weighted sums the job-time fit (fixed + r
 FIT_SPREAD = 0.1  # the fit's slope is taken only from jobs whose work spreads by this share of its mean (a ramp)
 WAIT_SHARE = 0.05  # above this running share of a step spent waiting for the CPU job, rows are taken away
 REGROW_STEPS = 16  # steps without waiting for the CPU before a row taken away comes back
+# The job fit's rate stays within this factor of the performance model's CPU rate (profiled at bandwidth, when
+# there is a profile): a draining pipeline's small jobs, mostly per-call costs, once read as a CPU 3-6x slower
+# and the rows collapsed for good; a flat noisy fit read as a nearly free CPU whose fixed part took the step.
+# A CPU really slower than the profile's (another process) is caught by the waits (the guard).
+PRIOR_SPREAD = 1.5
 
 
 class RowLimit:
@@ -59,10 +64,13 @@ class RowLimit:
     launching thread's wait for the job, so a CPU that falls behind does not loosen its own limit). A guard
     against a fit that flatters the CPU (a slower host than the fit's jobs showed): each step in which the
     launching thread waits for the job more than WAIT_SHARE of the step, as it has on average lately, takes a
-    row away; one comes back after REGROW_STEPS steps without such a wait. A fixed pipeline keeps every row."""
+    row away; one comes back after REGROW_STEPS steps without such a wait. With the performance model's CPU
+    rate (`prior_rate`) the fit's rate is kept within PRIOR_SPREAD of it. A fixed pipeline keeps every row."""
 
-    def __init__(self, width: int, num_layers: int, adaptive: bool):
+    def __init__(self, width: int, num_layers: int, adaptive: bool, prior_rate: Optional[float] = None):
+        """prior_rate: the profiled seconds per (layer, context token) of the CPU attention, or None."""
         self.width = width
+        self.prior_rate = prior_rate
         self.num_layers = num_layers
         self.adaptive = adaptive
         self.measured = width  # rows whose CPU job fits a step (adaptive; else the width)
@@ -99,6 +107,8 @@ class RowLimit:
             self.rate = min(max((mean_xy - mean_x * mean_y) / variance, 0.1 * proportional), proportional)
         elif self.rate is None:
             self.rate = proportional
+        if self.prior_rate:
+            self.rate = min(max(self.rate, self.prior_rate / PRIOR_SPREAD), self.prior_rate * PRIOR_SPREAD)
         self.fixed = min(max(mean_y - self.rate * mean_x, 0.0), mean_y)
 
     def observe_step(self, seconds: float, waited: float = 0.0) -> None:
@@ -197,8 +207,10 @@ class StaggerPipeline:
 
     def __init__(self, kv: KVManager, width: int, hidden_size: int, num_heads: int,
                  rope: Tuple[torch.Tensor, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                 max_model_len: int, threads: Optional[int] = None, adaptive: bool = False):
-        """adaptive: the rows that take requests follow the measured CPU job (`RowLimit`); else all `width`."""
+                 max_model_len: int, threads: Optional[int] = None, adaptive: bool = False,
+                 prior_rate: Optional[float] = None):
+        """adaptive: the rows that take requests follow the measured CPU job (`RowLimit`, with the profiled
+        `prior_rate`); else all `width`."""
         if width < 1:
             raise ValueError(f"the staggered plan needs at least one row per step, got width {width}")
         shape = kv.shape
@@ -214,7 +226,7 @@ class StaggerPipeline:
         self.rope = rope
         self.steps = 0
         self.begun = False  # begin_step ran for a step whose end_step has not
-        self.rows = RowLimit(width, self.num_layers, adaptive)
+        self.rows = RowLimit(width, self.num_layers, adaptive, prior_rate)
         self._last_begin: Optional[float] = None
         on_cuda = device.type == "cuda"
         layers = self.num_layers

@@ -87,6 +87,9 @@ def test_auto_explains_the_staggered_plan():
     (line,) = [x for x in lines if x.startswith("staggered plan")]
     best = PerfModel(profile(cpu_gbps=90)).choose(8, 400, 1024, ("never", "staggered"), GROUPS)
     assert f"{best.cpu_requests} host row(s) per step" in line and f"{best.tokens_per_s:.0f} vs" in line
+    (bound,) = [x for x in lines if x.startswith("host-pool bound of the staggered plan")]
+    never = PerfModel(profile(cpu_gbps=90)).predict("never", 8, 0, 1024)
+    assert f"{400 // GROUPS} row(s)" in bound and f"+{(400 // GROUPS) / never.step_s:.0f} tokens/s" in bound
 
 
 def test_a_large_bound_is_taken_and_never_exceeds_ideal_gain():
@@ -99,6 +102,7 @@ def test_a_large_bound_is_taken_and_never_exceeds_ideal_gain():
     gain = choice.tokens_per_s - never.tokens_per_s
     assert 0 < gain <= model.ideal_gain(context) * 1.001
     assert model.ideal_gain(context) == pytest.approx(90e9 / (KV_PER_TOKEN * context), rel=1e-6)
+    assert model.cpu_seconds_per_token() == pytest.approx(KV_PER_TOKEN / 90e9, rel=1e-6)
 
 
 @pytest.mark.parametrize("cpu_gbps", [0.1, 5, 20, 90, 400])

@@ -321,6 +321,53 @@ def test_the_row_limit_separates_the_jobs_fixed_cost_from_its_rows():
     assert averaged.update(576) == 1
 
 
+def test_the_profiled_cpu_rate_bounds_the_job_fit():
+    """Session 18's collapse: the few jobs of a pipeline that filled briefly and drained, mostly per-call costs,
+    read as 3.2 ms a row (the profile: 0.71 ms), so the rows fell to 1-2 and the model's ceiling to 0 for good.
+    With the profiled rate the fit stays within PRIOR_SPREAD of it both ways."""
+    from apex_compile.runtime.stagger import JOB_SHARE, PRIOR_SPREAD, RowLimit
+
+    context, layers = 600, 32
+    prior = 4096 / 111e9  # seconds per (layer, context token): 4 KiB of K/V per token and layer at 111 GB/s
+    per_row = prior * layers * context  # 0.71 ms
+    for kind in ("unbounded", "bounded"):
+        rows = RowLimit(width=8, num_layers=layers, adaptive=True, prior_rate=prior if kind == "bounded" else None)
+        for used_layers in (2, 3, 4, 3, 2, 1):  # small jobs: a row at a few layers, 0.5-0.8 ms each
+            rows.observe_job(0.4e-3 + 0.1e-3 * used_layers, work=used_layers * context)
+        rows.observe_step(6.1e-3)
+        limit = rows.update(context)
+        if kind == "unbounded":
+            assert limit <= 2  # the collapse the bound prevents
+        else:
+            assert rows.rate == pytest.approx(PRIOR_SPREAD * prior)
+            assert limit == int((JOB_SHARE * 6.1e-3 - rows.fixed) / (PRIOR_SPREAD * per_row)) >= 4
+    # a flat fit that would read the CPU as nearly free: the rate is at least prior / PRIOR_SPREAD, so the
+    # fixed part is what the jobs' time leaves beyond that (not the whole job)
+    flat = RowLimit(width=8, num_layers=layers, adaptive=True, prior_rate=prior)
+    for used in (3, 3, 4, 3, 3, 4, 3):
+        flat.observe_job(2.08e-3 + 0.15e-3 * used, work=used * layers * context)
+    assert flat.rate == pytest.approx(prior / PRIOR_SPREAD)
+    assert flat.fixed < 2.08e-3 - 0.5e-3
+
+
+def test_auto_gives_its_pipeline_the_profiled_cpu_rate():
+    """offload="auto"'s adaptive pipeline bounds its job fit by the profile's CPU rate per (layer, token);
+    a pipeline without a performance model has no bound."""
+    apex = staggered(sharp_model(), width="auto")
+    engine = apex.engine
+    assert engine.stagger.rows.prior_rate is None
+
+    class Model:
+        def cpu_seconds_per_token(self):
+            return 2e-6
+
+    engine.auto_policy = type("Policy", (), {"model": Model()})()
+    pipeline = engine._stagger_pipeline("auto")
+    assert pipeline.rows.prior_rate == pytest.approx(2e-6 / LAYERS)
+    pipeline.close()
+    apex.close()
+
+
 def test_rows_are_taken_away_while_the_gpu_waits_for_the_cpu_job():
     """A fit that flatters the CPU (its jobs ran faster than the jobs now do): the steps show the launching
     thread waiting for the job, so a row goes per step until the waits stop, and comes back only after
