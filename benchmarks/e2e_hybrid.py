@@ -36,13 +36,16 @@ from apex_compile.runtime.perf_profile import engine_profile  # noqa: E402
 GiB = 1 << 30
 
 
-def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps=0, probe=None):
+def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps=0, probe=None, start_step=0):
     """Tokens/s over `window_steps` steps after `warm_steps`, the engine topped up from `prompts` (cycled) so
     requests always wait; with the staggered plan first up to `fill_steps` steps until its pipeline is full
     (a host request lives 2 * (layers + 1) steps per token, so the window would otherwise be its ramp).
     Returns {tokens_per_s, host_tokens, fill_steps, fill_s, steps: [(gpu rows, cpu rows, mean context,
     seconds, prefill tokens)] of the window, prefill: [(seconds, prefill tokens)] of every step outside it,
-    decode_phase_s: the median main-thread seconds per part of `engine.step()` over the window's decode steps}.
+    decode_phase_s: the median main-thread seconds per part of `engine.step()` over the window's decode steps,
+    window_start: the steps run before the window}. More warm-up steps run until `start_step` steps are done:
+    the workload's requests start together and finish in waves, so windows of modes compared must start at the
+    same step (a pipeline's fill would otherwise put its window in another phase of the waves).
     probe(one_step), when given, runs after the window with the engine still full (its result under "probe")."""
     stagger = engine.stagger
     supplied = 0
@@ -100,6 +103,10 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
         step, _ = one_step()
         prefill.append((step[3], step[4]))
     fill()  # an adaptive pipeline's capacity follows its measured rows: full again at the window's start
+    while len(prefill) < start_step:
+        step, _ = one_step()
+        prefill.append((step[3], step[4]))
+    window_start = len(prefill)
     fill_s = time.perf_counter() - begin
     filled_share = (stagger.num_members / max(stagger.capacity, 1) if stagger is not None and stagger.capacity
                     else None)  # < 1: cut by fill_steps
@@ -123,7 +130,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     engine._schedule = schedule
     return {"tokens_per_s": generated / seconds, "window_s": seconds, "tokens": generated,
             "host_tokens": host_tokens, "fill_steps": filled, "fill_s": fill_s, "pipeline_filled": filled_share,
-            "ahead_steps": ahead,
+            "ahead_steps": ahead, "window_start": window_start,
             "steps": steps, "prefill": prefill,
             "probe": probed, "slow_decode_steps": slow,
             "decode_phase_s": {k: statistics.median(p[k] for p in decode_phases)
@@ -187,6 +194,12 @@ def parse_mode(mode: str):
     return (mode if mode in ("never", "auto", "all") else float(mode)), None
 
 
+def run_order(modes):
+    """The modes in the order they run: "never" last, so that it warms up to the step where the others' windows
+    began (their pipelines' fill) and every window sees the same phase of the request waves."""
+    return [m for m in modes if m != "never"] + [m for m in modes if m == "never"]
+
+
 def hybrid_config(mode, device_bytes, host_bytes, max_seqs, max_tokens, prefill_while_decoding, cpu_threads=None):
     """The engine config of a mode in this benchmark: a 2048-token step budget (whole host prompts), the prompt
     cap beside decoding, requests up to `max_tokens` (prompt + new tokens)."""
@@ -197,15 +210,17 @@ def hybrid_config(mode, device_bytes, host_bytes, max_seqs, max_tokens, prefill_
                       max_model_len=max_tokens + 64)
 
 
-def run_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seqs, args):
+def run_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seqs, args, start_step=0):
     """{tokens_per_s, decode_step_s, host_requests, steps: [(gpu rows, cpu rows, mean context, seconds)]} at
-    steady state (a first, shorter run captures the graphs its step shapes need)."""
+    steady state (a first, shorter run captures the graphs its step shapes need), its window from step
+    `start_step` on at the earliest."""
     apex = optimize(model, hybrid_config(mode, device_bytes, host_bytes, max_seqs, len(prompts[0]) + new_tokens,
                                          args.prefill_while_decoding, args.cpu_threads))
     engine = apex.engine
     engine.warmup()
     sampling = SamplingParams(max_new_tokens=new_tokens)
-    run = steady_state(engine, prompts, sampling, args.warm_steps, args.window_steps, args.fill_steps)
+    run = steady_state(engine, prompts, sampling, args.warm_steps, args.window_steps, args.fill_steps,
+                       start_step=start_step)
     decode = [s[3] for s in run["steps"] if not s[4]]
     run["amortized_tokens_per_s"], run["prefill_s_per_token"], run["prefill_samples"] = amortized(
         run, len(prompts[0]), new_tokens)
@@ -322,12 +337,13 @@ def main():
             device_bytes = int(gib * GiB)
             count = max(device_bytes // per_request, 1)  # requests the device pool holds
             prompts = torch.randint(3, shape["vocab_size"], (64, args.prompt)).tolist()
-            runs = {}
-            for m in modes:  # one line per mode as it ends: a run cut short keeps what it measured
+            runs, start = {}, 0
+            for m in run_order(modes):  # one line per mode as it ends: a run cut short keeps what it measured
                 begin = time.perf_counter()
-                runs[m] = run_mode(model, m, device_bytes, int(args.host_gib * GiB), prompts, args.new_tokens,
-                                   args.max_seqs, args)
-                r = runs[m]
+                r = run_mode(model, m, device_bytes, int(args.host_gib * GiB), prompts, args.new_tokens,
+                             args.max_seqs, args, start_step=start)
+                runs[m] = r
+                start = max(start, r["window_start"])
                 cpu = (f"; CPU job {r['cpu_job_s'] * 1e3:.2f} ms (+{r['cpu_job_ready_wait_s'] * 1e3:.2f} waiting for "
                        f"its inputs), collect wait {r['collect_wait_s'] * 1e3:.2f} ms" if "cpu_job_s" in r else "")
                 if "stagger_rows" in r:
@@ -345,7 +361,7 @@ def main():
                       f"median step {r['decode_step_s'] * 1e3:.2f} ms"
                       f" ({r['decode_only_steps']} decode-only: "
                       f"{only * 1e3 if only else float('nan'):.2f} ms), fill {r['fill_steps']} steps "
-                      f"{r['fill_s']:.0f} s{full}{cpu} ({time.perf_counter() - begin:.0f} s in all); "
+                      f"{r['fill_s']:.0f} s{full}, window from step {r['window_start']}{cpu} ({time.perf_counter() - begin:.0f} s in all); "
                       f"{r['explain'].splitlines()[0][:120]}", flush=True)
                 slow = r.get("slow_decode_steps")
                 if slow and slow["count"]:
@@ -394,6 +410,10 @@ def main():
                    "modes": {m: {k: v for k, v in r.items() if k != "steps"} for m, r in runs.items()},
                    "steps": {m: r["steps"] for m, r in runs.items()}}
             result["rows"].append(row)
+            starts = {runs[m]["window_start"] for m in modes}
+            if len(starts) > 1:  # a pipeline mode run after another filled longer: its window starts later
+                print(f"   windows start at different steps: " + ", ".join(
+                    f"{m} {runs[m]['window_start']}" for m in modes), flush=True)
             cells = " | ".join(f"{runs[m]['tokens_per_s']:7.0f} {runs[m]['decode_step_s'] * 1e3:6.1f}ms"
                                for m in modes)
             err = errors.get("auto") if errors.get("auto") is not None else errors.get("never")

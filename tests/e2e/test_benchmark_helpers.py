@@ -73,3 +73,19 @@ def test_gpu_busy_is_the_union_of_gpu_intervals_in_each_step_window(tmp_path):
     assert (wall, gpu) == (100, 50) and dict(kernels) == {"gemm": 30, "attn": 20, "copy": 10}
     wall, gpu, kernels = busy["apex_step_1"]
     assert (wall, gpu) == (50, 20) and dict(kernels) == {"copy": 10, "gemm": 10}
+
+
+def test_windows_of_compared_modes_start_at_the_same_step():
+    """The workload's requests start together and finish in waves: a mode's window starts no earlier than
+    `start_step` (the step where the modes run before it began theirs), and "never" runs last to align."""
+    from apex_compile import ApexConfig, SamplingParams, optimize
+
+    assert e2e_hybrid.run_order(["never", "auto", "0.5"]) == ["auto", "0.5", "never"]
+    model = tiny_model("llama", layers=2)
+    engine = optimize(model, ApexConfig(offload="never", compile=False, max_num_seqs=4)).engine
+    prompts = [[5, 6, 7, 8]] * 4
+    run = e2e_hybrid.steady_state(engine, prompts, SamplingParams(max_new_tokens=3), warm_steps=2,
+                                  window_steps=3, start_step=7)
+    assert run["window_start"] == 7 and len(run["steps"]) == 3 and len(run["prefill"]) == 7
+    run = e2e_hybrid.steady_state(engine, prompts, SamplingParams(max_new_tokens=3), warm_steps=2, window_steps=3)
+    assert run["window_start"] == 2
