@@ -77,10 +77,9 @@ def test_gpu_busy_is_the_union_of_gpu_intervals_in_each_step_window(tmp_path):
 
 def test_windows_of_compared_modes_start_at_the_same_step():
     """The workload's requests start together and finish in waves: a mode's window starts no earlier than
-    `start_step` (the step where the modes run before it began theirs), and "never" runs last to align."""
+    `start_step` (e2e_hybrid passes warm-up + the longest fill to every mode)."""
     from apex_compile import ApexConfig, SamplingParams, optimize
 
-    assert e2e_hybrid.run_order(["never", "auto", "0.5"]) == ["auto", "0.5", "never"]
     model = tiny_model("llama", layers=2)
     engine = optimize(model, ApexConfig(offload="never", compile=False, max_num_seqs=4)).engine
     prompts = [[5, 6, 7, 8]] * 4
