@@ -223,6 +223,7 @@ class StaggerPipeline:
                                                 for _ in range(LANES)]
         self.joining: Deque[Request] = collections.deque()
         self.inside = 0  # requests in the groups of both lanes (kept by begin_step, finish, remove)
+        self.evicted = 0  # requests sent back to wait in `joining` by a fallen row limit (begin_step)
         self.rope = rope
         self.steps = 0
         self.begun = False  # begin_step ran for a step whose end_step has not
@@ -324,6 +325,9 @@ class StaggerPipeline:
                     self.inside -= 1
                     lane[0] = self._group(first)
                     return
+        if request in self.joining:  # that turn sent it back to wait (a fallen row limit)
+            self.joining.remove(request)
+            return
         raise ValueError(f"request {request.request_id} is not in a last or first group of the staggered pipeline")
 
     def close(self) -> None:
@@ -343,7 +347,20 @@ class StaggerPipeline:
         lane = self.lanes[self.steps % LANES]
         entering = lane.pop().requests
         limit = self._row_limit(lane)
-        used = sum(r is not None for r in entering)
+        # requests going on beyond the limit (it fell: a CPU behind, or the model's ceiling) wait first in line
+        # to rejoin, their blocks kept; admitted requests keep at least one row, so they all finish
+        evicted, used = [], 0
+        for row, r in enumerate(entering):
+            if r is None:
+                continue
+            if used < max(limit, 1):
+                used += 1
+            else:
+                entering[row] = None
+                evicted.append(r)
+        self.inside -= len(evicted)
+        self.joining.extendleft(reversed(evicted))
+        self.evicted += len(evicted)
         for row in range(self.width):
             if used >= limit or not self.joining:
                 break

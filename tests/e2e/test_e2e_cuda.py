@@ -191,6 +191,33 @@ def test_staggered_equals_hf_generate_fp32(width):
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 
+def test_a_fallen_row_limit_on_the_gpu_equals_hf_generate_fp32():
+    """The rows' limit falls to 0 while three rows are in use (async scheduling, captured graphs): requests
+    beyond the one row left wait to rejoin and all finish with HF's tokens."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = random_llama(torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4)
+            layer.self_attn.k_proj.weight.mul_(4)
+    ids, mask, ref, block = small_pool_case(model)
+    apex = optimize(model, ApexConfig(offload="staggered", stagger_width=3, gpu_cache_size=8 * block,
+                                      cpu_cache_size=32 * MB))
+    stagger = apex.engine.stagger
+    begin = stagger.begin_step
+
+    def begin_and_cut():
+        begin()
+        if sum(r is not None for r in stagger.groups[0].requests) >= 2:
+            stagger.rows.set_ceiling(0)
+
+    stagger.begin_step = begin_and_cut
+    out = apex.generate(ids, attention_mask=mask, **GREEDY_20)
+    assert torch.equal(out, ref)
+    assert stagger.rows.ceiling == 0 and stagger.evicted > 0
+    assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+
+
 def test_auto_that_chooses_the_staggered_plan_equals_hf_generate_fp32(tmp_path, monkeypatch):
     """offload="auto" whose model predicts the staggered plan pays (a profile with a fast CPU, the model's
     rows per step pinned to the block's width so the choice does not hang on this tiny model's timings):

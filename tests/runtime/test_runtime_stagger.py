@@ -429,6 +429,31 @@ def test_a_ceiling_of_zero_admits_nothing_and_lets_admitted_requests_finish():
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 
+def test_a_fallen_row_limit_sends_requests_beyond_it_back_to_wait():
+    """When the limit falls below the rows in use (the CPU job fell behind, or the model's ceiling dropped), the
+    requests beyond it leave the pipeline at their next turn and wait first in line to rejoin (their blocks
+    kept), so the CPU job shrinks at once instead of after their whole generation; at least one row goes on,
+    so every request finishes, with HF's tokens."""
+    torch.manual_seed(9)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (6, 11, 4, 9, 13, 5, 7, 8, 10)]
+    reference = hf_tokens(model, prompts, 12)
+    apex = staggered(model, width=3)
+    stagger = apex.engine.stagger
+    tokens, cut, most_after = [[] for _ in prompts], None, 0
+    for step, event in enumerate(apex.engine.stream(prompts, SamplingParams(max_new_tokens=12))):
+        tokens[event.index].append(event.token_id)
+        in_use = max(sum(r is not None for r in g.requests) for lane in stagger.lanes for g in lane)
+        if cut is None and in_use >= 2:
+            stagger.rows.set_ceiling(0)
+            cut = stagger.steps
+        elif cut is not None and stagger.steps > cut + 2 * (LAYERS + 1):  # every group of both lanes had its turn
+            most_after = max(most_after, in_use)
+    assert cut is not None and stagger.evicted > 0 and most_after == 1
+    assert tokens == reference
+    assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+
+
 def test_auto_ceiling_is_chosen_among_the_rows_the_cpu_job_fits():
     """offload="auto": the model's rows are chosen among those the measured job fits, so a plan whose job fits
     fewer rows than its overhead needs to pay gets a ceiling of 0 (no request enters the pipeline), where the
