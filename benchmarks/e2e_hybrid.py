@@ -355,7 +355,8 @@ def main():
                       f"median step {r['decode_step_s'] * 1e3:.2f} ms"
                       f" ({r['decode_only_steps']} decode-only: "
                       f"{only * 1e3 if only else float('nan'):.2f} ms), fill {r['fill_steps']} steps "
-                      f"{r['fill_s']:.0f} s{full}, window from step {r['window_start']}{cpu} ({time.perf_counter() - begin:.0f} s in all); "
+                      f"{r['fill_s']:.0f} s{full}, window from step {r['window_start']}{cpu} "
+                      f"({time.perf_counter() - begin:.0f} s in all); "
                       f"{r['explain'].splitlines()[0][:120]}", flush=True)
                 slow = r.get("slow_decode_steps")
                 if slow and slow["count"]:

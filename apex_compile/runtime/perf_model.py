@@ -362,7 +362,8 @@ class AutoOffload:
         # what the host pool allows at all: each row holds stagger_groups requests (a token per step per row)
         pool_rows = cpu_tokens // max(context, 1) // self.stagger_groups
         bound = pool_rows / never.step_s
-        lines.insert(-1, f"host-pool bound of the staggered plan: {pool_rows} row(s) of {self.stagger_groups} requests of "
+        lines.insert(-1, f"host-pool bound of the staggered plan: {pool_rows} row(s) of {self.stagger_groups} "
+                         f"requests of "
                      f"{context} tokens, so at most +{bound:.0f} tokens/s at the GPU-only step "
                      f"({bound / self.model.ideal_gain(context):.2f} of ideal_gain)")
         return lines

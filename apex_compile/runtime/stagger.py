@@ -57,14 +57,14 @@ PRIOR_SPREAD = 1.5
 
 
 class RowLimit:
-    """How many rows of a lane's turn take requests, where the pipeline adapts it: the most whose CPU job fits in
-    JOB_SHARE of a step, from a running fit of the job's seconds as a fixed part plus a rate per (layer, context
-    token) (the slope from jobs of different work, as a filling pipeline runs; the fixed part keeps the job's
-    per-call costs from reading as per-row ones) and a running average of the step (measured without the
-    launching thread's wait for the job, so a CPU that falls behind does not loosen its own limit). A guard
-    against a fit that flatters the CPU (a slower host than the fit's jobs showed): each step in which the
-    launching thread waits for the job more than WAIT_SHARE of the step, as it has on average lately, takes a
-    row away; one comes back after REGROW_STEPS steps without such a wait. With the performance model's CPU
+    """How many rows of a lane's turn hold requests (beyond it, requests wait to rejoin), where the pipeline adapts
+    it: the most whose CPU job fits in JOB_SHARE of a step, from a running fit of the job's seconds as a fixed part
+    plus a rate per (layer, context token) (the slope from jobs of different work, as a filling pipeline runs; the
+    fixed part keeps the job's per-call costs from reading as per-row ones) and a running average of the step
+    (measured without the launching thread's wait for the job, so a CPU that falls behind does not loosen its own
+    limit). A guard against a fit that flatters the CPU (a slower host than the fit's jobs showed): each step in
+    which the launching thread waits for the job more than WAIT_SHARE of the step, as it has on average lately,
+    takes a row away; one comes back after REGROW_STEPS steps without such a wait. With the performance model's CPU
     rate (`prior_rate`) the fit's rate is kept within PRIOR_SPREAD of it. A fixed pipeline keeps every row."""
 
     def __init__(self, width: int, num_layers: int, adaptive: bool, prior_rate: Optional[float] = None):
@@ -338,10 +338,10 @@ class StaggerPipeline:
     # a step: begin (host to device), the forward, end (device to host, CPU job)
 
     def begin_step(self) -> None:
-        """Before a step (the engine calls it while the GPU still runs the step before, after its `end_step`):
-        the next lane's groups shift by one (the last re-enters as group 0, free rows of group 0 take joining
-        requests); its positions and residual rows go to the fixed device buffers, queued behind the running
-        step. `collect` then brings the attention outputs of its CPU job."""
+        """Before a step (the engine calls it while the GPU still runs the step before, after its `end_step`): the
+        next lane's groups shift by one (the last re-enters as group 0 up to the row limit, free rows of group 0
+        take joining requests); its positions and residual rows go to the fixed device buffers, queued behind the
+        running step. `collect` then brings the attention outputs of its CPU job."""
         self.begun = True
         self.steps += 1
         lane = self.lanes[self.steps % LANES]
