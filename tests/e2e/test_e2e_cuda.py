@@ -172,17 +172,23 @@ def small_pool_case(model):
     return ids, mask, ref, block
 
 
-@pytest.mark.parametrize("width", [1, 3])
-def test_staggered_equals_hf_generate_fp32(width):
-    """Requests the small device pool cannot take decode staggered from the host pool (CPU attention on the
-    worker thread, one layer per step): the same tokens as HF (attention sharpened so RoPE rows matter)."""
+def sharp_small_pool_case():
+    """small_pool_case of an fp32 model whose attention is sharpened (so RoPE rows matter), TF32 off; the model
+    comes last."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = random_llama(torch.float32)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(4)
             layer.self_attn.k_proj.weight.mul_(4)
-    ids, mask, ref, block = small_pool_case(model)
+    return (*small_pool_case(model), model)
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_staggered_equals_hf_generate_fp32(width):
+    """Requests the small device pool cannot take decode staggered from the host pool (CPU attention on the
+    worker thread, one layer per step): the same tokens as HF (attention sharpened so RoPE rows matter)."""
+    ids, mask, ref, block, model = sharp_small_pool_case()
     apex = optimize(model, ApexConfig(offload="staggered", stagger_width=width, gpu_cache_size=8 * block,
                                       cpu_cache_size=32 * MB))
     out = apex.generate(ids, attention_mask=mask, **GREEDY_20)
@@ -194,13 +200,7 @@ def test_staggered_equals_hf_generate_fp32(width):
 def test_a_fallen_row_limit_on_the_gpu_equals_hf_generate_fp32():
     """The rows' limit falls to 0 while three rows are in use (async scheduling, captured graphs): requests
     beyond the one row left wait to rejoin and all finish with HF's tokens."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    model = random_llama(torch.float32)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(4)
-            layer.self_attn.k_proj.weight.mul_(4)
-    ids, mask, ref, block = small_pool_case(model)
+    ids, mask, ref, block, model = sharp_small_pool_case()
     apex = optimize(model, ApexConfig(offload="staggered", stagger_width=3, gpu_cache_size=8 * block,
                                       cpu_cache_size=32 * MB))
     stagger = apex.engine.stagger
