@@ -363,7 +363,6 @@ class AutoOffload:
         pool_rows = cpu_tokens // max(context, 1) // self.stagger_groups
         bound = pool_rows / never.step_s
         lines.insert(-1, f"host-pool bound of the staggered plan: {pool_rows} row(s) of {self.stagger_groups} "
-                         f"requests of "
-                     f"{context} tokens, so at most +{bound:.0f} tokens/s at the GPU-only step "
-                     f"({bound / self.model.ideal_gain(context):.2f} of ideal_gain)")
+                         f"requests of {context} tokens, so at most +{bound:.0f} tokens/s at the GPU-only step "
+                         f"({bound / self.model.ideal_gain(context):.2f} of ideal_gain)")
         return lines
