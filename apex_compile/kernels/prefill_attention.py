@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from apex_compile.kernels._common import UPCAST_DOT_OPERANDS, cdiv, dot_precision, next_pow2, sm_count
-from apex_compile.kernels.paged_attention import LOG2E, attend_chunk, check_attention_inputs, output_for
+from apex_compile.kernels.paged_attention import (LOG2E, attend_chunk, check_attention_inputs, output_for,
+                                                  trusted_geometry)
 
 
 @triton.jit(do_not_specialize=["stride_block_tables", "max_blocks_per_seq", "num_q_blocks"])
@@ -116,11 +117,14 @@ def check_prefill_inputs(query, key_cache, value_cache, block_tables, query_star
 
 
 def paged_prefill_launch(query, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale=None,
-                         max_query_len=None, config: Optional[dict] = None, out=None) -> torch.Tensor:
+                         max_query_len=None, config: Optional[dict] = None, out=None,
+                         check: bool = True) -> torch.Tensor:
     """Runs the Triton prefill kernel; `config` overrides the tile sizes (tests, benchmarks); out: a contiguous
-    tensor shaped and typed like query to write into (default new)."""
-    num_kv_heads, group, block_size, head_dim = check_prefill_inputs(
-        query, key_cache, value_cache, block_tables, query_start_loc, context_lens)
+    tensor shaped and typed like query to write into (default new); check=False skips the validation
+    (`trusted_geometry`)."""
+    num_kv_heads, group, block_size, head_dim = (
+        check_prefill_inputs(query, key_cache, value_cache, block_tables, query_start_loc, context_lens) if check
+        else trusted_geometry(query, key_cache))
     out = output_for(query, out)
     num_seqs = block_tables.shape[0]
     if num_seqs == 0 or query.shape[0] == 0:

@@ -638,3 +638,32 @@ def test_prefill_tiles_follow_the_grid(monkeypatch):
     assert default_prefill_config(128, cuda, 32 * 32 * 1)["BLOCK_M"] == 128  # one 4096-token prompt
     assert default_prefill_config(128, cuda)["BLOCK_M"] == 128
     assert default_prefill_config(128, torch.device("cpu"), 1)["BLOCK_M"] == 32
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_unchecked_launches_equal_checked_ones(device):
+    """check=False (the engine's runner on CUDA: inputs it built, launched per layer from Python) skips only the
+    validation: every launcher writes what its checked call writes, caches included."""
+    from apex_compile.kernels.paged_attention import (cache_append_launch, paged_decode_append_launch,
+                                                      paged_decode_launch)
+    from apex_compile.runtime.attention_runner import PagedAttentionRunner
+
+    results = []
+    for check in (True, False):
+        torch.manual_seed(5)
+        case = AppendCase([1, 16, 17, 60], 2, 4, 32, 16, torch.float32, device, padding=1)
+        fused = paged_decode_append_launch(*case.args, check=check)
+        query, _, _, key_cache, value_cache, slots, tables, lens = case.args[:8]
+        decode = paged_decode_launch(query, key_cache, value_cache, tables, lens, check=check)
+        cache_append_launch(case.key, case.value, key_cache, value_cache, slots, check=check)
+        batch, prefill_query, starts, _ = prefill_case([5, 1, 16], [40, 7, 16], 1, 3, 32, 16, torch.float32, device)
+        prefill = paged_prefill_launch(prefill_query, batch.key_cache, batch.value_cache, batch.block_tables, starts,
+                                       batch.context_lens_tensor, check=check)
+        results.append([fused, decode, key_cache, value_cache, prefill])
+    for checked, unchecked in zip(*results):
+        torch.testing.assert_close(unchecked, checked, rtol=0, atol=0, equal_nan=True)
+    from apex_compile.runtime.kv_manager import CacheShape, KVManager
+
+    kv = KVManager(CacheShape(1, 1, 32, 16, torch.float32), 4, 0, torch.device("cpu"))
+    runner = PagedAttentionRunner(kv, torch.device("cpu"))  # not CUDA: its launches keep their checks
+    assert runner._paged_gpu.keywords == {"check": True} and runner._prefill_gpu.keywords == {"check": True}
