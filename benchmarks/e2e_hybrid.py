@@ -405,10 +405,6 @@ def main():
                    "modes": {m: {k: v for k, v in r.items() if k != "steps"} for m, r in runs.items()},
                    "steps": {m: r["steps"] for m, r in runs.items()}}
             result["rows"].append(row)
-            starts = {runs[m]["window_start"] for m in modes}
-            if len(starts) > 1:  # (not expected: fill and warm-up together never exceed start_step)
-                print(f"   windows start at different steps: " + ", ".join(
-                    f"{m} {runs[m]['window_start']}" for m in modes), flush=True)
             cells = " | ".join(f"{runs[m]['tokens_per_s']:7.0f} {runs[m]['decode_step_s'] * 1e3:6.1f}ms"
                                for m in modes)
             err = errors.get("auto") if errors.get("auto") is not None else errors.get("never")

@@ -405,7 +405,7 @@ def _check_append_inputs(key, value, key_cache, value_cache, slot_mapping):
 def trusted_geometry(query: torch.Tensor, key_cache: torch.Tensor) -> tuple[int, int, int, int]:
     """(num_kv_heads, group, block_size, head_dim) from shapes alone: the launchers' `check=False` path, for a
     caller that builds its inputs (the engine's runner on CUDA, where a mixed step launches these per layer
-    from Python and the checks were ~12% of its launching thread's time)."""
+    from Python and the checks were ~12% of its launching thread's time under cProfile)."""
     _, num_kv_heads, block_size, head_dim = key_cache.shape
     return num_kv_heads, query.shape[1] // num_kv_heads, block_size, head_dim
 

@@ -348,7 +348,8 @@ class AutoOffload:
         """The model's verdict for a load of `context`-token requests filling the device pool."""
         gpu = max(min(max_seqs, gpu_tokens // max(context, 1)), 1)
         cpu = max(min(max_seqs - gpu, cpu_tokens // max(context, 1)), 0)
-        width = min(cpu_tokens // max(context, 1) // self.stagger_groups, STAGGER_ROWS)
+        pool_rows = cpu_tokens // max(context, 1) // self.stagger_groups  # rows the host pool can fill
+        width = min(pool_rows, STAGGER_ROWS)
         lines = self.model.explain(gpu, cpu, context, plans=("never", "overlap"))
         rows = self.stagger_rows(gpu, context, width)
         never = self.model.predict("never", gpu, 0, context)
@@ -360,7 +361,6 @@ class AutoOffload:
                      f"({best.tokens_per_s / never.tokens_per_s - 1:+.1%}; it needs {self.stagger_margin:+.0%}): "
                      f"{rows} row(s)")
         # what the host pool allows at all: each row holds stagger_groups requests (a token per step per row)
-        pool_rows = cpu_tokens // max(context, 1) // self.stagger_groups
         bound = pool_rows / never.step_s
         lines.insert(-1, f"host-pool bound of the staggered plan: {pool_rows} row(s) of {self.stagger_groups} "
                          f"requests of {context} tokens, so at most +{bound:.0f} tokens/s at the GPU-only step "

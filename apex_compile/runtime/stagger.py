@@ -348,12 +348,12 @@ class StaggerPipeline:
         entering = lane.pop().requests
         limit = self._row_limit(lane)
         # requests going on beyond the limit (it fell: a CPU behind, or the model's ceiling) wait first in line
-        # to rejoin, their blocks kept; admitted requests keep at least one row, so they all finish
+        # to rejoin, their blocks kept
         evicted, used = [], 0
         for row, r in enumerate(entering):
             if r is None:
                 continue
-            if used < max(limit, 1):
+            if used < limit:
                 used += 1
             else:
                 entering[row] = None
@@ -394,8 +394,8 @@ class StaggerPipeline:
             self._last_begin = now
             lens = [g.context_lens for g in lane if g.size]
             rows.update(float(np.concatenate(lens).mean()) if lens else 0.0)
-        # requests already admitted still enter after the model's ceiling fell to 0 (one row per turn)
-        return max(rows.limit, 1) if self.joining else rows.limit
+        # admitted requests (inside, or waiting to join) keep at least one row, so they all finish
+        return max(rows.limit, 1) if self.joining or self.inside else rows.limit
 
     def forward_queued(self) -> None:
         """After every forward the engine queues: the CPU job launched after the step before starts now, not
