@@ -57,6 +57,10 @@ class ApexConfig:
     cuda_graphs: on CUDA with `compile`, decode steps of the device pool replay whole-forward CUDA graphs
         captured per batch size (see `capture_sizes`); False runs every step through the compiled code
         (debugging). Ignored on the CPU.
+    mixed_graphs: with `cuda_graphs`, steps that hold prompt chunks (with or without decode rows), every row in
+        the device pool, replay one whole-forward graph each (attention in a fixed layout, one graph per
+        padded size, captured the first time a size is met); False: such steps run piecewise up to 512 rows
+        (graphs between eager attention calls) and uncaptured above, as do steps with host-pool rows.
     async_scheduling: queue a decode step while the previous one runs on the GPU, its input ids taken from
         the previous step's sampled ids on the device, so that scheduling and the step's metadata are off the
         critical path. Only steps whose rows all decode in the device pool (beside the staggered block, whose
@@ -79,6 +83,7 @@ class ApexConfig:
     compile: bool = True
     inner: Optional[str] = None
     cuda_graphs: bool = True
+    mixed_graphs: bool = True
     async_scheduling: Optional[bool] = None
     capture_sizes: Optional[Sequence[int]] = None
     stagger_width: Union[int, str, None] = None

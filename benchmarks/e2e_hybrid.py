@@ -186,8 +186,12 @@ def amortized(run, prompt_len, new_tokens):
     return run["tokens"] / (run["window_s"] + added), per_token, len(per_step)
 
 
+PIECEWISE_SUFFIX = "/pw"  # a mode run with its mixed steps piecewise (mixed_graphs=False): the same-run A/B
+
+
 def parse_mode(mode: str):
-    """(offload, stagger width) of a mode string."""
+    """(offload, stagger width) of a mode string (a PIECEWISE_SUFFIX aside)."""
+    mode = mode.removesuffix(PIECEWISE_SUFFIX)
     if mode.startswith("staggered"):
         width = mode.partition(":")[2]
         return "staggered", (width if width == "auto" else int(width)) if width else None
@@ -199,6 +203,7 @@ def hybrid_config(mode, device_bytes, host_bytes, max_seqs, max_tokens, prefill_
     cap beside decoding, requests up to `max_tokens` (prompt + new tokens)."""
     offload, width = parse_mode(mode)
     return ApexConfig(offload=offload, stagger_width=width, gpu_cache_size=device_bytes,
+                      mixed_graphs=not mode.endswith(PIECEWISE_SUFFIX),
                       cpu_attention_threads=cpu_threads, cpu_cache_size=host_bytes, max_num_seqs=max_seqs,
                       max_num_batched_tokens=2048, prefill_tokens_while_decoding=prefill_while_decoding,
                       max_model_len=max_tokens + 64)
@@ -291,7 +296,9 @@ def main():
     parser.add_argument("--max-seqs", type=int, default=64, help="max_num_seqs (rows of a step)")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--modes", default="never,auto,0.25,0.5")
+    parser.add_argument("--modes", default="never,auto,0.25,0.5",
+                        help="offload modes (never, auto, all, a fraction, staggered[:width]); a mode + \"/pw\" runs "
+                             "its mixed steps piecewise (mixed_graphs=False), the A/B of whole mixed graphs")
     parser.add_argument("--fill-steps", type=int, default=600,
                         help="at most this many steps to fill the staggered pipeline before --warm-steps")
     parser.add_argument("--warm-steps", type=int, default=100, help="steps before the measured window")

@@ -1,8 +1,8 @@
 """Triton kernel of causal prefill attention over packed variable-length prompts, read from the paged KV cache
 (launched by the op `apex::paged_prefill_attention_gpu`, defined in apex_compile.ops.gpu_attention).
 
-Sequence s owns query rows `query_start_loc[s] : query_start_loc[s + 1]` of the packed `query [T, Hq, D]`;
-those are the last `q_len` tokens of its `context_lens[s]` cached tokens (append them with cache_append_gpu
+Sequence s owns query rows `query_start_loc[s] : query_start_loc[s + 1]` of the packed `query [T, Hq, D]`
+(rows no sequence owns are left as they are in the output; a sequence may be empty); those are the last `q_len` tokens of its `context_lens[s]` cached tokens (append them with cache_append_gpu
 first). Query i of the chunk sits at position `context_len - q_len + i` and attends to cached tokens
 0..position. This covers whole prompts (q_len == context_len), chunked prefill and cached prefixes
 (q_len < context_len), and decode rows (q_len == 1).
@@ -109,8 +109,8 @@ def check_prefill_inputs(query, key_cache, value_cache, block_tables, query_star
         raise ValueError(f"query_start_loc is on {query_start_loc.device}, query on {query.device}")
     if not query_start_loc.is_cuda:
         q_lens = query_start_loc[1:] - query_start_loc[:-1]
-        if int(query_start_loc[0]) != 0 or int(query_start_loc[-1]) != query.shape[0] or bool((q_lens < 0).any()):
-            raise ValueError(f"query_start_loc must rise from 0 to num_tokens={query.shape[0]}")
+        if int(query_start_loc[0]) < 0 or int(query_start_loc[-1]) > query.shape[0] or bool((q_lens < 0).any()):
+            raise ValueError(f"query_start_loc must rise within 0..num_tokens={query.shape[0]}")
         if bool((q_lens > context_lens).any()):
             raise ValueError("a sequence has more query tokens than cached tokens (append K/V first)")
     return geometry

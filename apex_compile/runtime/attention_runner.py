@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from apex_compile.kernels import paged_attention as decode_kernels
 from apex_compile.kernels.paged_attention import cache_append_launch, paged_decode_append_launch, paged_decode_launch
-from apex_compile.kernels.prefill_attention import paged_prefill_launch
+from apex_compile.kernels.prefill_attention import default_prefill_config, paged_prefill_launch
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, KVManager
 from apex_compile.runtime.scheduler import ScheduledChunk
 from apex_compile.runtime.step_buffers import PoolPart
@@ -80,6 +80,8 @@ class PagedAttentionRunner:
                             cache_append_launch, check=check),
                         HOST_POOL: cache_append_cpu}
         self._decode_append = functools.partial(paged_decode_append_launch, check=check)
+        self._decode_append_unchecked = functools.partial(paged_decode_append_launch, check=False)
+        self._mixed_configs: dict = {}  # rows of a mixed step's fixed layout -> its prefill tiles
         self._paged_gpu = functools.partial(paged_decode_launch, check=check)
         self._prefill_gpu = functools.partial(paged_prefill_launch, check=check)
         self._paged_cpu = paged_attention_cpu
@@ -185,6 +187,8 @@ class PagedAttentionRunner:
         (written into `out`, a contiguous tensor shaped like query, when given)."""
         index = part.pool.index
         key_cache, value_cache = part.pool.key_caches[layer_idx], part.pool.value_caches[layer_idx]
+        if part.chunk_tables is not None:
+            return self._run_mixed(part, query, key, value, key_cache, value_cache, scale, out)
         num_paged = part.paged_end - part.start
         if (index == DEVICE_POOL and not self._device_is_cpu and part.query_start_loc is None
                 and num_paged == part.end - part.start):
@@ -199,6 +203,25 @@ class PagedAttentionRunner:
         if num_paged:
             self._attend(part, layer_idx, query[:num_paged], scale, out[:num_paged])
         _attend_fresh(part, query, key, value, scale, out)
+        return out
+
+    def _run_mixed(self, part: PoolPart, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,
+                   out: Optional[torch.Tensor]) -> torch.Tensor:
+        """A mixed step's fixed layout (`StepBuffers.fill(mixed_rows=...)`), launched with grids that depend
+        only on its row count, so one CUDA graph replays any step of that count: the fused decode + append
+        over every row (each row's K/V into the cache; the chunks' rows attend their own token only and are
+        overwritten), then the prefill kernel over the chunks (empty ones do no work). The decode launch skips
+        its check that a row's slot is its last position (not so for a chunk's rows)."""
+        out = self._decode_append_unchecked(query, key, value, key_cache, value_cache, part.slot_mapping,
+                                            part.block_tables, part.context_lens, scale, None, out=out)
+        config = self._mixed_configs.get(query.shape[0])
+        if config is None:  # tiles for one chunk of every row: a prompt chunk beside a few decode rows
+            config = default_prefill_config(query.shape[2], query.device,
+                                            query.shape[1] * -(-query.shape[0] // 128))
+            self._mixed_configs[query.shape[0]] = config
+        self._prefill_gpu(query, key_cache, value_cache, part.chunk_tables, part.query_start_loc,
+                          part.chunk_context_lens, scale, part.max_query_len, config=config, out=out)
         return out
 
     def attention(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -109,6 +109,15 @@ def piecewise_sizes(max_rows: int) -> List[int]:
     return sorted(set(s for s in sizes if s <= max_rows))
 
 
+def padded_key(sizes: List[int], rows: int, num_logits: int) -> Optional[Tuple[int, int]]:
+    """(padded rows, padded logits rows) of a step among sorted `sizes`, or None when it has more rows than every
+    size (the key of a piecewise or mixed step's graphs)."""
+    index = bisect.bisect_left(sizes, rows)
+    if index == len(sizes):
+        return None
+    return sizes[index], sizes[bisect.bisect_left(sizes, max(num_logits, 2))]
+
+
 def weak_ref(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor over `tensor`'s memory that does not keep that memory allocated (as vLLM's piecewise graphs
     keep a captured step's intermediates: the memory pool may reuse it for later pieces, which replay in the
@@ -117,6 +126,51 @@ def weak_ref(tensor: torch.Tensor) -> torch.Tensor:
     alias = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), tensor.device, storage.nbytes())
     return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
         alias, tensor.storage_offset(), tensor.shape, tensor.stride())
+
+
+class MixedGraphs:
+    """Whole-forward graphs of mixed steps (decode rows and prompt chunks, every row in the device pool, with
+    or without the staggered block), keyed like `PiecewiseGraphs` by (padded rows, padded logits rows).
+
+    The step's attention runs in the fixed layout of `StepBuffers.fill(mixed_rows=...)`: kernel grids that
+    depend only on the row count, metadata in the persistent buffers. So the whole step is one replay, where a
+    piecewise step is launched piece by piece from Python between eager attention calls (host time that a
+    busy host, such as one running the staggered plan's CPU job, stretches). Captured lazily, the first time
+    a key is met, after one uncaptured run of the same step (compiles its kernels)."""
+
+    def __init__(self, sizes: List[int], pool=None):
+        self.sizes = sorted(sizes)
+        self.pool = pool
+        self.graphs: Dict[Tuple[int, int], Tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.capture_seconds = 0.0
+        self.replays = 0
+
+    def key_for(self, rows: int, num_logits: int) -> Optional[Tuple[int, int]]:
+        """(padded rows, padded logits rows) of a step, or None when it has more rows than every size."""
+        return padded_key(self.sizes, rows, num_logits)
+
+    def capture(self, key: Tuple[int, int], forward: Callable[[], torch.Tensor]) -> None:
+        """Captures `key`: `forward()` runs the compiled step over inputs already written (a step of padding
+        rows in the fixed layout) and returns its logits."""
+        start = time.perf_counter()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        forward()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        # thread-local: the engine's worker threads may wait on CUDA events meanwhile (K/V exports)
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = forward()
+        torch.cuda.synchronize()
+        self.graphs[key] = (graph, out)
+        self.capture_seconds += time.perf_counter() - start
+
+    def replay(self, key: Tuple[int, int]) -> torch.Tensor:
+        """Replays `key`'s graph; returns its logits [padded logits rows, vocab] (valid until the next replay)."""
+        graph, out = self.graphs[key]
+        graph.replay()
+        self.replays += 1
+        return out
 
 
 # Runner methods whose tensor arguments must stay allocated until the step ends: they start work on another
@@ -209,11 +263,7 @@ class PiecewiseGraphs:
 
     def key_for(self, rows: int, num_logits: int) -> Optional[Tuple[int, int]]:
         """(padded rows, padded logits rows) of a step, or None when it has more rows than every size."""
-        index = bisect.bisect_left(self.sizes, rows)
-        if index == len(self.sizes):
-            return None
-        size = self.sizes[index]
-        return size, self.sizes[bisect.bisect_left(self.sizes, max(num_logits, 2))]
+        return padded_key(self.sizes, rows, num_logits)
 
     def persistent(self, method: str, layer: int, like: torch.Tensor) -> torch.Tensor:
         """The buffer a call's result is copied into: one per (method, layer), shared by every key."""

@@ -21,8 +21,8 @@ from apex_compile.kernels.paged_attention import reserve_decode_counters
 from apex_compile.ops.kv_layout import to_device
 from apex_compile.runtime.attention_runner import PagedAttentionRunner, order_chunks
 from apex_compile.runtime.context import attention_runner
-from apex_compile.runtime.cuda_graphs import (PIECEWISE_MAX_TOKENS, DecodeGraphs, PiecewiseGraphs, capture_sizes,
-                                              piecewise_sizes)
+from apex_compile.runtime.cuda_graphs import (PIECEWISE_MAX_TOKENS, DecodeGraphs, MixedGraphs, PiecewiseGraphs,
+                                              capture_sizes, piecewise_sizes)
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, POOL_NAMES, CacheShape, KVManager
 from apex_compile.runtime.perf_model import AutoOffload, PerfModel, StepCalibration
 from apex_compile.runtime.request import Request, RequestStatus, SamplingParams
@@ -264,6 +264,8 @@ class Engine:
         self.pieces: Optional[PiecewiseGraphs] = None
         self.stagger_pieces: Optional[PiecewiseGraphs] = None
         self.stagger_graphs: Optional[DecodeGraphs] = None
+        self.mixed: Optional[MixedGraphs] = None  # whole graphs of mixed steps (the staggered ones with the block)
+        self.stagger_mixed: Optional[MixedGraphs] = None
         if self.device.type == "cuda" and self.config.cuda_graphs and self.config.compile:
             # the decode kernel's split counters at the largest launch's size, before any capture
             reserve_decode_counters(self.device, (max_rows + width) * self.shape.num_kv_heads)
@@ -276,6 +278,10 @@ class Engine:
                 rows = min(max_rows + width, PIECEWISE_MAX_TOKENS)
                 self.stagger_pieces = PiecewiseGraphs(piecewise_sizes(rows), rows, self.pieces.pool)
                 self.stagger_graphs = DecodeGraphs([n for n in sizes if n <= max_rows])
+            if self.config.mixed_graphs:  # every step size: a whole graph's launch is one call at any size
+                self.mixed = MixedGraphs(piecewise_sizes(max_rows), self.pieces.pool)
+                if self.stagger is not None:
+                    self.stagger_mixed = MixedGraphs(piecewise_sizes(max_rows + width), self.pieces.pool)
         self.sampler = Sampler()
         self.reports: list = []  # pass reports of the compiled step's graphs
         self.stats = EngineStats()
@@ -450,7 +456,8 @@ class Engine:
                 self.runner.close()
                 self.kv.close()
                 for name in ("kv", "scheduler", "runner", "stagger", "buffers", "graphs", "pieces", "stagger_graphs",
-                             "stagger_pieces", "auto_policy", "_step_fn", "_stagger_step_fn"):
+                             "stagger_pieces", "mixed", "stagger_mixed", "auto_policy", "_step_fn",
+                             "_stagger_step_fn"):
                     setattr(self, name, None)
 
     def _stop_reason(self, request: Request) -> Optional[str]:
@@ -544,6 +551,31 @@ class Engine:
         with torch.inference_mode(), self._quiet_stagger(stagger_rows):
             pieces.capture(key, self.runner, forward)
 
+    def _mixed_key(self, chunks: List[ScheduledChunk], num_tokens: int, num_logits: int,
+                   stagger_rows: int = 0):
+        """The key of the whole mixed graph that runs this step (capturing it the first time), or None: no
+        mixed graphs, a chunk outside the device pool, too many prompt chunks, or too many rows."""
+        graphs = self.stagger_mixed if stagger_rows else self.mixed
+        if graphs is None or not StepBuffers.mixed_fits(chunks):
+            return None
+        key = graphs.key_for(num_tokens, num_logits)
+        if key is not None and key not in graphs.graphs:
+            rows, padded_logits = key
+            parts, _ = self.buffers.fill([], [], first_row=stagger_rows, mixed_rows=rows - stagger_rows)
+            if stagger_rows:
+                self.buffers.ids[:stagger_rows], self.buffers.positions[:stagger_rows] = 0, 0
+            self.buffers.logits_indices[:padded_logits] = np.arange(padded_logits) % rows
+            self.buffers.copy_to_device()
+            with torch.inference_mode(), self._quiet_stagger(stagger_rows):
+                graphs.capture(key, lambda: self._run_model(parts, rows, padded_logits,
+                                                            stagger_rows=stagger_rows))
+        return key
+
+    def _captured_seconds(self) -> float:
+        """Seconds spent so far capturing graphs lazily (piecewise and mixed)."""
+        return sum(g.capture_seconds for g in (self.pieces, self.stagger_pieces, self.mixed, self.stagger_mixed)
+                   if g is not None)
+
     @contextlib.contextmanager
     def _quiet_stagger(self, active: bool):
         """While graphs of the staggered step are captured: the residual rows that the capture's uncaptured
@@ -607,16 +639,22 @@ class Engine:
             if size is not None and not self.stagger_graphs.ready:
                 self.capture_stagger_graphs()
         pieces = self.stagger_pieces
-        key = pieces.key_for(num_tokens, len(logit_rows)) if pieces is not None and size is None else None
+        mixed = self._mixed_key(chunks, num_tokens, len(logit_rows), width) if size is None else None
+        key = (pieces.key_for(num_tokens, len(logit_rows)) if pieces is not None and size is None and mixed is None
+               else None)
         if key is not None and key not in pieces.pieces:
             self._capture_pieces(key, width)
         num_logits = len(logit_rows)
         if size is None:
-            padded_logits = key[1] if key is not None else self._logits_rows(num_logits)
+            padded = mixed or key
+            padded_logits = padded[1] if padded is not None else self._logits_rows(num_logits)
             padded_rows = (logit_rows + [num_tokens - 1] * padded_logits)[:padded_logits]
         else:
             padded_rows = logit_rows
-        parts, num_rows = self._fill_staggered(chunks, padded_rows, pad_to=size, total_rows=key and key[0])
+        if mixed is not None:
+            parts, num_rows = self.buffers.fill(chunks, padded_rows, first_row=width, mixed_rows=mixed[0] - width)
+        else:
+            parts, num_rows = self._fill_staggered(chunks, padded_rows, pad_to=size, total_rows=key and key[0])
         self.buffers.ids[:width] = stagger.input_ids()  # (sampled two steps ago, by this lane's last turn)
         self.buffers.positions[:width] = stagger.groups[0].positions
         self.buffers.copy_to_device(device_ids, first_row=width)  # (a step queued ahead: its device rows' ids)
@@ -625,6 +663,8 @@ class Engine:
         self.runner.set_parts(parts, num_rows, width)
         if size is not None:
             logits = _rows_of(self.stagger_graphs.replay(size), logit_rows)
+        elif mixed is not None:
+            logits = self.stagger_mixed.replay(mixed)[:num_logits]
         elif key is not None:
             with torch.inference_mode():
                 logits = pieces.replay(key, self.runner)[:num_logits]
@@ -661,17 +701,26 @@ class Engine:
         if size is not None and not self.graphs.ready:
             self.capture_graphs()
         num_tokens = sum(c.num_tokens for c in chunks)
-        key = self.pieces.key_for(num_tokens, len(logit_rows)) if size is None and self.pieces is not None else None
+        mixed = self._mixed_key(chunks, num_tokens, len(logit_rows)) if size is None else None
+        key = (self.pieces.key_for(num_tokens, len(logit_rows))
+               if size is None and mixed is None and self.pieces is not None else None)
         if key is not None and key not in self.pieces.pieces:
             self._capture_pieces(key)
         num_logits = len(logit_rows)
-        padded_logits = key[1] if key is not None else self._logits_rows(num_logits)
+        padded = mixed or key
+        padded_logits = padded[1] if padded is not None else self._logits_rows(num_logits)
         logit_rows = (logit_rows + [num_tokens - 1] * padded_logits)[:padded_logits]
-        parts, num_rows = self.buffers.fill(chunks, logit_rows, pad_to=size, total_rows=key and key[0])
+        if mixed is not None:
+            parts, num_rows = self.buffers.fill(chunks, logit_rows, mixed_rows=mixed[0])
+        else:
+            parts, num_rows = self.buffers.fill(chunks, logit_rows, pad_to=size, total_rows=key and key[0])
         self.buffers.copy_to_device(device_ids)
         start = self._tick("prepare")
         if size is not None:
             logits = _rows_of(self.graphs.replay(size), logit_rows[:num_logits])
+        elif mixed is not None:
+            self.runner.set_parts(parts, num_rows)
+            logits = self.mixed.replay(mixed)[:num_logits]
         elif key is not None:
             self.runner.set_parts(parts, num_rows)
             with torch.inference_mode():
@@ -712,7 +761,7 @@ class Engine:
             if stagger is not None and stagger.num_members and not (stagger.begun and stagger.active):
                 stagger.begin_step()  # else begun by the step before, while the GPU ran it
             chunks = self._schedule()
-            captured = self.pieces.capture_seconds if self.pieces is not None else 0.0
+            captured = self._captured_seconds()
             start = self._tick("schedule")
             launched = self._launch(chunks)
         self._ahead = self._launch_ahead(launched)  # while this step runs on the GPU
@@ -721,7 +770,7 @@ class Engine:
         policy = self.scheduler.host_policy
         if chunks is None or policy is None:
             return sampled
-        capture_free = self.pieces is None or self.pieces.capture_seconds == captured
+        capture_free = self._captured_seconds() == captured
         if capture_free and all(c.num_tokens == 1 and c.start for c in chunks):
             # a decode step's wall time (the sampled ids' copy waits for the GPU) corrects auto's model
             on_host = sum(1 for c in chunks if c.pool == HOST_POOL)

@@ -8,6 +8,11 @@ step of its size. Host-pool metadata is read by the CPU kernels and stays in hos
 
 Block tables have a fixed width, cdiv(max_model_len, block_size); a row is rewritten only when another
 request takes it or its request gains blocks (then only the new entries).
+
+A mixed step replayed as one CUDA graph (`fill(..., mixed_rows=n)`) has a layout whose kernel grids do not
+depend on the step: the decode kernel runs over all n rows (it appends every row's K/V; the rows of prompt
+chunks attend with context length 1 and are then overwritten), and the prefill kernel over MIXED_CHUNKS
+sequences (empty ones past the step's chunks) whose table rows and context lengths come first.
 """
 import dataclasses
 from typing import List, Optional, Tuple
@@ -19,6 +24,7 @@ from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, BlockTable, 
 from apex_compile.runtime.scheduler import ScheduledChunk
 
 _ALIGN = 64
+MIXED_CHUNKS = 8  # prompt chunks a mixed step's fixed layout holds (the prefill launch's sequences)
 
 
 class _Arena:
@@ -75,6 +81,11 @@ class PoolPart:
     # With query_start_loc: the leading decode rows (a table row each) that the decode kernel serves apart;
     # query_start_loc then covers the chunks after them, rows relative to the first chunk's.
     num_decode: int = 0
+    # The fixed layout of a mixed step's whole graph: block_tables / context_lens have a row per step row (the
+    # decode kernel's, chunk rows at context length 1), these a row per chunk (MIXED_CHUNKS, empty ones last),
+    # and query_start_loc [MIXED_CHUNKS + 1] holds the chunks' rows relative to `start`.
+    chunk_tables: Optional[torch.Tensor] = None
+    chunk_context_lens: Optional[torch.Tensor] = None
 
 
 class _PoolRows:
@@ -116,7 +127,8 @@ class StepBuffers:
         arena.add("input_ids", torch.int64, (max_tokens,))
         arena.add("positions", torch.int64, (max_tokens,))
         arena.add("logits_indices", torch.int64, (max_tokens,))
-        arena.add_pool_rows("d_", max_tokens, self.width)  # tables last: a step copies the rows it uses
+        # tables last: a step copies the rows it uses; MIXED_CHUNKS more rows for a mixed step's chunk rows
+        arena.add_pool_rows("d_", max_tokens + MIXED_CHUNKS, self.width)
         self._tables_offset = arena.offset("d_tables")
         self.host_buf, host = arena.allocate(torch.device("cpu"), pin=on_cuda)
         if on_cuda:
@@ -140,7 +152,8 @@ class StepBuffers:
         self._copied: Optional[torch.cuda.Event] = None  # the last copy; the mirror is not rewritten before it
 
     def fill(self, chunks: List[ScheduledChunk], logit_rows: List[int], pad_to: Optional[int] = None,
-             total_rows: Optional[int] = None, first_row: int = 0) -> Tuple[List[PoolPart], int]:
+             total_rows: Optional[int] = None, first_row: int = 0, mixed_rows: Optional[int] = None
+             ) -> Tuple[List[PoolPart], int]:
         """Writes the step's inputs (chunks in `order_chunks` order) and returns (pool parts, rows).
 
         pad_to: pad a decode-only step of the device pool to that many rows (slot -1, context length 1, input
@@ -150,6 +163,9 @@ class StepBuffers:
         position 0; no attention reads or writes them): the rows of a piecewise-captured step.
         first_row: the pools' rows start there; the rows before it (the staggered block) are written by the
         caller into `ids` / `positions` (after `fill`, which waits for the previous copy).
+        mixed_rows: the fixed layout of a mixed step's whole graph (module docstring), the device pool padded
+        to that many rows (every chunk in the device pool, at most MIXED_CHUNKS of them with several tokens or
+        a prompt's first token; `mixed_fits` says); the logits rows are padded like a piecewise step's.
         Call `copy_to_device` once before the step runs.
         """
         if self._copied is not None:
@@ -158,11 +174,18 @@ class StepBuffers:
         row, parts, used_table_rows = first_row, [], 0
         for pool_index in (DEVICE_POOL, HOST_POOL):
             pool_chunks = [c for c in chunks if c.pool == pool_index]
-            padded = pad_to is not None and pool_index == DEVICE_POOL
+            padded = (pad_to is not None or mixed_rows is not None) and pool_index == DEVICE_POOL
             if not pool_chunks and not padded:
                 continue
-            part = self._fill_pool(pool_index, pool_chunks, row, pad_to if padded else None)
-            if pool_index == DEVICE_POOL and part.block_tables is not None:
+            if mixed_rows is not None:
+                if pool_index != DEVICE_POOL:
+                    raise ValueError("a mixed step's fixed layout holds device-pool chunks only")
+                part = self._fill_mixed(pool_chunks, row, mixed_rows)
+            else:
+                part = self._fill_pool(pool_index, pool_chunks, row, pad_to if padded else None)
+            if mixed_rows is not None:
+                used_table_rows = MIXED_CHUNKS + self._mixed_decode_rows
+            elif pool_index == DEVICE_POOL and part.block_tables is not None:
                 used_table_rows = part.block_tables.shape[0]
             parts.append(part)
             row = part.end
@@ -228,6 +251,61 @@ class StepBuffers:
         return PoolPart(kv.pools[pool_index], start, row, paged_end, rows.dev_slot[:row - start],
                         rows.dev_tables[:entries] if entries else None, rows.dev_ctx[:entries] if entries else None,
                         None if pad_to is not None else max_ctx, fresh, qstart, max_q, num_decode)
+
+    @staticmethod
+    def mixed_fits(chunks: List[ScheduledChunk]) -> bool:
+        """Whether a step's chunks fit a mixed step's fixed layout: all in the device pool, at most MIXED_CHUNKS
+        of them prompt chunks (several tokens, or a prompt's first token)."""
+        return (all(c.pool == DEVICE_POOL for c in chunks)
+                and sum(1 for c in chunks if c.num_tokens > 1 or not c.start) <= MIXED_CHUNKS)
+
+    def _fill_mixed(self, chunks: List[ScheduledChunk], start: int, num_rows: int) -> PoolPart:
+        """Writes the device pool's rows from `start` in a mixed step's fixed layout (module docstring), padded
+        to `num_rows` rows, and returns its part. Table rows: MIXED_CHUNKS chunk rows, then one per step row
+        (written for decode rows only: a chunk row attends its own token, and stale rows hold valid ids)."""
+        kv, bs, rows = self.kv, self.kv.block_size, self.rows[DEVICE_POOL]
+        ids, positions = self.ids, self.positions
+        if not rows.per_chunk:
+            raise ValueError("a mixed step's fixed layout is for the GPU kernels (per-chunk table rows)")
+        row, seq, decode_rows = start, 0, 0
+        for chunk in chunks:
+            request, first, n = chunk.request, chunk.start, chunk.num_tokens
+            table = kv.tables[request.request_id]
+            block_ids, prompt, outputs = table.block_ids, request.prompt_token_ids, request.output_token_ids
+            n_prompt, known = len(prompt), request.num_tokens
+            is_chunk = n > 1 or not first
+            if is_chunk:
+                if seq == MIXED_CHUNKS:
+                    raise ValueError(f"a mixed step's fixed layout holds at most {MIXED_CHUNKS} prompt chunks")
+                rows.write_table(seq, table)
+                rows.ctx[seq] = first + n
+                rows.qstart[seq] = row - start
+                seq += 1
+            elif seq:
+                raise ValueError("a mixed step's decode rows come before its prompt chunks (order_chunks)")
+            else:
+                rows.write_table(MIXED_CHUNKS + row - start, table)
+                decode_rows += 1
+            for p in range(first, first + n):
+                ids[row] = prompt[p] if p < n_prompt else (outputs[p - n_prompt] if p < known else 0)
+                positions[row] = p
+                rows.slot[row - start] = block_ids[p // bs] * bs + p % bs
+                rows.ctx[MIXED_CHUNKS + row - start] = p + 1 if not is_chunk else 1
+                row += 1
+        if row - start > num_rows:
+            raise ValueError(f"{row - start} rows do not fit a mixed layout of {num_rows}")
+        end = start + num_rows
+        ids[row:end], positions[row:end] = 0, 0
+        rows.slot[row - start:num_rows] = -1
+        rows.ctx[MIXED_CHUNKS + row - start:MIXED_CHUNKS + num_rows] = 1
+        rows.qstart[seq:MIXED_CHUNKS + 1] = row - start  # empty chunks past the step's
+        rows.ctx[seq:MIXED_CHUNKS] = 1  # (an empty chunk reads nothing)
+        self._mixed_decode_rows = decode_rows
+        tokens = MIXED_CHUNKS + num_rows
+        return PoolPart(kv.pools[DEVICE_POOL], start, end, end, rows.dev_slot[:num_rows],
+                        rows.dev_tables[MIXED_CHUNKS:tokens], rows.dev_ctx[MIXED_CHUNKS:tokens], None, [],
+                        rows.dev_qstart[:MIXED_CHUNKS + 1], num_rows, 0,
+                        rows.dev_tables[:MIXED_CHUNKS], rows.dev_ctx[:MIXED_CHUNKS])
 
     def copy_to_device(self, device_ids: Optional[torch.Tensor] = None, first_row: int = 0) -> None:
         """The step's one host-to-device copy (the used prefix of the arena; no-op on a CPU-only run), then

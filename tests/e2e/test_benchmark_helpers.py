@@ -88,3 +88,12 @@ def test_windows_of_compared_modes_start_at_the_same_step():
     assert run["window_start"] == 7 and len(run["steps"]) == 3 and len(run["prefill"]) == 7
     run = e2e_hybrid.steady_state(engine, prompts, SamplingParams(max_new_tokens=3), warm_steps=2, window_steps=3)
     assert run["window_start"] == 2
+
+
+def test_a_piecewise_mode_differs_from_its_mode_only_in_its_mixed_steps():
+    """"<mode>/pw" is the same engine config with mixed_graphs=False (the same-run A/B of whole mixed graphs)."""
+    for mode in ("never", "auto", "staggered:3", "0.5"):
+        whole = e2e_hybrid.hybrid_config(mode, 1 << 30, 1 << 31, 64, 640, 256)
+        piecewise = e2e_hybrid.hybrid_config(mode + "/pw", 1 << 30, 1 << 31, 64, 640, 256)
+        assert whole.mixed_graphs and not piecewise.mixed_graphs
+        assert dict(vars(whole), mixed_graphs=False) == vars(piecewise)

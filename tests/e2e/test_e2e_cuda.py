@@ -119,26 +119,31 @@ def test_cuda_graph_replay_equals_uncaptured_steps(fp32_model, offload, max_num_
     """Requests of different lengths finish one by one, so decode batches shrink through every capture size
     (with padding rows); with max_num_seqs=4 waiting requests join running ones (mixed prompt + decode steps),
     and with 16-token steps prompts continue over several chunks (the paged prefill kernel). Whole decode graphs
-    and piecewise graphs (prompt chunks, host-pool rows, mixed steps) must give the tokens of the uncaptured
-    compiled step."""
+    and piecewise graphs (prompt chunks, host-pool rows, mixed steps) or whole mixed graphs (steps of device-pool
+    rows) must give the tokens of the uncaptured compiled step."""
     from apex_compile.runtime.request import SamplingParams
 
     torch.manual_seed(1)
     prompts = [torch.randint(3, SMALL["vocab_size"], (n,)).tolist() for n in (5, 17, 33, 9, 40, 3, 21)]
     sampling = [SamplingParams(max_new_tokens=n) for n in (3, 30, 12, 7, 25, 1, 18)]
     outputs = []
-    for graphs in (True, False):
+    for graphs, mixed in ((True, True), (True, False), (False, False)):
         apex = optimize(fp32_model, ApexConfig(offload=offload, gpu_cache_size=32 * MB, cpu_cache_size=32 * MB,
-                                               cuda_graphs=graphs, capture_sizes=(1, 2, 4, 8),
+                                               cuda_graphs=graphs, mixed_graphs=mixed, capture_sizes=(1, 2, 4, 8),
                                                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens))
         outputs.append([c.token_ids for c in apex.engine.generate(prompts, sampling)])
+        engine = apex.engine
         if graphs:
-            assert apex.engine.pieces.replays > 0
-            assert apex.engine.stats.steps == apex.engine.pieces.replays + apex.engine.graphs.replays
+            mixed_replays = engine.mixed.replays if mixed else 0
+            assert engine.pieces.replays + mixed_replays > 0
+            assert engine.stats.steps == engine.pieces.replays + engine.graphs.replays + mixed_replays
         if graphs and offload == "never":
-            assert apex.engine.graphs.ready and apex.engine.graphs.replays > 10
-        assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
-    assert outputs[0] == outputs[1]
+            assert engine.graphs.ready and engine.graphs.replays > 10
+            assert engine.pieces.replays == 0 if mixed else engine.pieces.replays > 0  # every step fits a layout
+        if graphs and mixed and offload == "never" and max_num_seqs == 4:
+            assert engine.mixed.replays > 0  # waiting requests joined running ones (with host rows: piecewise)
+        assert engine.blocks_in_use() == {"device": 0, "host": 0}
+    assert outputs[0] == outputs[1] == outputs[2]
 
 
 def test_auto_measures_a_profile_once_and_explains_its_verdict(fp32_model, tmp_path, monkeypatch):
@@ -161,10 +166,13 @@ def test_auto_measures_a_profile_once_and_explains_its_verdict(fp32_model, tmp_p
 GREEDY_20 = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
 
 
-def small_pool_case(model):
-    """Seven requests for a device pool of 8 blocks (it holds few of them): (ids, mask, HF's greedy tokens,
-    the bytes of one KV block)."""
-    ids, mask = left_padded_batch([5, 17, 33, 64, 9, 40, 21])
+SMALL_POOL_LENGTHS = [5, 17, 33, 64, 9, 40, 21]
+
+
+def small_pool_case(model, lengths=SMALL_POOL_LENGTHS):
+    """Requests (default seven) for a device pool of 8 blocks (it holds few of them): (ids, mask, HF's greedy
+    tokens, the bytes of one KV block)."""
+    ids, mask = left_padded_batch(lengths)
     with torch.no_grad():
         ref = model.generate(input_ids=ids, attention_mask=mask, **GREEDY_20)
     head_dim = SMALL["hidden_size"] // SMALL["num_attention_heads"]
@@ -172,7 +180,7 @@ def small_pool_case(model):
     return ids, mask, ref, block
 
 
-def sharp_small_pool_case():
+def sharp_small_pool_case(lengths=SMALL_POOL_LENGTHS):
     """small_pool_case of an fp32 model whose attention is sharpened (so RoPE rows matter), TF32 off; the model
     comes last."""
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -181,7 +189,7 @@ def sharp_small_pool_case():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(4)
             layer.self_attn.k_proj.weight.mul_(4)
-    return (*small_pool_case(model), model)
+    return (*small_pool_case(model, lengths), model)
 
 
 @pytest.mark.parametrize("width", [1, 3])
@@ -194,6 +202,19 @@ def test_staggered_equals_hf_generate_fp32(width):
     out = apex.generate(ids, attention_mask=mask, **GREEDY_20)
     assert torch.equal(out, ref)
     assert apex.engine.stats.requests_per_pool[1] >= 2  # some requests ran staggered from the host pool
+    assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+
+
+def test_staggered_mixed_steps_replay_whole_graphs_and_equal_hf_generate_fp32():
+    """Three times the small-pool requests for one staggered row (6 requests in the pipeline): device-pool
+    prompts are admitted as device requests finish, beside the pipeline's block. Those mixed steps replay whole
+    graphs (the block's exchange captured in them) and the tokens stay HF's."""
+    ids, mask, ref, block, model = sharp_small_pool_case(SMALL_POOL_LENGTHS * 3)
+    apex = optimize(model, ApexConfig(offload="staggered", stagger_width=1, gpu_cache_size=8 * block,
+                                      cpu_cache_size=32 * MB))
+    out = apex.generate(ids, attention_mask=mask, **GREEDY_20)
+    assert torch.equal(out, ref)
+    assert apex.engine.stagger_mixed.replays > 0 and apex.engine.stats.requests_per_pool[1] >= 1
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 

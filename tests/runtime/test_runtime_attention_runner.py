@@ -252,3 +252,93 @@ def test_warm_up_compiles_every_decode_variant_and_writes_nothing(monkeypatch):
                         for block_t in (kernels.DECODE_BLOCK_T, kernels.DECODE_BLOCK_T_SMALL_GRID)
                         for multi in (False, True)}
     assert all(torch.equal(b, c) for b, c in zip(before, pool.key_caches + pool.value_caches))
+
+
+MIXED_STEPS = {  # device-pool steps that a whole mixed graph of 48 rows serves
+    "decode_and_chunks": [(DEVICE_POOL, 21, 1), (DEVICE_POOL, 0, 17), (DEVICE_POOL, 17, 9), (DEVICE_POOL, 40, 1),
+                          (DEVICE_POOL, 5, 1)],
+    "chunks_only": [(DEVICE_POOL, 0, 12), (DEVICE_POOL, 3, 14), (DEVICE_POOL, 0, 1)],
+    "decode_only": [(DEVICE_POOL, 5, 1), (DEVICE_POOL, 33, 1)],
+}
+MIXED_ROWS = 48
+
+
+def mixed_fill(runner, ordered):
+    """Fills a step in the fixed layout of a 48-row mixed graph (rows past the step's: padding)."""
+    from apex_compile.runtime.step_buffers import StepBuffers
+
+    buffers = getattr(runner, "_test_buffers", None) or StepBuffers(runner.kv, 64, 256, torch.device("cpu"))
+    runner._test_buffers = buffers
+    parts, rows = buffers.fill(ordered, [0], mixed_rows=MIXED_ROWS)
+    buffers.copy_to_device()
+    runner.set_parts(parts, rows)
+
+
+def padded_qkv(qkv, total):
+    return [torch.cat([t, torch.randn(MIXED_ROWS - total, *t.shape[1:], dtype=t.dtype)]).float() for t in qkv]
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the fixed layout runs the GPU pool's Triton kernels: TRITON_INTERPRET=1 "
+                    "(test_triton_interpreter.py runs this file so)")
+@pytest.mark.parametrize("mix", sorted(MIXED_STEPS))
+def test_mixed_layout_matches_float64_reference(mix):
+    """A mixed step's fixed layout (decode kernel over every row, prefill kernel over padded chunks) gives every
+    real row its causal attention; padding rows write no cache slot (caches start NaN, read slots must not)."""
+    runner, ordered, history, new = build_step(11, MIXED_STEPS[mix])
+    mixed_fill(runner, ordered)
+    total = sum(c.num_tokens for c in ordered)
+    scale = D ** -0.5
+    for layer in range(LAYERS):
+        q, k, v = new[layer]
+        padded = padded_qkv((q, k, v), total)
+        out = runner.attention(layer, *padded, scale, out=torch.full_like(padded[0], float("nan")))
+        assert out.shape == (MIXED_ROWS, HQ, D) and not out[:total].isnan().any()
+        torch.testing.assert_close(out[:total].double(), reference(ordered, history, q, k, v, layer, scale),
+                                   rtol=1e-5, atol=1e-5)
+    # the slots written are the requests' tokens (history and this step's), none for padding rows
+    value_cache = runner.kv.pools[DEVICE_POOL].value_caches[0]  # [blocks, kv heads, block size, head dim]
+    assert int((~value_cache.isnan()).any(dim=3).any(dim=1).sum()) == sum(c.start + c.num_tokens for c in ordered)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the fixed layout runs the GPU pool's Triton kernels: TRITON_INTERPRET=1")
+def test_mixed_layout_launches_do_not_depend_on_the_step():
+    """What a CUDA graph bakes in (tensor shapes, metadata addresses, scalar arguments) is the same for two
+    different steps of the same row count: one captured graph replays both."""
+    steps = [MIXED_STEPS["decode_and_chunks"], MIXED_STEPS["chunks_only"]]
+    runner, ordered, *_ = build_step(5, steps[0] + steps[1])
+    launches = []
+    for name in ("_decode_append_unchecked", "_prefill_gpu"):
+        original = getattr(runner, name)
+
+        def recording(*args, _name=name, _original=original, **kwargs):
+            launches.append((_name, [(tuple(a.shape), a.data_ptr() if a.dtype != torch.float32 else None)
+                                     if isinstance(a, torch.Tensor) else a for a in args],
+                             {k: v for k, v in kwargs.items() if k != "out"}))
+            return _original(*args, **kwargs)
+
+        setattr(runner, name, recording)
+    ids = {c.request.request_id: c for c in ordered}
+    seen = []
+    for first, count in ((0, len(steps[0])), (len(steps[0]), len(steps[1]))):
+        chunks = order_chunks([ids[i] for i in range(first, first + count)])
+        mixed_fill(runner, chunks)
+        launches.clear()
+        q, k, v = (torch.randn(MIXED_ROWS, heads, D) for heads in (HQ, HKV, HKV))
+        runner.attention(0, q, k, v, 0.1, out=torch.empty_like(q))
+        seen.append(list(launches))
+    assert [name for name, _, _ in seen[0]] == ["_decode_append_unchecked", "_prefill_gpu"]
+    assert all(any(isinstance(a, tuple) and a[1] is not None for a in args) for _, args, _ in seen[0])
+    assert seen[0] == seen[1]
+
+
+def test_mixed_layout_refuses_what_it_cannot_hold():
+    from apex_compile.runtime.step_buffers import MIXED_CHUNKS, StepBuffers
+
+    runner, ordered, *_ = build_step(2, [(DEVICE_POOL, 0, 2)] * (MIXED_CHUNKS + 1), block_size=16)
+    assert not StepBuffers.mixed_fits(ordered)
+    buffers = StepBuffers(runner.kv, 64, 256, torch.device("cpu"), per_chunk=True)
+    with pytest.raises(ValueError, match="at most"):
+        buffers.fill(ordered, [0], mixed_rows=32)
+    runner, ordered, *_ = build_step(2, MIXES["everything"])
+    assert not StepBuffers.mixed_fits(ordered)  # host-pool rows
+    assert StepBuffers.mixed_fits([c for c in ordered if c.pool == DEVICE_POOL])
