@@ -114,7 +114,7 @@ class HostTimer:
         for name, obj, attr in (("schedule", engine, "_schedule"), ("fill+copy", engine.buffers, "fill"),
                                 ("forward", engine, "_run_model"), ("wait+finish", engine, "_resolve")):
             setattr(obj, attr, self._wrap(name, getattr(obj, attr)))
-        for graphs in (engine.graphs, engine.pieces):
+        for graphs in (engine.graphs, engine.pieces, engine.mixed):
             if graphs is not None:
                 graphs.replay = self._wrap("forward", graphs.replay)
 
@@ -251,7 +251,8 @@ def warmup_only(args):
         # comes from dynamo's own counters instead)
         compiled = compile_seconds().get("_compile.compile_inner", 0.0)
         print(f"warm-up {shape_name} batch {batch}: {total:.1f} s ({compiled:.1f} s compiling, the rest capturing "
-              f"{len(apex.engine.graphs.sizes)} graphs and {len(apex.engine.pieces.pieces)} piecewise keys and "
+              f"{len(apex.engine.graphs.sizes)} graphs, {len(apex.engine.pieces.pieces)} piecewise keys, "
+              f"{len(apex.engine.mixed.graphs) if apex.engine.mixed else 0} mixed graphs and "
               "running the warm-up requests)", flush=True)
         print("  compile phases (s): " + compile_phases(), flush=True)
         from torch._dynamo.utils import counters
