@@ -1,4 +1,5 @@
-"""Whole-forward CUDA graphs of decode steps, one per capture size, owned by one engine.
+"""Whole-forward CUDA graphs of decode steps, one per capture size, owned by one engine; whole graphs of mixed
+steps (`MixedGraphs`) and piecewise graphs of steps with host-pool rows (`PiecewiseGraphs`) below.
 
 A graph bakes in the addresses of the engine's StepBuffers views, KV caches and attention plan, so it is
 captured per engine. A decode-only step of the device pool with B rows replays the graph of the smallest
@@ -240,7 +241,8 @@ class _Recorder:
 
 
 class PiecewiseGraphs:
-    """Every step no whole graph serves (prompt chunks, host-pool rows, mixed steps), captured in pieces.
+    """Every step of up to PIECEWISE_MAX_TOKENS rows that no whole graph serves (host-pool rows, more prompt chunks
+    than the mixed layout holds; every prompt step with mixed_graphs=False), captured in pieces.
 
     The compiled step is captured as it runs, one CUDA graph per stretch between two attention-op calls (the
     graph split at the apex attention ops, as vLLM's piecewise compilation splits it, but at run time: the

@@ -625,7 +625,8 @@ class Engine:
     def _forward_staggered(self, chunks: List[ScheduledChunk], logit_rows: List[int],
                            device_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`_forward_chunks` of a step led by the staggered block: a whole-step graph when the device rows all
-        decode, else the staggered graph in pieces or (without CUDA graphs, above their sizes) as compiled.
+        decode, a whole mixed graph when they hold prompt chunks that fit its layout (`MixedGraphs`), else the
+        staggered graph in pieces or (without CUDA graphs, above their sizes) as compiled.
         The block's host work is done after the forward is queued: `end_step` (this step's q/k/v to the CPU),
         then the next step's `begin_step`; only `collect` (the CPU's outputs to the device) comes before it."""
         stagger = self.stagger
@@ -693,7 +694,8 @@ class Engine:
     def _forward_chunks(self, chunks: List[ScheduledChunk], logit_rows: List[int],
                         device_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Runs the model on the chunks (flattened in order) and returns the logits of `logit_rows`: a whole
-        decode graph, piecewise graphs, or (without CUDA graphs) the compiled step itself. device_ids: the first
+        decode graph, a whole mixed graph (prompt chunks, every row in the device pool), piecewise graphs (host
+        rows), or (without CUDA graphs) the compiled step itself. device_ids: the first
         rows' input ids on the device (a step queued before the host has them)."""
         if self.stagger is not None and self.stagger.active:
             return self._forward_staggered(chunks, logit_rows, device_ids)
