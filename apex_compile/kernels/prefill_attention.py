@@ -2,10 +2,11 @@
 (launched by the op `apex::paged_prefill_attention_gpu`, defined in apex_compile.ops.gpu_attention).
 
 Sequence s owns query rows `query_start_loc[s] : query_start_loc[s + 1]` of the packed `query [T, Hq, D]`
-(rows no sequence owns are left as they are in the output; a sequence may be empty); those are the last `q_len` tokens of its `context_lens[s]` cached tokens (append them with cache_append_gpu
-first). Query i of the chunk sits at position `context_len - q_len + i` and attends to cached tokens
-0..position. This covers whole prompts (q_len == context_len), chunked prefill and cached prefixes
-(q_len < context_len), and decode rows (q_len == 1).
+(rows no sequence owns are left as they are in the output; a sequence may be empty); those are the last
+`q_len` tokens of its `context_lens[s]` cached tokens (append them with cache_append_gpu first). Query i of
+the chunk sits at position `context_len - q_len + i` and attends to cached tokens 0..position. This covers
+whole prompts (q_len == context_len), chunked prefill and cached prefixes (q_len < context_len), and decode
+rows (q_len == 1).
 
 Kernel: flash-attention forward, grid (num_heads, query blocks, num_seqs); each program holds BLOCK_M query
 rows of one head and walks the sequence's K/V in chunks of BLOCK_N tokens through the block table with the

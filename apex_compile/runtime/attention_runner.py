@@ -81,7 +81,6 @@ class PagedAttentionRunner:
                         HOST_POOL: cache_append_cpu}
         self._decode_append = functools.partial(paged_decode_append_launch, check=check)
         self._decode_append_unchecked = functools.partial(paged_decode_append_launch, check=False)
-        self._mixed_configs: dict = {}  # rows of a mixed step's fixed layout -> its prefill tiles
         self._paged_gpu = functools.partial(paged_decode_launch, check=check)
         self._prefill_gpu = functools.partial(paged_prefill_launch, check=check)
         self._paged_cpu = paged_attention_cpu
@@ -215,11 +214,8 @@ class PagedAttentionRunner:
         its check that a row's slot is its last position (not so for a chunk's rows)."""
         out = self._decode_append_unchecked(query, key, value, key_cache, value_cache, part.slot_mapping,
                                             part.block_tables, part.context_lens, scale, None, out=out)
-        config = self._mixed_configs.get(query.shape[0])
-        if config is None:  # tiles for one chunk of every row: a prompt chunk beside a few decode rows
-            config = default_prefill_config(query.shape[2], query.device,
-                                            query.shape[1] * -(-query.shape[0] // 128))
-            self._mixed_configs[query.shape[0]] = config
+        # tiles for one chunk of every row: a prompt chunk beside a few decode rows (run at capture, not replay)
+        config = default_prefill_config(query.shape[2], query.device, query.shape[1] * -(-query.shape[0] // 128))
         self._prefill_gpu(query, key_cache, value_cache, part.chunk_tables, part.query_start_loc,
                           part.chunk_context_lens, scale, part.max_query_len, config=config, out=out)
         return out

@@ -180,13 +180,11 @@ class StepBuffers:
             if mixed_rows is not None:
                 if pool_index != DEVICE_POOL:
                     raise ValueError("a mixed step's fixed layout holds device-pool chunks only")
-                part = self._fill_mixed(pool_chunks, row, mixed_rows)
+                part, used_table_rows = self._fill_mixed(pool_chunks, row, mixed_rows)
             else:
                 part = self._fill_pool(pool_index, pool_chunks, row, pad_to if padded else None)
-            if mixed_rows is not None:
-                used_table_rows = MIXED_CHUNKS + self._mixed_decode_rows
-            elif pool_index == DEVICE_POOL and part.block_tables is not None:
-                used_table_rows = part.block_tables.shape[0]
+                if pool_index == DEVICE_POOL and part.block_tables is not None:
+                    used_table_rows = part.block_tables.shape[0]
             parts.append(part)
             row = part.end
         if total_rows is not None and total_rows > row:
@@ -200,7 +198,7 @@ class StepBuffers:
     def _fill_pool(self, pool_index: int, chunks: List[ScheduledChunk], start: int, pad_to: Optional[int]
                    ) -> PoolPart:
         """Writes one pool's rows from `start` (paged chunks first, then fresh ones) and returns its part."""
-        kv, bs = self.kv, self.kv.block_size
+        kv = self.kv
         ids, positions, rows = self.ids, self.positions, self.rows[pool_index]
         row, entries, max_ctx, max_q, fresh = start, 0, 0, 1, []  # entries: table rows written
         num_decode = None  # per-chunk tables: the decode rows before the first chunk of several tokens
@@ -209,8 +207,6 @@ class StepBuffers:
             if num_decode is None and (n > 1 or not first):
                 num_decode = entries
             table = kv.tables[request.request_id]
-            block_ids, prompt, outputs = table.block_ids, request.prompt_token_ids, request.output_token_ids
-            n_prompt, known = len(prompt), request.num_tokens
             # The GPU kernels attend a prompt's first chunk from the cache too (appended first): with it among
             # the paged chunks a mixed step's attention is one prefill launch, not one SDPA call per chunk.
             paged = first or rows.per_chunk
@@ -221,17 +217,12 @@ class StepBuffers:
                     rows.qstart[entries] = row - start - num_decode
                 entries += 1
                 max_q = max(max_q, n)
-            for p in range(first, first + n):
-                # a token not yet on the host (a step queued before its predecessor's ids came back): 0 here, the
-                # sampled id copied on the device by the engine
-                ids[row] = prompt[p] if p < n_prompt else (outputs[p - n_prompt] if p < known else 0)
-                positions[row] = p
-                rows.slot[row - start] = block_ids[p // bs] * bs + p % bs
-                if first and not rows.per_chunk:
+            row = self._write_tokens(rows, chunk, row, start)
+            if first and not rows.per_chunk:  # the CPU kernels: a table row per token of a continued chunk
+                for p in range(first, first + n):
                     rows.write_table(entries, table)
                     rows.ctx[entries] = p + 1
                     entries += 1
-                row += 1
             if paged:
                 max_ctx = max(max_ctx, first + n)
             else:
@@ -252,6 +243,23 @@ class StepBuffers:
                         rows.dev_tables[:entries] if entries else None, rows.dev_ctx[:entries] if entries else None,
                         None if pad_to is not None else max_ctx, fresh, qstart, max_q, num_decode)
 
+    def _write_tokens(self, rows: "_PoolRows", chunk: ScheduledChunk, row: int, start: int) -> int:
+        """Writes the input id, position and cache slot of each of the chunk's tokens from step row `row` (slots
+        relative to the pool's first row `start`); returns the row after them."""
+        request, first = chunk.request, chunk.start
+        block_ids, bs = self.kv.tables[request.request_id].block_ids, self.kv.block_size
+        prompt, outputs = request.prompt_token_ids, request.output_token_ids
+        n_prompt, known = len(prompt), request.num_tokens
+        ids, positions, slot = self.ids, self.positions, rows.slot
+        for p in range(first, first + chunk.num_tokens):
+            # a token not yet on the host (a step queued before its predecessor's ids came back): 0 here, the
+            # sampled id copied on the device by the engine
+            ids[row] = prompt[p] if p < n_prompt else (outputs[p - n_prompt] if p < known else 0)
+            positions[row] = p
+            slot[row - start] = block_ids[p // bs] * bs + p % bs
+            row += 1
+        return row
+
     @staticmethod
     def mixed_fits(chunks: List[ScheduledChunk]) -> bool:
         """Whether a step's chunks fit a mixed step's fixed layout: all in the device pool, at most MIXED_CHUNKS
@@ -259,11 +267,12 @@ class StepBuffers:
         return (all(c.pool == DEVICE_POOL for c in chunks)
                 and sum(1 for c in chunks if c.num_tokens > 1 or not c.start) <= MIXED_CHUNKS)
 
-    def _fill_mixed(self, chunks: List[ScheduledChunk], start: int, num_rows: int) -> PoolPart:
+    def _fill_mixed(self, chunks: List[ScheduledChunk], start: int, num_rows: int) -> Tuple[PoolPart, int]:
         """Writes the device pool's rows from `start` in a mixed step's fixed layout (module docstring), padded
-        to `num_rows` rows, and returns its part. Table rows: MIXED_CHUNKS chunk rows, then one per step row
-        (written for decode rows only: a chunk row attends its own token, and stale rows hold valid ids)."""
-        kv, bs, rows = self.kv, self.kv.block_size, self.rows[DEVICE_POOL]
+        to `num_rows` rows; returns its part and the table rows in use. Table rows: MIXED_CHUNKS chunk rows, then
+        one per step row (written for decode rows only: a chunk row attends its own token, and stale rows hold
+        valid ids)."""
+        kv, rows = self.kv, self.rows[DEVICE_POOL]
         ids, positions = self.ids, self.positions
         if not rows.per_chunk:
             raise ValueError("a mixed step's fixed layout is for the GPU kernels (per-chunk table rows)")
@@ -271,8 +280,6 @@ class StepBuffers:
         for chunk in chunks:
             request, first, n = chunk.request, chunk.start, chunk.num_tokens
             table = kv.tables[request.request_id]
-            block_ids, prompt, outputs = table.block_ids, request.prompt_token_ids, request.output_token_ids
-            n_prompt, known = len(prompt), request.num_tokens
             is_chunk = n > 1 or not first
             if is_chunk:
                 if seq == MIXED_CHUNKS:
@@ -286,12 +293,8 @@ class StepBuffers:
             else:
                 rows.write_table(MIXED_CHUNKS + row - start, table)
                 decode_rows += 1
-            for p in range(first, first + n):
-                ids[row] = prompt[p] if p < n_prompt else (outputs[p - n_prompt] if p < known else 0)
-                positions[row] = p
-                rows.slot[row - start] = block_ids[p // bs] * bs + p % bs
-                rows.ctx[MIXED_CHUNKS + row - start] = p + 1 if not is_chunk else 1
-                row += 1
+            rows.ctx[MIXED_CHUNKS + row - start:MIXED_CHUNKS + row - start + n] = 1 if is_chunk else first + 1
+            row = self._write_tokens(rows, chunk, row, start)
         if row - start > num_rows:
             raise ValueError(f"{row - start} rows do not fit a mixed layout of {num_rows}")
         end = start + num_rows
@@ -300,12 +303,12 @@ class StepBuffers:
         rows.ctx[MIXED_CHUNKS + row - start:MIXED_CHUNKS + num_rows] = 1
         rows.qstart[seq:MIXED_CHUNKS + 1] = row - start  # empty chunks past the step's
         rows.ctx[seq:MIXED_CHUNKS] = 1  # (an empty chunk reads nothing)
-        self._mixed_decode_rows = decode_rows
         tokens = MIXED_CHUNKS + num_rows
-        return PoolPart(kv.pools[DEVICE_POOL], start, end, end, rows.dev_slot[:num_rows],
+        part = PoolPart(kv.pools[DEVICE_POOL], start, end, end, rows.dev_slot[:num_rows],
                         rows.dev_tables[MIXED_CHUNKS:tokens], rows.dev_ctx[MIXED_CHUNKS:tokens], None, [],
                         rows.dev_qstart[:MIXED_CHUNKS + 1], num_rows, 0,
                         rows.dev_tables[:MIXED_CHUNKS], rows.dev_ctx[:MIXED_CHUNKS])
+        return part, MIXED_CHUNKS + decode_rows  # the table rows written: the step copies up to there
 
     def copy_to_device(self, device_ids: Optional[torch.Tensor] = None, first_row: int = 0) -> None:
         """The step's one host-to-device copy (the used prefix of the arena; no-op on a CPU-only run), then
