@@ -30,7 +30,7 @@ from e2e_throughput import SHAPES, kv_bytes_per_token, random_llama, timed_gener
 from apex_compile import ApexConfig, SamplingParams, optimize  # noqa: E402
 from apex_compile.runtime import stagger as stagger_module  # noqa: E402
 from apex_compile.runtime.kv_manager import HOST_POOL  # noqa: E402
-from apex_compile.runtime.perf_model import PerfModel, StepCalibration  # noqa: E402
+from apex_compile.runtime.perf_model import PerfModel, StepCalibration, online_predictions  # noqa: E402
 from apex_compile.runtime.perf_profile import engine_profile  # noqa: E402
 
 GiB = 1 << 30
@@ -277,14 +277,16 @@ def hf_generate(model, prompts, new_tokens: int, batch: int, cache_implementatio
             "decode_step_s": step, "decode_tokens_per_s": batch / step if step > 0 else None}
 
 
-def prediction_error(model: PerfModel, steps, plan="overlap"):
+def prediction_error(model: PerfModel, steps, plan="overlap", online=False):
     """Median |predicted - measured| / measured over the window's decode-only steps (each at its own
-    composition; `plan`: that of the steps with host rows)."""
-    errors = []
-    for gpu, cpu, context, seconds, prefill_tokens in steps:
-        if prefill_tokens:
-            continue
-        errors.append(abs(model.predict(plan if cpu else "never", gpu, cpu, context).step_s - seconds) / seconds)
+    composition; `plan`: that of the steps with host rows); `online`: with the host gap learned from the steps
+    before each one (`online_predictions`)."""
+    if online:
+        pairs = online_predictions(model, steps, plan)
+    else:
+        pairs = [(model.predict(plan if cpu else "never", gpu, cpu, context).step_s, seconds)
+                 for gpu, cpu, context, seconds, prefill_tokens in steps if not prefill_tokens]
+    errors = [abs(predicted - seconds) / seconds for predicted, seconds in pairs]
     return statistics.median(errors) if errors else None
 
 
@@ -401,12 +403,16 @@ def main():
             errors = {m: prediction_error(PerfModel(perf.profile, StepCalibration(**r["calibration"])), r["steps"],
                                           r["plan"]) for m, r in runs.items()}
             raw_errors = {m: prediction_error(perf, r["steps"], r["plan"]) for m, r in runs.items()}
+            # the calibrated model with its online host gap (what the engine's steps add to the GPU's time)
+            online_errors = {m: prediction_error(PerfModel(perf.profile, StepCalibration(**r["calibration"])),
+                                                 r["steps"], r["plan"], online=True) for m, r in runs.items()}
             best = max(runs, key=lambda m: runs[m]["tokens_per_s"])
             row = {"shape": shape_name, "device_gib": gib, "requests": count, "context": context,
                    "ideal_gain": ideal, "cpu_attention_GBps": perf.cpu_bandwidth() / 1e9,
                    "gpu_attention_GBps": perf.gpu_bandwidth() / 1e9,
                    "kv_bytes_per_host_request_step": perf.profile.kv_bytes_per_token * context,
                    "auto_efficiency": efficiency, "model_error": errors, "uncalibrated_model_error": raw_errors,
+                   "online_model_error": online_errors, "profile": dataclasses.asdict(perf.profile),
                    "best_mode": best, "hf_offloaded": hf,
                    "best_efficiency": (runs[best]["tokens_per_s"] - never) / ideal if never else None,
                    "modes": {m: {k: v for k, v in r.items() if k != "steps"} for m, r in runs.items()},
@@ -422,7 +428,8 @@ def main():
             print(f"   best {best}: efficiency {best_eff}; model error per mode: "
                   + ", ".join(f"{m} {e:.1%}" for m, e in errors.items() if e is not None)
                   + " (uncalibrated: " + ", ".join(f"{m} {e:.1%}" for m, e in raw_errors.items() if e is not None)
-                  + ")", flush=True)
+                  + "; with the online host gap: "
+                  + ", ".join(f"{m} {e:.1%}" for m, e in online_errors.items() if e is not None) + ")", flush=True)
             print("   auto: " + runs["auto"]["explain"] if "auto" in runs else "", flush=True)
             write_json(args.out, result)  # after every row: a run cut short keeps what it measured
         del model

@@ -15,8 +15,9 @@ predicted slower than GPU-only:
 - "staggered" (apex_compile.runtime.stagger): n_c host rows per step, each a request one layer further on
   than the step before, join the device rows' GEMMs; each CPU attention has a whole step to finish, and the
   block's copies (its q/k/v out, the outputs in) run on the compute stream between the graphs:
-  max(T_lin(n_g + n_c) + T_gatt(ctx_g) + T_copy, T_catt(ctx_c)), n_c tokens per step from
-  2 * (num_layers + 1) * n_c host requests in flight (two lanes take turns).
+  max(T_lin(n_g + n_c) + T_gatt(ctx_g) + T_copy, T_job(ctx_c)), n_c tokens per step from
+  2 * (num_layers + 1) * n_c host requests in flight (two lanes take turns). T_job is one call over every
+  layer, at the CPU's bandwidth (T_catt, the per-layer probe, adds 32 calls' fixed costs at small contexts).
 
 In one batch the CPU's attention hides only behind the device rows' attention (overlap) or costs another
 sweep of the weights (pipeline): rows that share a layer's GEMMs all need that layer's attention before its
@@ -31,11 +32,18 @@ are captured) replaces T_lin by the step as it really runs: the merged GEMMs, th
 appends, the kernel boundaries and, for the staggered graph, the block's row exchange. A calibrated step is
 T_graph(rows) + T_gatt(ctx) - T_gatt(rows) (the replays' padding rows each read one token); the staggered
 plan adds the block's copies of all its rows (they run outside the graph, on the compute stream).
+
+A `HostGap` adds what neither the profile nor the replays see: the host's time between two steps that the GPU
+waits for (scheduling, filling the step's buffers, the staggered block's collect), learned online from the
+engine's own decode steps: the median of the last steps' measured minus predicted time, per kind (with and
+without host rows), each step predicted from the steps before it only.
 """
 import bisect
+import collections
 import dataclasses
 import json
 import os
+import statistics
 from typing import Dict, List, Optional, Sequence, Tuple
 
 PLANS = ("never", "overlap", "pipeline", "staggered")
@@ -134,6 +142,12 @@ class PerfModel:
         p = self.profile
         return interpolate(p.cpu_attention_ctx, p.cpu_attention_s, context_tokens) if context_tokens else 0.0
 
+    def cpu_job_s(self, context_tokens: int) -> float:
+        """The staggered plan's CPU job over that many context tokens: one call over every layer's rows, read at
+        the CPU's bandwidth (its largest probe, where the probe's per-layer calls are amortized). The probe's
+        smaller points, extrapolated below them, keep 32 calls' fixed costs that the one-call job does not pay."""
+        return context_tokens * self.cpu_seconds_per_token() if context_tokens else 0.0
+
     def copy_s(self, cpu_requests: int) -> float:
         p = self.profile
         return cpu_requests * p.copy_bytes_per_token / p.copy_bytes_per_s
@@ -154,7 +168,7 @@ class PerfModel:
         if plan == "staggered" and self.is_calibrated(True):
             gpu = (interpolate(c.stagger_rows, c.stagger_s, gpu_requests) + self._context_s(gpu_requests, context)
                    + self.copy_s(max(c.stagger_width, cpu_requests)))
-            step = max(gpu, self.cpu_attention_s(int(cpu_requests * context)))
+            step = max(gpu, self.cpu_job_s(int(cpu_requests * context)))
             return Prediction(plan, gpu_requests, cpu_requests, step)
         n = gpu_requests + cpu_requests
         gpu_attention = self.gpu_attention_s(int(gpu_requests * context))
@@ -163,7 +177,7 @@ class PerfModel:
             step = self.linear_s(n) + max(gpu_attention, cpu)
         elif plan == "staggered":  # its copies serialize with the GPU's work, not the CPU's
             step = max(self.linear_s(n) + gpu_attention + self.copy_s(cpu_requests),
-                       self.cpu_attention_s(int(cpu_requests * context)))
+                       self.cpu_job_s(int(cpu_requests * context)))
         else:
             step = max(self.linear_s(gpu_requests) + self.linear_s(cpu_requests) + gpu_attention, cpu)
         return Prediction(plan, gpu_requests, cpu_requests, step)
@@ -221,6 +235,40 @@ class PerfModel:
             f"{choice.tokens_per_s:.0f} vs {never.tokens_per_s:.0f} tokens/s GPU-only (gain {gain:+.0f} tokens/s; "
             f"ideal_gain {self.ideal_gain(context):.0f} tokens/s)",
         ]
+
+
+class HostGap:
+    """A decode step's time beyond the model's GPU-side prediction (the host gap before its replay), learned
+    online: per kind (steps with host rows or without) the median residual (measured - predicted) of the last
+    `history` decode steps; 0 until `min_steps` were seen."""
+
+    def __init__(self, history: int = 32, min_steps: int = 8):
+        self.min_steps = min_steps
+        self.residuals = {False: collections.deque(maxlen=history), True: collections.deque(maxlen=history)}
+
+    def seconds(self, host: bool) -> float:
+        seen = self.residuals[bool(host)]
+        return statistics.median(seen) if len(seen) >= self.min_steps else 0.0
+
+    def observe(self, host: bool, predicted_s: float, measured_s: float) -> None:
+        self.residuals[bool(host)].append(measured_s - predicted_s)
+
+
+def online_predictions(model: "PerfModel", steps, plan: str = "staggered", history: int = 32) -> List[Tuple[float,
+                                                                                                       float]]:
+    """(predicted, measured) seconds of each decode-only step of `steps` ((device rows, host rows, context,
+    seconds, prefill tokens) in the order they ran): the model's step plus the `HostGap` learned from the decode
+    steps before it (none from the step itself or later); the first steps of each kind, before the gap has its
+    minimum of samples, are predicted without it."""
+    gap = HostGap(history)
+    pairs = []
+    for gpu, cpu, context, seconds, prefill_tokens in steps:
+        if prefill_tokens:
+            continue
+        base = model.predict(plan if cpu else "never", gpu, cpu, context).step_s
+        pairs.append((base + gap.seconds(bool(cpu)), seconds))
+        gap.observe(bool(cpu), base, seconds)
+    return pairs
 
 
 def apex_pipeline_inequality(gpu_requests: int, cpu_requests: int, t_linear: float, t_attention: float

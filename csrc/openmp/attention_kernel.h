@@ -272,7 +272,8 @@ void process_item(const PagedAttentionArgs& args, const WorkPlanView& plan, cons
   float* sum = scratch + layout.sum;
   float* alpha = scratch + layout.alpha;
 
-  const E* query_rows = static_cast<const E*>(args.query) + item.seq * args.query_seq_stride +
+  const int64_t row_index = args.rows != nullptr ? args.rows[item.seq] : item.seq;
+  const E* query_rows = static_cast<const E*>(args.query) + row_index * args.query_seq_stride +
                         int64_t(item.kv_head) * group * args.query_head_stride;
   for (int g = 0; g < group; ++g) {
     const E* row = query_rows + g * args.query_head_stride;
@@ -338,8 +339,7 @@ void process_item(const PagedAttentionArgs& args, const WorkPlanView& plan, cons
   }
 
   if (item.partial_index < 0) {
-    E* out = static_cast<E*>(args.out) +
-             (int64_t(item.seq) * args.num_heads + int64_t(item.kv_head) * group) * head_dim;
+    E* out = static_cast<E*>(args.out) + (row_index * args.num_heads + int64_t(item.kv_head) * group) * head_dim;
     for (int g = 0; g < group; ++g) {
       store_row(out + int64_t(g) * head_dim, acc + int64_t(g) * head_dim, 1.0f / sum[g], head_dim);
     }
@@ -362,7 +362,8 @@ void merge_task(const PagedAttentionArgs& args, const WorkPlanView& plan, const 
   const float* first = plan.partials + task.first_partial * partial_floats;
   float* weights = scratch + plan.scratch.weights;
   float* row = scratch + plan.scratch.acc;
-  E* out = static_cast<E*>(args.out) + (int64_t(task.seq) * args.num_heads + int64_t(task.kv_head) * group) * head_dim;
+  const int64_t row_index = args.rows != nullptr ? args.rows[task.seq] : task.seq;
+  E* out = static_cast<E*>(args.out) + (row_index * args.num_heads + int64_t(task.kv_head) * group) * head_dim;
   for (int g = 0; g < group; ++g) {
     float global_max = -INFINITY;
     for (int i = 0; i < task.num_partials; ++i) {
@@ -386,23 +387,32 @@ void merge_task(const PagedAttentionArgs& args, const WorkPlanView& plan, const 
   }
 }
 
+// The items shared out over the threads of the enclosing parallel region (an orphaned loop: outside one, the
+// calling thread runs them all).
 template <class E>
-void run(const PagedAttentionArgs& args, const WorkPlanView& plan) {
-  const int threads = plan.num_threads;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-    float* scratch = plan.thread_scratch + int64_t(omp_get_thread_num()) * plan.scratch.total;
+void run_items(const PagedAttentionArgs& args, const WorkPlanView& plan) {
+  float* scratch = plan.thread_scratch + int64_t(omp_get_thread_num()) * plan.scratch.total;
 #pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t i = 0; i < plan.num_items; ++i) {
-      const WorkItem& item = plan.items[i];
-      process_item<E>(args, plan, item, scratch);
-      // acq_rel: the thread that writes a task's last partial sees the other partials' writes.
-      if (item.merge_index >= 0 &&
-          plan.merge_pending[item.merge_index].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-        merge_task<E>(args, plan, plan.merges[item.merge_index], scratch);
-      }
+  for (int64_t i = 0; i < plan.num_items; ++i) {
+    const WorkItem& item = plan.items[i];
+    process_item<E>(args, plan, item, scratch);
+    // acq_rel: the thread that writes a task's last partial sees the other partials' writes.
+    if (item.merge_index >= 0 &&
+        plan.merge_pending[item.merge_index].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      merge_task<E>(args, plan, plan.merges[item.merge_index], scratch);
     }
   }
+}
+
+template <class E>
+void run(const PagedAttentionArgs& args, const WorkPlanView& plan) {
+  if (plan.in_team) {
+    run_items<E>(args, plan);
+    return;
+  }
+  const int threads = plan.num_threads;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  run_items<E>(args, plan);
 }
 
 inline void run_dtype(const PagedAttentionArgs& args, const WorkPlanView& plan) {

@@ -14,15 +14,18 @@ namespace {
 // Below this many rows the parallel region costs more than the copy.
 constexpr int64_t kParallelRows = 256;
 
+// The rows shared out over the threads of the enclosing parallel region (an orphaned loop, ending at its barrier;
+// outside a region the calling thread copies them all).
 template <class T>
-void append_rows(const CacheAppendArgs& a) {
+void append_loop(const CacheAppendArgs& a) {
   const T* key = static_cast<const T*>(a.key);
   const T* value = static_cast<const T*>(a.value);
   const int64_t rows = a.num_tokens * a.num_kv_heads;
   const int64_t slab_elems = int64_t(a.block_size) * a.head_dim;
-#pragma omp parallel for schedule(static) num_threads(a.num_threads) if (a.num_threads > 1 && rows >= kParallelRows)
+#pragma omp for schedule(static)
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t token = row / a.num_kv_heads;
+    const int64_t source = a.rows != nullptr ? a.rows[token] : token;
     const int head = int(row % a.num_kv_heads);
     const int64_t slot = a.slot_mapping[token];
     if (slot < 0) continue;  // padding token
@@ -32,12 +35,23 @@ void append_rows(const CacheAppendArgs& a) {
     const int cache = a.cache_index != nullptr ? a.cache_index[token] : -1;
     T* key_cache = static_cast<T*>(cache >= 0 ? a.key_caches[cache] : a.key_cache);
     T* value_cache = static_cast<T*>(cache >= 0 ? a.value_caches[cache] : a.value_cache);
-    const T* k = key + token * a.key_token_stride + head * a.key_head_stride;
+    const T* k = key + source * a.key_token_stride + head * a.key_head_stride;
     T* k_dst = key_cache + slab + int64_t(offset / kPanelTokens) * a.head_dim * kPanelTokens + offset % kPanelTokens;
     for (int d = 0; d < a.head_dim; ++d) k_dst[int64_t(d) * kPanelTokens] = k[d];
-    const T* v = value + token * a.value_token_stride + head * a.value_head_stride;
+    const T* v = value + source * a.value_token_stride + head * a.value_head_stride;
     std::memcpy(value_cache + slab + int64_t(offset) * a.head_dim, v, sizeof(T) * a.head_dim);
   }
+}
+
+template <class T>
+void append_rows(const CacheAppendArgs& a) {
+  if (a.in_team) {
+    append_loop<T>(a);
+    return;
+  }
+  const int64_t rows = a.num_tokens * a.num_kv_heads;
+#pragma omp parallel num_threads(a.num_threads) if (a.num_threads > 1 && rows >= kParallelRows)
+  append_loop<T>(a);
 }
 
 }  // namespace

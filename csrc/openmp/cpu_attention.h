@@ -129,6 +129,9 @@ struct PagedAttentionArgs {
   const void* const* key_caches = nullptr;
   const void* const* value_caches = nullptr;
   const int32_t* cache_index = nullptr;
+  // When set, sequence s reads query row rows[s] and writes output row rows[s] (out then holds at least
+  // max(rows) + 1 rows): the staggered job attends the rows in use of its staged buffer in place.
+  const int64_t* rows = nullptr;
 };
 
 // One unit of parallel work: all query heads of one kv head of one sequence over tokens [token_begin,
@@ -219,6 +222,9 @@ struct WorkPlanView {
   // Per merge task, its partials not yet written (starts at num_partials): the item that writes the last one
   // merges them, so no thread waits at a barrier for the merges.
   std::atomic<int32_t>* merge_pending;
+  // The caller is already inside a parallel region of num_threads threads, all of which call the kernel: the
+  // items are shared out by an orphaned worksharing loop instead of a parallel region of the kernel's own.
+  bool in_team = false;
 };
 
 // Kernels, one per ISA; the AVX ones exist only on x86-64 builds (isa_compiled tells).
@@ -251,6 +257,11 @@ struct CacheAppendArgs {
   void* const* key_caches = nullptr;
   void* const* value_caches = nullptr;
   const int32_t* cache_index = nullptr;
+  // When set, token t reads key/value row rows[t] (as PagedAttentionArgs::rows).
+  const int64_t* rows = nullptr;
+  // As WorkPlanView::in_team: every thread of the enclosing parallel region calls cache_append, which shares the
+  // rows out and ends at a barrier (an attention after it reads what other threads appended).
+  bool in_team = false;
 };
 
 void cache_append(const CacheAppendArgs& args);

@@ -148,7 +148,7 @@ def run_stagger_job(caches, staged, meta, picked, heads=4, **kwargs):
 def test_stagger_job_equals_per_layer_append_and_attention(picked, dtype, threads):
     """The staggered turn's one call: each picked row appends its K/V to its layer's cache and attends it, as
     one cache_append_cpu + paged_attention_cpu per row would; other rows of the output are left alone."""
-    torch.set_num_threads(2)
+    torch.set_num_threads(3)
     heads, kv_heads = 4, 2
     caches, staged, meta = stagger_job_case(7, dtype=dtype)
     expected_caches = [(k.clone(), v.clone()) for k, v in caches]
@@ -170,12 +170,14 @@ def test_stagger_job_equals_per_layer_append_and_attention(picked, dtype, thread
                                                                                     v1.nan_to_num(-7.0))
 
 
-def test_stagger_job_waits_for_every_ready_flag(threads):
-    """Nothing is written before each flag reaches its value (a GPU copy raises it in the engine)."""
+@pytest.mark.parametrize("team", [1, 3])
+def test_stagger_job_waits_for_every_ready_flag(team, threads):
+    """Nothing is written before each flag reaches its value (a GPU copy raises it in the engine), whether one
+    thread or a team of them (started before the wait, polling beside the thread that waits) runs the job."""
     import concurrent.futures
     import time
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(team)
     caches, staged, meta = stagger_job_case(3)
     flags = torch.zeros(2, dtype=torch.int64)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -188,6 +190,24 @@ def test_stagger_job_waits_for_every_ready_flag(threads):
         flags[1] = 5
         out, (waited, ran) = future.result(timeout=30)
     assert not torch.isnan(out).any() and waited >= 0.09 and ran >= 0
+
+
+@pytest.mark.parametrize("team", [1, 3])
+def test_stagger_job_times_out_with_a_clear_error_and_writes_nothing(team, threads):
+    """A flag that never comes raises (from inside the job's parallel region, out to Python) and leaves the
+    output and the caches untouched; the job works again afterwards."""
+    torch.set_num_threads(team)
+    caches, staged, meta = stagger_job_case(5)
+    before = [(k.clone(), v.clone()) for k, v in caches]
+    with pytest.raises(RuntimeError, match="never completed"):
+        run_stagger_job(caches, staged, meta, None, ready_flags=torch.zeros(1, dtype=torch.int64),
+                        ready_values=(1,), timeout_s=0.05)
+    for (k, v), (k0, v0) in zip(caches, before):
+        assert torch.equal(k.nan_to_num(-7.0), k0.nan_to_num(-7.0)) and torch.equal(v.nan_to_num(-7.0),
+                                                                                    v0.nan_to_num(-7.0))
+    out, _ = run_stagger_job(caches, staged, meta, None, ready_flags=torch.ones(1, dtype=torch.int64),
+                             ready_values=(1,))
+    assert not torch.isnan(out).any()
 
 
 def written_while_python_holds_the_gil(job, out, flags, window=1.0):
@@ -272,3 +292,24 @@ def test_a_soft_flag_is_waited_for_a_bounded_time():
     raise_later.start()
     assert wait_host_flags(flags, [3, -5], timeout_s=5.0) >= 0.09  # the hard flag still holds it
     raise_later.join()
+
+
+def test_the_stagger_job_benchmark_runs_on_a_small_pool(tmp_path):
+    """benchmarks/stagger_job.py (the job's fixed part on the GPU machine's host) runs end to end on a tiny pool
+    and writes a row per (rows, way of calling) with the running time's parts."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "job.json"
+    result = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "stagger_job.py"), "--rows", "1,2",
+                             "--layers", "2", "--width", "2", "--context", "40", "--pool-gib", "0.01", "--repeats", "1",
+                             "--gap-ms", "1", "--threads",
+                             "1", "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["rows"], r["how"]) for r in rows] == [(n, how) for n in (1, 2) for how in ("hot", "gap", "flag")]
+    assert all(r["run_s"] > 0 and r["parts_s"]["attention"] > 0 for r in rows)
+    assert "fit flag" in result.stdout

@@ -41,7 +41,9 @@ def test_plans_predict_the_documented_formulas():
                                                 + model.gpu_attention_s(16 * 1024), cpu))
     staggered = model.predict("staggered", 16, 8, 1024)
     assert staggered.step_s == pytest.approx(max(model.linear_s(24) + model.gpu_attention_s(16 * 1024)
-                                                 + model.copy_s(8), model.cpu_attention_s(8 * 1024)))
+                                                 + model.copy_s(8), model.cpu_job_s(8 * 1024)))
+    # the staggered job is one call at the CPU's bandwidth: no per-layer call costs below the probes
+    assert model.cpu_job_s(704) == pytest.approx(704 * KV_PER_TOKEN / model.cpu_bandwidth())
     with pytest.raises(ValueError):
         model.predict("never", 16, 1, 1024)
     with pytest.raises(ValueError):
@@ -156,7 +158,7 @@ def test_a_calibrated_step_is_the_replayed_graph_plus_the_context_beyond_one_tok
     assert never == pytest.approx(interpolate(c.rows, c.step_s, 16) + context)
     staggered = model.predict("staggered", 16, 3, 1024).step_s
     gpu = interpolate(c.stagger_rows, c.stagger_s, 16) + context + raw.copy_s(8)  # every block row is copied
-    assert staggered == pytest.approx(max(gpu, raw.cpu_attention_s(3 * 1024)))
+    assert staggered == pytest.approx(max(gpu, raw.cpu_job_s(3 * 1024)))
     # the other plans keep the profile's formulas; a calibration of the GPU-only graphs alone leaves the
     # staggered plan on them too
     assert model.predict("overlap", 16, 3, 1024).step_s == raw.predict("overlap", 16, 3, 1024).step_s
@@ -208,3 +210,35 @@ def test_auto_builds_the_staggered_plan_only_where_a_typical_load_gains():
     # a host pool smaller than one row's requests (stagger_groups of them) cannot hold the plan
     assert not AutoOffload(calibrated(90), stagger_groups=GROUPS).worth_staggering(gpu_tokens, 4096 * 10, 64,
                                                                                   contexts, 8)
+
+
+def test_the_online_host_gap_learns_a_constant_gap_from_earlier_steps_only():
+    """Steps that take the model's GPU-side prediction plus a host gap of 0.5 ms (1.5 ms with host rows) are
+    predicted exactly once `min_steps` of their kind were seen, and a step's own time never enters its
+    prediction (changing it changes no prediction up to and including its own)."""
+    from apex_compile.runtime.perf_model import HostGap, online_predictions
+
+    model = PerfModel(profile(90.0))
+    steps = []
+    for i in range(40):
+        cpu = i % 3 == 0
+        gpu, context = 12 + i % 4, 600.0 + i
+        base = model.predict("staggered" if cpu else "never", gpu, int(cpu), context).step_s
+        steps.append((gpu, int(cpu), context, base + (1.5e-3 if cpu else 0.5e-3), 0))
+    steps.insert(5, (12, 0, 600.0, 1.0, 256))  # a mixed step: neither predicted nor learned from
+    pairs = online_predictions(model, steps)
+    assert len(pairs) == 40
+    gap = HostGap()
+    assert gap.min_steps == 8 and gap.seconds(False) == 0.0
+    never_seen = host_seen = 0
+    for (predicted, measured), step in zip(pairs, [s for s in steps if not s[4]]):
+        seen = host_seen if step[1] else never_seen
+        if seen >= gap.min_steps:
+            assert predicted == pytest.approx(measured, rel=1e-9)
+        else:
+            assert measured - predicted == pytest.approx(1.5e-3 if step[1] else 0.5e-3)
+        host_seen, never_seen = (host_seen + 1, never_seen) if step[1] else (host_seen, never_seen + 1)
+    changed = list(steps)
+    last = changed[-1]
+    changed[-1] = last[:3] + (last[3] + 0.1,) + last[4:]
+    assert [p for p, _ in online_predictions(model, changed)] == [p for p, _ in pairs]

@@ -1,0 +1,131 @@
+"""Where the staggered plan's CPU job spends its fixed part: `apex::stagger_cpu_job` (the engine's one call per
+lane turn) on a Llama-3-8B-shaped host pool, at 1..8 rows of every layer, on a worker thread pinned as the
+engine pins it, called three ways:
+  hot   back to back, its ready flags already raised;
+  gap   the same after a 4 ms sleep on the worker (its OpenMP team idles as it does between two turns);
+  flag  as the engine calls it: the job waits in C++ for a flag another thread raises 4 ms after submission.
+Each prints the running time's parts (selects, append, attention, output rows) and a least-squares fit of
+fixed + per-row seconds, beside the K+V bytes read per row and the bandwidth that implies.
+
+    python benchmarks/stagger_job.py --rows 1,2,3,4,6,8 --context 576 --out stagger_job.json
+"""
+import argparse
+import concurrent.futures
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from apex_compile.ops import allocate_kv_cache_cpu  # noqa: E402
+from apex_compile.runtime.stagger import _pin_worker, worker_cores  # noqa: E402
+
+PARTS = ("selects", "append", "attention", "output")
+
+
+def fit(xs, ys):
+    """Least-squares fixed + slope * x."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    return my - slope * mx, slope
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,2,3,4,6,8")
+    parser.add_argument("--width", type=int, default=8)
+    parser.add_argument("--context", type=int, default=576)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--pool-gib", type=float, default=8.0, help="K+V of the pool (blocks scattered over it)")
+    parser.add_argument("--threads", type=int, default=None, help="worker threads (default: the engine's)")
+    parser.add_argument("--gap-ms", type=float, default=4.0)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--pinned", action="store_true",
+                        help="a page-locked pool from torch's pinned allocator (default: plain memory with huge pages "
+                             "advised, which the engine registers with CUDA: same CPU access)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    layers, hk, hq, dim, bs, width = args.layers, 8, 32, 128, 16, args.width
+    block_bytes = 2 * hk * bs * dim * 2
+    blocks = max(int(args.pool_gib * (1 << 30) / (block_bytes * layers)), 64)
+    per_row = -(-(args.context + 1) // bs)
+    if width * per_row > blocks:
+        sys.exit(f"--pool-gib {args.pool_gib} holds {blocks} blocks per layer, fewer than {width * per_row}")
+    pin = args.pinned and torch.cuda.is_available()
+    caches = [allocate_kv_cache_cpu(blocks, hk, bs, dim, torch.bfloat16, pin_memory=pin) for _ in range(layers)]
+    base = torch.randn(2, 1, hk, bs, dim).to(torch.bfloat16)  # one block's values, copied into every block (fast)
+    for k, v in caches:
+        k.copy_(base[0].expand_as(k))
+        v.copy_(base[1].expand_as(v))
+    keys, values = [k for k, _ in caches], [v for _, v in caches]
+    gen = torch.Generator().manual_seed(0)
+    tables = torch.stack([torch.randperm(blocks, generator=gen)[:width * per_row] for _ in range(layers)])
+    tables = tables.to(torch.int32).view(layers, width, per_row)
+    staged = torch.randn(layers, width, hq + 2 * hk, dim).to(torch.bfloat16)
+    out = torch.zeros(layers, width, hq, dim, dtype=torch.bfloat16)
+    if pin:
+        staged, out = staged.pin_memory(), out.pin_memory()
+    cores = worker_cores(args.threads)
+    pool = concurrent.futures.ThreadPoolExecutor(1, initializer=_pin_worker, initargs=(cores,))
+    print(f"{os.cpu_count()} CPUs, worker on {len(cores)} cores, {layers} layers x {hk} kv heads x {dim}, context "
+          f"{args.context}, pool {blocks} blocks per layer, pinned={pin}", flush=True)
+    results = []
+    for rows in [int(r) for r in args.rows.split(",")]:
+        # the first `rows` block rows of every layer hold a request (as a lane's job picks them)
+        picked = torch.tensor([layer * width + r for layer in range(layers) for r in range(rows)], dtype=torch.int64)
+        cache_index = (picked // width).to(torch.int32)
+        row_tables = tables.view(layers * width, per_row)[picked].contiguous()
+        lens = torch.full((len(picked),), args.context + 1, dtype=torch.int32)
+        slots = row_tables[:, args.context // bs].long() * bs + args.context % bs
+        kv_bytes = 2 * layers * rows * hk * dim * 2 * (args.context + 1)
+        for how in ("hot", "gap", "flag"):
+            samples = []
+            for i in range(args.repeats + 2):
+                flags = torch.zeros(1, dtype=torch.int64)
+                timings = torch.zeros(6, dtype=torch.float64)
+                if how != "flag":
+                    flags[0] = 1
+
+                def job():
+                    if how == "gap":
+                        time.sleep(args.gap_ms / 1e3)
+                    with torch.inference_mode():
+                        torch.ops.apex.stagger_cpu_job(staged, keys, values, cache_index, row_tables, lens, slots,
+                                                       picked, hq, dim ** -0.5, out, flags, [1], 60.0, timings)
+
+                future = pool.submit(job)
+                if how == "flag":
+                    timer = threading.Timer(args.gap_ms / 1e3, lambda: flags.fill_(1))
+                    timer.start()
+                future.result()
+                if i >= 2:
+                    samples.append(timings.tolist())
+            run = statistics.median(s[1] for s in samples)
+            parts = {p: statistics.median(s[2 + j] for s in samples) for j, p in enumerate(PARTS)}
+            row = {"rows": rows, "how": how, "run_s": run, "wait_s": statistics.median(s[0] for s in samples),
+                   "parts_s": parts, "kv_bytes": kv_bytes, "GBps": kv_bytes / run / 1e9}
+            results.append(row)
+            print(f"rows {rows} {how:4}: {run * 1e3:6.3f} ms ({kv_bytes / run / 1e9:5.1f} GB/s)  "
+                  + "  ".join(f"{p} {v * 1e3:.3f}" for p, v in parts.items()), flush=True)
+    for how in ("hot", "gap", "flag"):
+        pts = [(r["rows"], r["run_s"]) for r in results if r["how"] == how]
+        fixed, slope = fit([p[0] for p in pts], [p[1] for p in pts])
+        att = fit([p[0] for p in pts], [r["parts_s"]["attention"] for r in results if r["how"] == how])
+        per_row_bytes = results[0]["kv_bytes"] / results[0]["rows"]
+        print(f"fit {how:4}: {fixed * 1e3:.3f} ms + {slope * 1e3:.3f} ms a row ({per_row_bytes / max(slope, 1e-12) / 1e9:.1f}"
+              f" GB/s a row); attention alone {att[0] * 1e3:.3f} ms + {att[1] * 1e3:.3f} ms a row", flush=True)
+    pool.shutdown()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"benchmark": "stagger_job", "cpus": os.cpu_count(), "worker_cores": len(cores),
+                       "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
+                       "args": vars(args), "rows": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
