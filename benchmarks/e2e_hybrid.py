@@ -82,11 +82,16 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
         # a step queued ahead by the call before (async scheduling) was not scheduled here: it only decodes
         prefill_tokens = scheduled[-1] if len(scheduled) > scheduled_before else 0
         phases.append({k: v - before[k] for k, v in engine.stats.phase_seconds.items()})
+        if stagger is not None:  # the rows' limits after the step: which of them binds, and when
+            r = stagger.rows
+            limits.append({"measured": r.measured, "guard": r.guard, "ceiling": r.ceiling, "limit": r.limit,
+                           "step_s": r.step or 0.0})
         events.append({k: v - counts[k] for k, v in _event_counts(engine).items() if v != counts[k]})
         host = sum(1 for r in sampled if r.steps_per_pool[HOST_POOL])
         return (len(running) - on_host, on_host + staggered, context, seconds, prefill_tokens), host
 
     phases = []  # per step: the main thread's seconds per part of engine.step() (EngineStats.phase_seconds)
+    limits = []  # per step with the staggered plan: its RowLimit after the step (job fit + guard, guard, ceiling)
     events = []  # per step: what changed in the engine's counters (_event_counts) during it
     begin = time.perf_counter()
     filled, prefill = 0, []
@@ -121,6 +126,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     seconds = time.perf_counter() - begin
     ahead = engine.stats.ahead_steps - ahead  # the window's steps queued before the previous step's tokens
     window_phases = phases[-window_steps:] if window_steps else []
+    window_limits = limits[-window_steps:] if window_steps else []
     decode_phases = [p for p, s in zip(window_phases, steps) if not s[4]]
     prefill_phases = [p for p, s in zip(window_phases, steps) if s[4]]
     generated = engine.stats.generated_tokens - tokens
@@ -132,6 +138,8 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
             "host_tokens": host_tokens, "fill_steps": filled, "fill_s": fill_s, "pipeline_filled": filled_share,
             "ahead_steps": ahead, "window_start": window_start,
             "steps": steps, "prefill": prefill,
+            "row_limits": {k: (statistics.median(x[k] for x in window_limits), min(x[k] for x in window_limits),
+                               max(x[k] for x in window_limits)) for k in window_limits[0]} if window_limits else None,
             "probe": probed, "slow_decode_steps": slow,
             "decode_phase_s": {k: statistics.median(p[k] for p in decode_phases)
                                for k in decode_phases[0]} if decode_phases else None,
@@ -277,6 +285,21 @@ def hf_generate(model, prompts, new_tokens: int, batch: int, cache_implementatio
             "decode_step_s": step, "decode_tokens_per_s": batch / step if step > 0 else None}
 
 
+def staggered_bound(never: dict, ideal_gain: float, pool_rows: int, prompt: int, new_tokens: int) -> dict:
+    """What the staggered plan can add at most on this window, from never's own measurements: host rows per step
+    at most what the host pool holds (`pool_rows`) and what a CPU job at the profile's bandwidth fits in
+    JOB_SHARE of a decode step (D x ideal_gain rows: a row costs 1 / ideal_gain seconds of CPU); one token per
+    row every step, decode or mixed (S, the mean step, so the CPU idles through the longer mixed steps); each
+    host token bringing prompt / new_tokens tokens of GPU prefill that the device rows lose. Computed, not run."""
+    decode = never["decode_only_step_s"] or never["decode_step_s"]
+    mean_step = never["window_s"] / max(len(never["steps"]), 1)
+    rows = min(float(pool_rows), stagger_module.JOB_SHARE * decode * ideal_gain)
+    host = rows / mean_step
+    lost = host * prompt / new_tokens * never["prefill_s_per_token"] * never["tokens_per_s"]
+    return {"rows": rows, "mean_step_s": mean_step, "decode_step_s": decode, "host_tokens_per_s": host,
+            "prefill_loss_tokens_per_s": lost, "gain": host - lost, "efficiency": (host - lost) / ideal_gain}
+
+
 def prediction_error(model: PerfModel, steps, plan="overlap", online=False):
     """Median |predicted - measured| / measured over the window's decode-only steps (each at its own
     composition; `plan`: that of the steps with host rows); `online`: with the host gap learned from the steps
@@ -355,6 +378,12 @@ def main():
                     if fit["per_row_s"]:
                         cpu += (f" (job fit {fit['fixed_s'] * 1e3:.2f} ms + {fit['per_row_s'] * 1e3:.2f} ms a row: "
                                 f"{fit['measured']} rows; model {fit['ceiling']})")
+                if r.get("row_limits"):
+                    lim = r["row_limits"]
+                    cpu += (", over the window (median, min-max) rows fit with the guard {0[0]:g} ({0[1]:g}-{0[2]:g}), "
+                            "the guard {1[0]:g} ({1[1]:g}-{1[2]:g}), the model {2[0]:g} ({2[1]:g}-{2[2]:g}), "
+                            "step average {3:.2f} ms").format(lim["measured"], lim["guard"], lim["ceiling"],
+                                                             lim["step_s"][0] * 1e3)
                 cpu += f", {r['ahead_steps']} of {args.window_steps} steps queued ahead"
                 only = r["decode_only_step_s"]
                 full = f" (pipeline {r['pipeline_filled']:.0%} full)" if r.get("pipeline_filled") is not None else ""
@@ -399,6 +428,10 @@ def main():
             ideal = perf.ideal_gain(context)
             never = runs["never"]["tokens_per_s"] if "never" in runs else None  # (an A/B run of other modes)
             efficiency = (runs["auto"]["tokens_per_s"] - never) / ideal if "auto" in runs and never else None
+            groups = 2 * (shape["num_hidden_layers"] + 1)  # host requests per staggered row (two lanes)
+            pool_rows = int(args.host_gib * GiB // per_request // groups)
+            bound = (staggered_bound(runs["never"], ideal, pool_rows, args.prompt, args.new_tokens)
+                     if "never" in runs else None)
             # each mode's model: the profile, calibrated by the replays of that mode's own captured graphs
             errors = {m: prediction_error(PerfModel(perf.profile, StepCalibration(**r["calibration"])), r["steps"],
                                           r["plan"]) for m, r in runs.items()}
@@ -413,6 +446,7 @@ def main():
                    "kv_bytes_per_host_request_step": perf.profile.kv_bytes_per_token * context,
                    "auto_efficiency": efficiency, "model_error": errors, "uncalibrated_model_error": raw_errors,
                    "online_model_error": online_errors, "profile": dataclasses.asdict(perf.profile),
+                   "staggered_bound": bound,
                    "best_mode": best, "hf_offloaded": hf,
                    "best_efficiency": (runs[best]["tokens_per_s"] - never) / ideal if never else None,
                    "modes": {m: {k: v for k, v in r.items() if k != "steps"} for m, r in runs.items()},
@@ -430,6 +464,13 @@ def main():
                   + " (uncalibrated: " + ", ".join(f"{m} {e:.1%}" for m, e in raw_errors.items() if e is not None)
                   + "; with the online host gap: "
                   + ", ".join(f"{m} {e:.1%}" for m, e in online_errors.items() if e is not None) + ")", flush=True)
+            if bound is not None:
+                print(f"   staggered plan's bound on this window (computed from never's run): {bound['rows']:.1f} rows "
+                      f"(host pool {pool_rows}, CPU job in {stagger_module.JOB_SHARE:.0%} of a "
+                      f"{bound['decode_step_s'] * 1e3:.2f} ms decode step), +{bound['host_tokens_per_s']:.0f} host "
+                      f"tokens/s at the mean step {bound['mean_step_s'] * 1e3:.2f} ms, -{bound['prefill_loss_tokens_per_s']:.0f} "
+                      f"for their prefill: +{bound['gain']:.0f} tokens/s, efficiency {bound['efficiency']:.2f}",
+                      flush=True)
             print("   auto: " + runs["auto"]["explain"] if "auto" in runs else "", flush=True)
             write_json(args.out, result)  # after every row: a run cut short keeps what it measured
         del model

@@ -1,6 +1,7 @@
 """Plots an e2e_hybrid.py result: tokens/s against the device KV pool size, one line per mode, and the bound
-never + ideal_gain (what the CPU's measured attention bandwidth could add), and HF generate with its offloaded
-cache where the result has it. One PNG per shape.
+never + ideal_gain (what the CPU's measured attention bandwidth could add), never + the staggered plan's bound
+(e2e_hybrid.staggered_bound) where the result has it, and HF generate with its offloaded cache where the result
+has it. One PNG per shape.
 
     python benchmarks/plot_hybrid.py benchmarks/results/e2e_hybrid_<date>_h200.json
 """
@@ -38,6 +39,10 @@ def main():
         bound = [r["modes"]["never"]["tokens_per_s"] + r["ideal_gain"] for r in shape_rows if "never" in r["modes"]]
         if len(bound) == len(pools):
             ax.plot(pools, bound, linestyle="--", color="gray", label="never + ideal_gain")
+        reach = [r["modes"]["never"]["tokens_per_s"] + r["staggered_bound"]["gain"] for r in shape_rows
+                 if "never" in r["modes"] and r.get("staggered_bound")]
+        if len(reach) == len(pools):  # e2e_hybrid.staggered_bound: what the staggered design can add at most
+            ax.plot(pools, reach, linestyle="-.", color="gray", label="never + staggered bound")
         hf = [(r["device_gib"], r["hf_offloaded"]["tokens_per_s"]) for r in shape_rows
               if (r.get("hf_offloaded") or {}).get("tokens_per_s")]
         if hf:  # HF generate with its offloaded cache, batch = the requests the device pool holds

@@ -97,3 +97,39 @@ def test_a_piecewise_mode_differs_from_its_mode_only_in_its_mixed_steps():
         piecewise = e2e_hybrid.hybrid_config(mode + "/pw", 1 << 30, 1 << 31, 64, 640, 256)
         assert whole.mixed_graphs and not piecewise.mixed_graphs
         assert dict(vars(whole), mixed_graphs=False) == vars(piecewise)
+
+
+def test_a_staggered_window_records_which_row_limit_binds():
+    """With the staggered plan the window keeps its RowLimit after every step (the job fit with the guard, the
+    guard, the model's ceiling, the limit, the step average) as (median, min, max): the next GPU run names
+    whichever holds the rows below the job fit."""
+    from apex_compile import ApexConfig, SamplingParams, optimize
+
+    block_bytes = 2 * 2 * 2 * 16 * 16 * 4  # tiny_model: 2 layers, 2 KV heads x 16 dims, fp32, 16-token blocks
+    model = tiny_model("llama", layers=2)
+    engine = optimize(model, ApexConfig(offload="staggered", stagger_width=2, gpu_cache_size=4 * block_bytes,
+                                        cpu_cache_size=128 * block_bytes, max_model_len=64)).engine
+    prompts = [[5, 6, 7, 8, 9]] * 8
+    run = e2e_hybrid.steady_state(engine, prompts, SamplingParams(max_new_tokens=4), warm_steps=3, window_steps=5,
+                                  fill_steps=20)
+    limits = run["row_limits"]
+    assert set(limits) == {"measured", "guard", "ceiling", "limit", "step_s"}
+    assert all(low <= median <= high for median, low, high in limits.values())
+    assert limits["limit"][2] <= 2 and limits["guard"][0] == 2  # a fixed pipeline keeps its width
+    never = optimize(model, ApexConfig(offload="never", compile=False, max_num_seqs=4)).engine
+    assert e2e_hybrid.steady_state(never, prompts, SamplingParams(max_new_tokens=3), warm_steps=1,
+                                   window_steps=2)["row_limits"] is None
+
+
+def test_the_staggered_bound_is_the_tighter_of_host_pool_and_cpu_less_the_prefill():
+    """The staggered plan's bound from never's run: rows = min(host-pool rows, JOB_SHARE x decode step x
+    ideal_gain), one token per row at the mean step, less the device tokens their prefill takes."""
+    never = {"decode_only_step_s": 0.005, "decode_step_s": 0.005, "window_s": 1.8, "steps": [None] * 300,
+             "prefill_s_per_token": 20e-6, "tokens_per_s": 2000.0}
+    cpu_bound = e2e_hybrid.staggered_bound(never, 1000.0, 8, 512, 128)  # the CPU fits 0.9 x 5 ms x 1000 = 4.5
+    assert cpu_bound["rows"] == pytest.approx(4.5) and cpu_bound["mean_step_s"] == pytest.approx(0.006)
+    assert cpu_bound["host_tokens_per_s"] == pytest.approx(750.0)
+    assert cpu_bound["prefill_loss_tokens_per_s"] == pytest.approx(750.0 * 4 * 20e-6 * 2000.0)
+    assert cpu_bound["efficiency"] == pytest.approx((750.0 - 120.0) / 1000.0)
+    pool_bound = e2e_hybrid.staggered_bound(never, 1000.0, 3, 512, 512)
+    assert pool_bound["rows"] == 3 and pool_bound["efficiency"] == pytest.approx((500.0 - 20.0) / 1000.0)
