@@ -170,6 +170,21 @@ def test_stagger_job_equals_per_layer_append_and_attention(picked, dtype, thread
                                                                                     v1.nan_to_num(-7.0))
 
 
+def test_stagger_job_in_a_team_is_exact_on_every_call(threads):
+    """The job's threads append, meet at a barrier and attend what others appended: 20 calls with a 4-thread
+    team over fresh copies of one case, each equal bit for bit to a 1-thread call (a missing barrier would let
+    an attention read a slot another thread has not yet written: NaN or an old value)."""
+    picked = [0, 1, 3, 4, 5]
+    torch.set_num_threads(1)
+    caches, staged, meta = stagger_job_case(11, layers=3, width=2)
+    pristine = [(k.clone(), v.clone()) for k, v in caches]
+    want, _ = run_stagger_job([(k.clone(), v.clone()) for k, v in pristine], staged, meta, picked)
+    torch.set_num_threads(4)
+    for _ in range(20):
+        got, _ = run_stagger_job([(k.clone(), v.clone()) for k, v in pristine], staged, meta, picked)
+        assert torch.equal(got.nan_to_num(-7.0), want.nan_to_num(-7.0))
+
+
 @pytest.mark.parametrize("team", [1, 3])
 def test_stagger_job_waits_for_every_ready_flag(team, threads):
     """Nothing is written before each flag reaches its value (a GPU copy raises it in the engine), whether one
