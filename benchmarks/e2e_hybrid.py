@@ -428,17 +428,17 @@ def main():
             ideal = perf.ideal_gain(context)
             never = runs["never"]["tokens_per_s"] if "never" in runs else None  # (an A/B run of other modes)
             efficiency = (runs["auto"]["tokens_per_s"] - never) / ideal if "auto" in runs and never else None
-            groups = 2 * (shape["num_hidden_layers"] + 1)  # host requests per staggered row (two lanes)
+            groups = stagger_module.LANES * (shape["num_hidden_layers"] + 1)  # host requests per staggered row
             pool_rows = int(args.host_gib * GiB // per_request // groups)
             bound = (staggered_bound(runs["never"], ideal, pool_rows, args.prompt, args.new_tokens)
                      if "never" in runs else None)
             # each mode's model: the profile, calibrated by the replays of that mode's own captured graphs
-            errors = {m: prediction_error(PerfModel(perf.profile, StepCalibration(**r["calibration"])), r["steps"],
-                                          r["plan"]) for m, r in runs.items()}
+            calibrated = {m: PerfModel(perf.profile, StepCalibration(**r["calibration"])) for m, r in runs.items()}
+            errors = {m: prediction_error(calibrated[m], r["steps"], r["plan"]) for m, r in runs.items()}
             raw_errors = {m: prediction_error(perf, r["steps"], r["plan"]) for m, r in runs.items()}
             # the calibrated model with its online host gap (what the engine's steps add to the GPU's time)
-            online_errors = {m: prediction_error(PerfModel(perf.profile, StepCalibration(**r["calibration"])),
-                                                 r["steps"], r["plan"], online=True) for m, r in runs.items()}
+            online_errors = {m: prediction_error(calibrated[m], r["steps"], r["plan"], online=True)
+                             for m, r in runs.items()}
             best = max(runs, key=lambda m: runs[m]["tokens_per_s"])
             row = {"shape": shape_name, "device_gib": gib, "requests": count, "context": context,
                    "ideal_gain": ideal, "cpu_attention_GBps": perf.cpu_bandwidth() / 1e9,

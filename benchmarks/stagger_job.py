@@ -4,8 +4,9 @@ engine pins it, called three ways:
   hot   back to back, its ready flags already raised;
   gap   the same after a 4 ms sleep on the worker (its OpenMP team idles as it does between two turns);
   flag  as the engine calls it: the job waits in C++ for a flag another thread raises 4 ms after submission.
-Each prints the running time's parts (selects, append, attention, output rows) and a least-squares fit of
-fixed + per-row seconds, beside the K+V bytes read per row and the bandwidth that implies.
+Each prints the running time's parts (append, attention) and a least-squares fit of fixed + per-row seconds,
+beside the K+V bytes read per row and the bandwidth that implies. (Session 21's "before" results also have
+the gathers and the output scatter the job then did: `stagger_job_*_s21_before_*`.)
 
     python benchmarks/stagger_job.py --rows 1,2,3,4,6,8 --context 576 --out stagger_job.json
 """
@@ -24,15 +25,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from apex_compile.ops import allocate_kv_cache_cpu  # noqa: E402
 from apex_compile.runtime.stagger import _pin_worker, worker_cores  # noqa: E402
 
-PARTS = ("selects", "append", "attention", "output")
+PARTS = ("append", "attention")
 
 
 def fit(xs, ys):
-    """Least-squares fixed + slope * x."""
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    var = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
-    return my - slope * mx, slope
+    """Least-squares (fixed, slope) of ys = fixed + slope * xs (slope 0 over a single x)."""
+    if len(set(xs)) < 2:
+        return statistics.fmean(ys), 0.0
+    slope, fixed = statistics.linear_regression(xs, ys)
+    return fixed, slope
 
 
 def main():
@@ -87,7 +88,7 @@ def main():
             samples = []
             for i in range(args.repeats + 2):
                 flags = torch.zeros(1, dtype=torch.int64)
-                timings = torch.zeros(6, dtype=torch.float64)
+                timings = torch.zeros(2 + len(PARTS), dtype=torch.float64)
                 if how != "flag":
                     flags[0] = 1
 

@@ -446,7 +446,8 @@ void wait_host_flags(const at::Tensor& flags, at::IntArrayRef values, double tim
 // rows of `out`. staged [layers, width, num_heads + 2 * num_kv_heads, head_dim] holds each row's q, k, v heads
 // side by side; rows (int64, into the flattened [layers * width]) picks the rows holding a request (none: all,
 // in order); cache_index / block_tables / context_lens / slot_mapping describe those rows.
-// timings (float64 [2]) receives (seconds waiting for the flags, seconds running).
+// timings (float64 [2], or [4] with the running time by part: append, attention) receives (seconds waiting for
+// the flags, seconds running[, its parts]).
 void stagger_cpu_job(const at::Tensor& staged, at::TensorList key_caches, at::TensorList value_caches,
                      const at::Tensor& cache_index, const at::Tensor& block_tables, const at::Tensor& context_lens,
                      const at::Tensor& slot_mapping, const std::optional<at::Tensor>& rows, int64_t num_heads,
@@ -455,9 +456,9 @@ void stagger_cpu_job(const at::Tensor& staged, at::TensorList key_caches, at::Te
   check_cpu(staged, "staged");
   check_cpu(out, "out");
   check_cpu(timings, "timings");
-  APEX_CHECK(timings.scalar_type() == at::kDouble && (timings.numel() == 2 || timings.numel() == 6) &&
+  APEX_CHECK(timings.scalar_type() == at::kDouble && (timings.numel() == 2 || timings.numel() == 4) &&
                  timings.is_contiguous(),
-             "timings must be a contiguous float64 tensor of 2 or 6 elements, got ", timings.scalar_type(), " ",
+             "timings must be a contiguous float64 tensor of 2 or 4 elements, got ", timings.scalar_type(), " ",
              shape_of(timings));
   APEX_CHECK(staged.dim() == 4 && staged.is_contiguous(),
              "staged must be a contiguous [layers, width, heads, head_dim] tensor, got ", shape_of(staged));
@@ -547,11 +548,9 @@ void stagger_cpu_job(const at::Tensor& staged, at::TensorList key_caches, at::Te
   double* seconds = timings.data_ptr<double>();
   seconds[0] = waited;
   seconds[1] = std::chrono::duration<double>(end - start).count();
-  if (timings.numel() == 6) {  // the running time by part: (none left), append, attention, (none left)
-    seconds[2] = 0.0;
-    seconds[3] = std::chrono::duration<double>(appended - start).count();
-    seconds[4] = std::chrono::duration<double>(end - appended).count();
-    seconds[5] = 0.0;
+  if (timings.numel() == 4) {  // the running time by part: append, attention
+    seconds[2] = std::chrono::duration<double>(appended - start).count();
+    seconds[3] = std::chrono::duration<double>(end - appended).count();
   }
 }
 
