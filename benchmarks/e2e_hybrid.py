@@ -195,11 +195,12 @@ def amortized(run, prompt_len, new_tokens):
 
 
 PIECEWISE_SUFFIX = "/pw"  # a mode run with its mixed steps piecewise (mixed_graphs=False): the same-run A/B
+ONE_LANE_SUFFIX = "/1lane"  # a mode run with the one-lane staggered plan (stagger_lanes=1)
 
 
 def parse_mode(mode: str):
-    """(offload, stagger width) of a mode string (a PIECEWISE_SUFFIX aside)."""
-    mode = mode.removesuffix(PIECEWISE_SUFFIX)
+    """(offload, stagger width) of a mode string (PIECEWISE_SUFFIX and ONE_LANE_SUFFIX aside)."""
+    mode = mode.removesuffix(PIECEWISE_SUFFIX).removesuffix(ONE_LANE_SUFFIX).removesuffix(PIECEWISE_SUFFIX)
     if mode.startswith("staggered"):
         width = mode.partition(":")[2]
         return "staggered", (width if width == "auto" else int(width)) if width else None
@@ -211,7 +212,7 @@ def hybrid_config(mode, device_bytes, host_bytes, max_seqs, max_tokens, prefill_
     cap beside decoding, requests up to `max_tokens` (prompt + new tokens)."""
     offload, width = parse_mode(mode)
     return ApexConfig(offload=offload, stagger_width=width, gpu_cache_size=device_bytes,
-                      mixed_graphs=not mode.endswith(PIECEWISE_SUFFIX),
+                      mixed_graphs=PIECEWISE_SUFFIX not in mode, stagger_lanes=1 if ONE_LANE_SUFFIX in mode else 2,
                       cpu_attention_threads=cpu_threads, cpu_cache_size=host_bytes, max_num_seqs=max_seqs,
                       max_num_batched_tokens=2048, prefill_tokens_while_decoding=prefill_while_decoding,
                       max_model_len=max_tokens + 64)
@@ -428,10 +429,15 @@ def main():
             ideal = perf.ideal_gain(context)
             never = runs["never"]["tokens_per_s"] if "never" in runs else None  # (an A/B run of other modes)
             efficiency = (runs["auto"]["tokens_per_s"] - never) / ideal if "auto" in runs and never else None
-            groups = stagger_module.LANES * (shape["num_hidden_layers"] + 1)  # host requests per staggered row
-            pool_rows = int(args.host_gib * GiB // per_request // groups)
-            bound = (staggered_bound(runs["never"], ideal, pool_rows, args.prompt, args.new_tokens)
-                     if "never" in runs else None)
+            efficiencies = {m: (r["tokens_per_s"] - never) / ideal for m, r in runs.items() if never and m != "never"}
+            bounds = {}
+            for lanes in (2, 1):
+                groups = lanes * (shape["num_hidden_layers"] + 1)  # host requests per staggered row
+                pool_rows = int(args.host_gib * GiB // per_request // groups)
+                if "never" in runs:
+                    bounds[lanes] = (pool_rows, staggered_bound(runs["never"], ideal, pool_rows, args.prompt,
+                                                                args.new_tokens))
+            bound = bounds[2][1] if 2 in bounds else None
             # each mode's model: the profile, calibrated by the replays of that mode's own captured graphs
             calibrated = {m: PerfModel(perf.profile, StepCalibration(**r["calibration"])) for m, r in runs.items()}
             errors = {m: prediction_error(calibrated[m], r["steps"], r["plan"]) for m, r in runs.items()}
@@ -446,7 +452,8 @@ def main():
                    "kv_bytes_per_host_request_step": perf.profile.kv_bytes_per_token * context,
                    "auto_efficiency": efficiency, "model_error": errors, "uncalibrated_model_error": raw_errors,
                    "online_model_error": online_errors, "profile": dataclasses.asdict(perf.profile),
-                   "staggered_bound": bound,
+                   "staggered_bound": bound, "staggered_bound_1lane": bounds[1][1] if 1 in bounds else None,
+                   "efficiency": efficiencies,
                    "best_mode": best, "hf_offloaded": hf,
                    "best_efficiency": (runs[best]["tokens_per_s"] - never) / ideal if never else None,
                    "modes": {m: {k: v for k, v in r.items() if k != "steps"} for m, r in runs.items()},
@@ -464,13 +471,15 @@ def main():
                   + " (uncalibrated: " + ", ".join(f"{m} {e:.1%}" for m, e in raw_errors.items() if e is not None)
                   + "; with the online host gap: "
                   + ", ".join(f"{m} {e:.1%}" for m, e in online_errors.items() if e is not None) + ")", flush=True)
-            if bound is not None:
-                print(f"   staggered plan's bound on this window (computed from never's run): {bound['rows']:.1f} rows "
-                      f"(host pool {pool_rows}, CPU job in {stagger_module.JOB_SHARE:.0%} of a "
-                      f"{bound['decode_step_s'] * 1e3:.2f} ms decode step), +{bound['host_tokens_per_s']:.0f} host "
-                      f"tokens/s at the mean step {bound['mean_step_s'] * 1e3:.2f} ms, -{bound['prefill_loss_tokens_per_s']:.0f} "
-                      f"for their prefill: +{bound['gain']:.0f} tokens/s, efficiency {bound['efficiency']:.2f}",
+            if efficiencies:
+                print("   efficiency per mode: " + ", ".join(f"{m} {e:.2f}" for m, e in efficiencies.items()),
                       flush=True)
+            for lanes, (pool_rows, b) in bounds.items():
+                print(f"   staggered plan's bound, {lanes} lane{'s' if lanes > 1 else ''} (computed from never's run): "
+                      f"{b['rows']:.1f} rows (host pool {pool_rows}, CPU job in {stagger_module.JOB_SHARE:.0%} of a "
+                      f"{b['decode_step_s'] * 1e3:.2f} ms decode step), +{b['host_tokens_per_s']:.0f} host "
+                      f"tokens/s at the mean step {b['mean_step_s'] * 1e3:.2f} ms, -{b['prefill_loss_tokens_per_s']:.0f} "
+                      f"for their prefill: +{b['gain']:.0f} tokens/s, efficiency {b['efficiency']:.2f}", flush=True)
             print("   auto: " + runs["auto"]["explain"] if "auto" in runs else "", flush=True)
             write_json(args.out, result)  # after every row: a run cut short keeps what it measured
         del model

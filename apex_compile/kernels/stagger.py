@@ -10,12 +10,17 @@ torch needs two or three:
   job, and the attention the CPU computed for the requests arriving fills the block's rows of the output:
       staged = [q | k | v] (along heads)      out = arriving
   One program per (row, staged head).
+- waiting exchange (the one-lane plan): the same exchange with `staged` and `arriving` in pinned host memory
+  (read and written over the bus by the kernel), after waiting on the device for the CPU job of the turn before
+  to have written `arriving` (a host flag it raises); `raise_flag` then tells the CPU the layer is staged.
+  A wait that outlasts its timeout marks a host status word and goes on (the engine raises on it), so a dead
+  CPU worker cannot hang the GPU.
 """
 import torch
 import triton
 import triton.language as tl
 
-from apex_compile.kernels._common import check_same_device, next_pow2
+from apex_compile.kernels._common import INTERPRET, check_same_device, next_pow2
 
 MAX_BLOCK = 4096
 
@@ -76,6 +81,121 @@ def _exchange_kernel(q_ptr, k_ptr, v_ptr, staged_ptr, arriving_ptr, out_ptr,
     else:
         value = tl.load(v_ptr + row * stride_v + (head - NUM_HEADS - NUM_KV_HEADS) * stride_vh + offs, mask=mask)
     tl.store(staged_ptr + row * stride_staged + head * HEAD_DIM + offs, value, mask=mask)
+
+
+WAIT_TIMEOUT_S = 60.0  # a device wait for the CPU job longer than this marks the status word and gives up
+INTERPRETER_MAX_POLLS = 1 << 20  # under the interpreter (no clock): the polls before giving up
+
+
+@triton.jit
+def _clock_ns():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def _exchange_waiting_kernel(q_ptr, k_ptr, v_ptr, staged_ptr, arriving_ptr, out_ptr,
+                             stride_q, stride_qh, stride_k, stride_kh, stride_v, stride_vh, stride_out,
+                             done_ptr, after_ptr, status_ptr, stall_ptr, timeout,
+                             NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                             BLOCK_D: tl.constexpr, TIMED: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < HEAD_DIM
+    # the CPU job of turn `after` (the last one launched) has written this layer's `arriving`, read its `staged`
+    target = tl.load(after_ptr)
+    seen = tl.load(done_ptr, volatile=True)
+    waited = tl.zeros((), tl.int64)
+    if TIMED:  # timeout in ns of the GPU's clock
+        start = _clock_ns()
+        while (seen < target) & (waited < timeout):
+            seen = tl.load(done_ptr, volatile=True)
+            waited = _clock_ns() - start
+    else:  # timeout in polls
+        while (seen < target) & (waited < timeout):
+            seen = tl.load(done_ptr, volatile=True)
+            waited += 1
+    if seen < target:
+        tl.store(status_ptr, target)
+    if (row == 0) & (head == 0):
+        tl.store(stall_ptr, waited)
+    width_heads = NUM_HEADS + 2 * NUM_KV_HEADS
+    if head < NUM_HEADS:
+        value = tl.load(q_ptr + row * stride_q + head * stride_qh + offs, mask=mask)
+        kept = tl.load(arriving_ptr + (row * NUM_HEADS + head) * HEAD_DIM + offs, mask=mask, cache_modifier=".cv")
+        tl.store(out_ptr + row * stride_out + head * HEAD_DIM + offs, kept, mask=mask)
+    elif head < NUM_HEADS + NUM_KV_HEADS:
+        value = tl.load(k_ptr + row * stride_k + (head - NUM_HEADS) * stride_kh + offs, mask=mask)
+    else:
+        value = tl.load(v_ptr + row * stride_v + (head - NUM_HEADS - NUM_KV_HEADS) * stride_vh + offs, mask=mask)
+    tl.store(staged_ptr + (row * width_heads + head) * HEAD_DIM + offs, value, mask=mask, cache_modifier=".wt")
+
+
+@triton.jit
+def _raise_flag_kernel(flag_ptr, turn_ptr):
+    tl.store(flag_ptr, tl.load(turn_ptr), cache_modifier=".wt")
+
+
+def _check_flag(name: str, flag: torch.Tensor) -> None:
+    if flag.dtype != torch.int64 or flag.numel() != 1 or flag.device.type != "cpu":
+        raise ValueError(f"{name} must be a one-element int64 host tensor, got {flag.dtype} {tuple(flag.shape)} "
+                         f"on {flag.device}")
+
+
+def _check_host(on: torch.device, **tensors: torch.Tensor) -> None:
+    """Host buffers a kernel on `on` reads or writes: pinned when `on` is a GPU (mapped into its address space)."""
+    for name, tensor in tensors.items():
+        if tensor.device.type != "cpu" or (on.type == "cuda" and not tensor.is_pinned()):
+            raise ValueError(f"{name} must be a host tensor{' in pinned memory' if on.type == 'cuda' else ''}, "
+                             f"got one on {tensor.device}")
+
+
+def exchange_rows_waiting(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, staged: torch.Tensor,
+                          arriving: torch.Tensor, out: torch.Tensor, done: torch.Tensor, after: torch.Tensor,
+                          status: torch.Tensor, stall: torch.Tensor, timeout_s: float = WAIT_TIMEOUT_S) -> None:
+    """`exchange_rows` with `staged` and `arriving` in host memory (pinned on a GPU), once the CPU job of turn
+    after[0] (the last launched) has written `arriving` and read `staged`: waits on the device until done[0] >=
+    after[0] (done: a host counter the CPU job raises; after: int64 [1] on the kernel's device). A wait beyond
+    timeout_s (in polls under the interpreter) writes after[0] into status[0] and goes on; stall[0] receives the
+    wait (ns on a GPU, polls under the interpreter). One launch."""
+    check_same_device(query=query, key=key, value=value, out=out, after=after)
+    _check_host(query.device, staged=staged, arriving=arriving, done=done, status=status, stall=stall)
+    for name, flag in (("done", done), ("status", status), ("stall", stall)):
+        _check_flag(name, flag)
+    if after.dtype != torch.int64 or after.numel() != 1:
+        raise ValueError(f"after must be a one-element int64 tensor, got {after.dtype} {tuple(after.shape)}")
+    width, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    if (key.shape != value.shape or key.shape[0] != width or key.shape[2] != head_dim
+            or staged.shape != (width, num_heads + 2 * num_kv_heads, head_dim)
+            or arriving.shape != query.shape or out.shape != query.shape):
+        raise ValueError(f"exchange_rows_waiting: query [w, Hq, D], key/value [w, Hkv, D], staged [w, Hq + 2 Hkv, D], "
+                         f"arriving/out [w, Hq, D]; got {tuple(query.shape)}, {tuple(key.shape)}, "
+                         f"{tuple(value.shape)}, {tuple(staged.shape)}, {tuple(arriving.shape)}, {tuple(out.shape)}")
+    if len({t.dtype for t in (query, key, value, staged, arriving, out)}) != 1:
+        raise TypeError("exchange_rows_waiting: every tensor but the flags must have one dtype")
+    if any(t.stride(2) != 1 for t in (query, key, value)) or out.stride(2) != 1 or out.stride(1) != head_dim or (
+            not staged.is_contiguous() or not arriving.is_contiguous()):
+        raise ValueError("exchange_rows_waiting: unit stride along D, contiguous rows of out, contiguous staged / "
+                         "arriving")
+    if width == 0:
+        return
+    timed = not INTERPRET and query.is_cuda
+    timeout = int(timeout_s * 1e9) if timed else INTERPRETER_MAX_POLLS
+    _exchange_waiting_kernel[(width, num_heads + 2 * num_kv_heads)](
+        query, key, value, staged, arriving, out, query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1), out.stride(0), done, after, status, stall, timeout,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), TIMED=timed,
+        num_warps=1)
+
+
+def raise_flag(flag: torch.Tensor, turn: torch.Tensor) -> None:
+    """flag[0] = turn[0], written by the GPU behind the work queued before it (flag: a host counter, pinned on a
+    GPU; turn on the kernel's device): the CPU sees everything those kernels wrote to host memory once it sees
+    the flag. One launch."""
+    _check_flag("flag", flag)
+    _check_host(turn.device, flag=flag)
+    _raise_flag_kernel[(1,)](flag, turn, num_warps=1)
 
 
 def exchange_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, staged: torch.Tensor,

@@ -49,6 +49,11 @@ LIB.define(
     "Tensor block_tables, Tensor context_lens, Tensor slot_mapping, Tensor? rows, int num_heads, float scale, "
     "Tensor(c!) out, Tensor ready_flags, int[] ready_values, float timeout_s, Tensor(d!) timings) -> ()"
 )
+LIB.define(
+    "stagger_layer_job(Tensor staged, Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor cache_index, "
+    "Tensor block_tables, Tensor context_lens, Tensor slot_mapping, Tensor? rows, int num_heads, float scale, "
+    "Tensor(c!) out, Tensor ready_flags, Tensor(d!) done_flags, int turn, float timeout_s, Tensor(e!) timings) -> ()"
+)
 LIB.define("wait_host_flags(Tensor flags, int[] values, float timeout_s) -> ()")
 LIB.define("cpu_isa_code() -> int")
 LIB.define("cpu_attention_work_split(int items_per_thread, int min_item_bytes, int min_thread_bytes) -> int[]")
@@ -96,6 +101,13 @@ def _paged_attention_cpu_multi_fake(query, key_caches, value_caches, cache_index
 def _stagger_cpu_job_fake(staged, key_caches, value_caches, cache_index, block_tables, context_lens, slot_mapping,
                           rows, num_heads, scale, out, ready_flags, ready_values, timeout_s, timings):
     _check_cpu("stagger_cpu_job", staged=staged, out=out, cache_index=cache_index, timings=timings)
+
+
+@torch.library.register_fake("apex::stagger_layer_job", lib=LIB)
+def _stagger_layer_job_fake(staged, key_caches, value_caches, cache_index, block_tables, context_lens, slot_mapping,
+                            rows, num_heads, scale, out, ready_flags, done_flags, turn, timeout_s, timings):
+    _check_cpu("stagger_layer_job", staged=staged, out=out, cache_index=cache_index, ready_flags=ready_flags,
+               done_flags=done_flags, timings=timings)
 
 
 @torch.library.register_fake("apex::wait_host_flags", lib=LIB)
@@ -211,6 +223,26 @@ def stagger_cpu_job(staged: torch.Tensor, key_caches: List[torch.Tensor], value_
     torch.ops.apex.stagger_cpu_job(staged, key_caches, value_caches, cache_index, block_tables, context_lens,
                                    slot_mapping, rows, num_heads, scale, out, flags, list(ready_values), timeout_s,
                                    timings)
+    waited, ran = timings.tolist()
+    return waited, ran
+
+
+def stagger_layer_job(staged: torch.Tensor, key_caches: List[torch.Tensor], value_caches: List[torch.Tensor],
+                      cache_index: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                      slot_mapping: torch.Tensor, rows: Optional[torch.Tensor], num_heads: int, scale: float,
+                      out: torch.Tensor, ready_flags: torch.Tensor, done_flags: torch.Tensor, turn: int,
+                      timeout_s: float = READY_TIMEOUT_S) -> Tuple[float, float]:
+    """The one-lane staggered plan's CPU job: `stagger_cpu_job` layer by layer, as the GPU step that stages the
+    layers runs. Layer l's rows (those of [l * width, (l + 1) * width) in use: rows sorted by layer, cache_index
+    naming each row's layer) are appended and attended once ready_flags[l] >= turn; then done_flags[l] = turn
+    (int64 [layers] each, counters that only grow; release order: the layer's rows of `out` are written). Every
+    layer's flags are waited for and raised, with rows or without. Raises RuntimeError if the whole job waits
+    more than timeout_s (done flags of the layers not reached stay as they were). Returns (seconds waiting for
+    the flags, summed over layers, seconds running without them)."""
+    timings = torch.zeros(2, dtype=torch.float64)
+    torch.ops.apex.stagger_layer_job(staged, key_caches, value_caches, cache_index, block_tables, context_lens,
+                                     slot_mapping, rows, num_heads, scale, out, ready_flags, done_flags, int(turn),
+                                     timeout_s, timings)
     waited, ran = timings.tolist()
     return waited, ran
 

@@ -28,7 +28,7 @@ from apex_compile.runtime.perf_model import AutoOffload, PerfModel, StepCalibrat
 from apex_compile.runtime.request import Request, RequestStatus, SamplingParams
 from apex_compile.runtime.sampler import PendingTokens, Sampler
 from apex_compile.runtime.scheduler import ScheduledChunk, Scheduler
-from apex_compile.runtime.stagger import LANES, StaggerPipeline, rope_tables
+from apex_compile.runtime.stagger import StaggerPipeline, rope_tables
 from apex_compile.runtime.step_buffers import StepBuffers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -239,7 +239,7 @@ class Engine:
             from apex_compile.runtime.perf_profile import engine_profile
 
             self.auto_policy = AutoOffload(PerfModel(engine_profile(self), self.calibration),
-                                           stagger_groups=LANES * (self.shape.num_layers + 1))
+                                           stagger_groups=self.config.stagger_lanes * (self.shape.num_layers + 1))
         self.stagger: Optional[StaggerPipeline] = None
         self._pipeline_due = False  # a staggered forward was queued and its `_advance_pipeline` not yet run
         self._async = self.config.async_scheduling
@@ -302,7 +302,8 @@ class Engine:
         prior = self.auto_policy.model.cpu_seconds_per_token() / self.shape.num_layers if self.auto_policy else None
         return StaggerPipeline(self.kv, width, config.hidden_size, config.num_attention_heads,
                                rope_tables(self.model, self.max_model_len), self.device, self.dtype,
-                               self.max_model_len, self.config.cpu_attention_threads, adaptive, prior)
+                               self.max_model_len, self.config.cpu_attention_threads, adaptive, prior,
+                               lanes=self.config.stagger_lanes)
 
     def _typical_contexts(self) -> List[int]:
         return sorted({min(c, self.max_model_len) for c in (256, 1024, 4096)})
@@ -578,16 +579,13 @@ class Engine:
 
     @contextlib.contextmanager
     def _quiet_stagger(self, active: bool):
-        """While graphs of the staggered step are captured: the residual rows that the capture's uncaptured
-        run swaps are put back (the rows it stages are rewritten by the next real step)."""
+        """While graphs of the staggered step are captured: their uncaptured runs leave the pipeline as it was
+        (`StaggerPipeline.quiet`)."""
         if not active:
             yield
             return
-        saved = self.stagger.residual.clone()
-        try:
+        with self.stagger.quiet():
             yield
-        finally:
-            self.stagger.residual.copy_(saved)
 
     def _fill_staggered(self, chunks, logit_rows, pad_to=None, total_rows=None):
         """StepBuffers.fill for a step led by the staggered block; a whole graph's step (pad_to) computes the
@@ -801,10 +799,10 @@ class Engine:
         if self.stagger is not None:
             self.stagger.forward_queued()  # the CPU job of the step before may start now
         pending = self.sampler.launch(logits, sampled) if sampled else None
-        self._advance_pipeline()
-        for _, request in staggered:
-            request.num_computed += 1
+        for _, request in staggered:  # through every layer (before the pipeline's next turn: one lane re-enters
+            request.num_computed += 1  # it at once, at its next position)
             request.steps_per_pool[HOST_POOL] += 1
+        self._advance_pipeline()
         return _Launched(sampled, pending, {request.request_id for _, request in staggered}, device_ids is not None)
 
     def _resolve(self, launched: _Launched) -> List[Request]:
@@ -843,6 +841,8 @@ class Engine:
         scheduler = self.scheduler
         if not self._async or launched.pending is None:
             return None
+        if self.stagger is not None and self.stagger.begun and not self.stagger.inputs_known():
+            return None  # one lane: the block's next turn needs tokens `launched` samples
         # the device rows (the staggered block's requests get their next token from the pipeline, not a chunk),
         # less rows queued ahead for requests that stopped meanwhile
         alive = [r for r in launched.sampled if not r.is_finished and r.request_id not in launched.in_pipeline]

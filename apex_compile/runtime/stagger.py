@@ -27,6 +27,7 @@ CPU-only run the job runs at once.
 """
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
 import time
@@ -36,13 +37,13 @@ import numpy as np
 import torch
 
 from apex_compile.kernels._common import INTERPRET
-from apex_compile.kernels.stagger import exchange_rows, swap_rows
-from apex_compile.ops.cpu_attention import stagger_cpu_job
+from apex_compile.kernels.stagger import WAIT_TIMEOUT_S, exchange_rows, exchange_rows_waiting, raise_flag, swap_rows
+from apex_compile.ops.cpu_attention import stagger_cpu_job, stagger_layer_job
 from apex_compile.runtime.kv_manager import HOST_POOL, KVManager
 from apex_compile.runtime.request import Request
 
 ROPE_KINDS = ("cos", "sin")
-LANES = 2
+LANES = 2  # lanes taking turns by default (1: one lane whose layers wait on the device, `LayerJobs`)
 JOB_SHARE = 0.9  # an adaptive pipeline keeps its CPU job within this share of a step (the worker runs one per step)
 EMA = 0.2  # weight of the newest measurement in the adaptive pipeline's running averages
 FIT_EMA = 0.05  # decay per job of the weighted sums the job-time fit (fixed + rate x work) uses: ~20 jobs of memory
@@ -208,11 +209,26 @@ class StaggerPipeline:
     def __init__(self, kv: KVManager, width: int, hidden_size: int, num_heads: int,
                  rope: Tuple[torch.Tensor, torch.Tensor], device: torch.device, dtype: torch.dtype,
                  max_model_len: int, threads: Optional[int] = None, adaptive: bool = False,
-                 prior_rate: Optional[float] = None):
+                 prior_rate: Optional[float] = None, lanes: int = LANES, layered: Optional[bool] = None):
         """adaptive: the rows that take requests follow the measured CPU job (`RowLimit`, with the profiled
-        `prior_rate`); else all `width`."""
+        `prior_rate`); else all `width`. lanes: 2 (the jobs between steps) or 1 (each layer's job between that
+        layer of two steps). layered: the one-lane jobs run beside the step, waited for on the device
+        (`LayerJobs`; default: on CUDA and under the Triton interpreter); else each runs whole after its step (CPU
+        only)."""
         if width < 1:
             raise ValueError(f"the staggered plan needs at least one row per step, got width {width}")
+        if lanes not in (1, 2):
+            raise ValueError(f"stagger_lanes must be 1 or 2, got {lanes}")
+        if layered is None:  # wherever the device waits (Triton kernels) can run
+            layered = lanes == 1 and (device.type == "cuda" or INTERPRET)
+        if layered and lanes != 1:
+            raise ValueError("the layered CPU jobs belong to the one-lane plan (lanes=1)")
+        if lanes == 1 and device.type == "cuda" and not layered:
+            raise ValueError("on CUDA the one-lane plan's jobs run beside the step (layered)")
+        if layered and device.type != "cuda" and not INTERPRET:
+            raise ValueError("the layered CPU jobs' device waits are Triton kernels: a GPU or TRITON_INTERPRET=1")
+        self.num_lanes = lanes
+        self.layered = layered
         shape = kv.shape
         self.kv = kv
         self.width = width
@@ -220,7 +236,7 @@ class StaggerPipeline:
         self.device = device
         self.table_width = -(-max_model_len // kv.block_size)
         self.lanes: List[List[StaggerGroup]] = [[self._group([None] * width) for _ in range(self.num_layers + 1)]
-                                                for _ in range(LANES)]
+                                                for _ in range(lanes)]
         self.joining: Deque[Request] = collections.deque()
         self.inside = 0  # requests in the groups of both lanes (kept by begin_step, finish, remove)
         self.evicted = 0  # requests sent back to wait in `joining` by a fallen row limit (begin_step)
@@ -237,17 +253,26 @@ class StaggerPipeline:
 
         # fixed-address device state the graphs read and write (the current lane's)
         self.residual = device_buffer(layers, width, hidden_size)
-        self.positions = device_buffer(layers, width, dtype=torch.int64)
+        # each layer's positions of the block's rows, then for the one-lane plan's device waits the turn whose
+        # job the step waits for (the last launched) and the step's own turn (its flags): one copy per step
+        self._block_state = device_buffer(layers * width + 2, dtype=torch.int64)
+        self.positions = self._block_state[:-2].view(layers, width)
+        self.after, self.turn = self._block_state[-2:-1], self._block_state[-1:]
+        self._launched = 0  # the last turn whose layered job was launched
         # the block's q, k, v heads side by side per row: one splice per layer in, one copy per step out
         self.heads = (num_heads, shape.num_kv_heads, shape.num_kv_heads)
         self.staged = device_buffer(layers, width, sum(self.heads), shape.head_dim)
         self.outputs = device_buffer(layers, width, num_heads, shape.head_dim)
-        self.lane_residual = [torch.zeros_like(self.residual) for _ in range(LANES)]  # each lane's own rows
+        # each lane's own rows (one lane: the block's rows stay in `residual`)
+        self.lane_residual = [torch.zeros_like(self.residual) for _ in range(lanes)] if lanes > 1 else []
         # the block's RoPE cos / sin rows at every layer, gathered once per step (the graph only splices them in)
         self.rope_rows = [torch.zeros(layers, width, t.shape[-1], dtype=t.dtype, device=device) for t in rope]
-        self._positions_host = torch.zeros(layers, width, dtype=torch.int64, pin_memory=on_cuda)
+        self._block_host = torch.zeros(layers * width + 2, dtype=torch.int64, pin_memory=on_cuda)
         self._positions_copied: Optional[torch.cuda.Event] = None
-        self.executor = AsyncJobs(CudaCopies(device), threads=threads) if on_cuda else SyncJobs()
+        if layered:
+            self.executor = LayerJobs(self.staged, self.outputs, pin_memory=on_cuda, threads=threads)
+        else:
+            self.executor = AsyncJobs(CudaCopies(device), threads=threads) if on_cuda else SyncJobs()
 
     # ------------------------------------------------------------------------------------------------
     # requests
@@ -255,12 +280,12 @@ class StaggerPipeline:
     @property
     def groups(self) -> List[StaggerGroup]:
         """The groups of the lane whose turn the current step is."""
-        return self.lanes[self.steps % LANES]
+        return self.lanes[self.steps % self.num_lanes]
 
     @property
     def capacity(self) -> int:
-        """Requests the pipeline takes at once (every row in use of every group of both lanes)."""
-        return LANES * (self.num_layers + 1) * self.rows.limit
+        """Requests the pipeline takes at once (every row in use of every group of every lane)."""
+        return self.num_lanes * (self.num_layers + 1) * self.rows.limit
 
     def _inside(self) -> List[Request]:
         return [r for lane in self.lanes for g in lane for r in g.requests if r is not None]
@@ -282,6 +307,13 @@ class StaggerPipeline:
     def join(self, request: Request) -> None:
         """Queues a host-pool request whose prefill is done (its last token not yet computed)."""
         self.joining.append(request)
+
+    def inputs_known(self) -> bool:
+        """Whether the host has every input token of the current turn's group 0 (one lane: a request that sampled
+        in the step before re-enters at once, so a step queued before that token reaches the host cannot be
+        filled)."""
+        return all(r.num_computed < len(r.prompt_token_ids) + len(r.output_token_ids)
+                   for r in self.groups[0].requests if r is not None)
 
     def sampling_rows(self) -> List[Tuple[int, Request]]:
         """(row, request) of the current lane's last group: the rows whose logits give a token this step."""
@@ -334,6 +366,31 @@ class StaggerPipeline:
         """Stops the CPU jobs' worker (its running job finishes first)."""
         self.executor.close()
 
+    @contextlib.contextmanager
+    def quiet(self):
+        """While graphs of the staggered step are captured (their warm-up runs execute): the block's residual
+        rows are put back afterwards. Layered jobs: drained first, and the device's turn is 0 meanwhile, so the
+        warm-up's waits pass at once and its flags tell no job anything (both turns and the flags restored
+        after)."""
+        saved = self.residual.clone()
+        turn = ready = None
+        on_cuda = self.device.type == "cuda"
+        if self.layered:
+            self.executor.drain()
+            if on_cuda:
+                torch.cuda.synchronize(self.device)
+            turn, ready = self._block_state[-2:].clone(), self.executor.ready.clone()
+            self._block_state[-2:].zero_()
+        try:
+            yield
+        finally:
+            if on_cuda and turn is not None:
+                torch.cuda.synchronize(self.device)
+            self.residual.copy_(saved)
+            if turn is not None:
+                self._block_state[-2:].copy_(turn)
+                self.executor.ready.copy_(ready)
+
     # ------------------------------------------------------------------------------------------------
     # a step: begin (host to device), the forward, end (device to host, CPU job)
 
@@ -344,7 +401,7 @@ class StaggerPipeline:
         running step. `collect` then brings the attention outputs of its CPU job."""
         self.begun = True
         self.steps += 1
-        lane = self.lanes[self.steps % LANES]
+        lane = self.lanes[self.steps % self.num_lanes]
         entering = lane.pop().requests
         limit = self._row_limit(lane)
         # requests going on beyond the limit (it fell: a CPU behind, or the model's ceiling) wait first in line
@@ -371,15 +428,18 @@ class StaggerPipeline:
         lane.insert(0, self._group(entering))
         if self._positions_copied is not None:
             self._positions_copied.synchronize()  # the pinned positions are not rewritten under their copy
-        np.stack([g.positions for g in lane[:self.num_layers]], out=self._positions_host.numpy())
-        self.positions.copy_(self._positions_host, non_blocking=True)
+        host = self._block_host.numpy()
+        np.stack([g.positions for g in lane[:self.num_layers]], out=host[:-2].reshape(self.num_layers, self.width))
+        host[-2:] = self._launched, self.steps
+        self._block_state.copy_(self._block_host, non_blocking=True)
         if self.device.type == "cuda":
             self._positions_copied = torch.cuda.Event()
             self._positions_copied.record()
-        flat_positions = self.positions.view(-1)
+        flat_positions = self.positions.reshape(-1)
         for table, rows in zip(self.rope, self.rope_rows):
             torch.index_select(table, 0, flat_positions, out=rows.view(-1, rows.shape[-1]))
-        self.residual.copy_(self.lane_residual[self.steps % LANES])
+        if self.num_lanes > 1:
+            self.residual.copy_(self.lane_residual[self.steps % self.num_lanes])
 
     def _row_limit(self, lane: List[StaggerGroup]) -> int:
         """The rows of the entering group that may hold a request this turn (`RowLimit`), after the step time
@@ -405,23 +465,41 @@ class StaggerPipeline:
     def collect(self) -> None:
         """Just before a begun step's forward: the attention outputs its lane's CPU job computed during the step
         before go to the device (waiting for the job only here, where the GPU would wait for it)."""
-        self.executor.collect(self.steps % LANES, self.outputs)
+        self.executor.collect(self.steps % self.num_lanes, self.outputs)
 
     def end_step(self, runner) -> None:
         """After the step's forward: the lane keeps its residual rows, and its staged q/k/v of every layer go
         to the CPU worker, which appends and attends them (done before the lane's next turn)."""
         self.begun = False
-        index = self.steps % LANES
-        self.lane_residual[index].copy_(self.residual)
+        index = self.steps % self.num_lanes
+        if self.num_lanes > 1:
+            self.lane_residual[index].copy_(self.residual)
         lane = list(self.lanes[index])
+        if self.layered:
+            self._launched = self.steps
         if not any(g.size for g in lane[:self.num_layers]):
-            self.executor.launch(index, None, [self.staged], self.outputs)
+            self.executor.launch(index if not self.layered else self.steps, None, [self.staged], self.outputs)
             return
         pool = self.kv.pools[HOST_POOL]
         plan = HostJob.of(lane[:self.num_layers], self.width)
         exports = runner.exports.queued()  # prompt K/V still on their way into the host cache
         work = int(plan.context_lens.sum())
         num_heads = self.heads[0]
+
+        if self.layered:
+            turn = self.steps
+
+            def layer_job(staged, out, ready, done):
+                for export in exports:
+                    export.result()
+                seconds = stagger_layer_job(staged, pool.key_caches, pool.value_caches, plan.cache_index,
+                                            plan.block_tables, plan.context_lens, plan.slots, plan.rows, num_heads,
+                                            runner.stagger_scale, out, ready, done, turn)
+                self.rows.observe_job(seconds[1], work)
+                return seconds
+
+            self.executor.launch(turn, layer_job, [self.staged], self.outputs)
+            return
 
         def job(staged, out, ready_flags, ready_values):
             for export in exports:
@@ -478,6 +556,12 @@ class StaggerPipeline:
         """The attention op's block rows at `layer`: stages their q/k/v for the CPU and writes into `out` (the
         block's rows of the op's output) the layer's attention of the requests arriving (computed since the
         lane's last turn, brought by `collect`); one Triton kernel on a GPU or under the interpreter."""
+        if self.layered:  # the host buffers directly, after the device waits for the CPU job of the turn before
+            jobs = self.executor
+            exchange_rows_waiting(query, key, value, jobs.staged[layer], jobs.outputs[layer], out,
+                                  jobs.done[layer:layer + 1], self.after, jobs.status, jobs.stalls[layer:layer + 1])
+            raise_flag(jobs.ready[layer:layer + 1], self.turn)
+            return
         staged, arriving = self.staged[layer], self.outputs[layer]
         if (query.is_cuda or INTERPRET) and all(t.stride(-1) == 1 for t in (query, key, value)):
             exchange_rows(query, key, value, staged, arriving, out)
@@ -518,6 +602,82 @@ def host_attention(job: Optional[HostJob], staged: torch.Tensor, num_heads: int,
         return 0.0, 0.0
     return stagger_cpu_job(staged, key_caches, value_caches, job.cache_index, job.block_tables, job.context_lens,
                            job.slots, job.rows, num_heads, scale, out, ready_flags, ready_values)
+
+
+ABORTED = 1 << 62  # a failed layered job's done flags: the device waits pass at once (the engine raises its error)
+
+
+class LayerJobs:
+    """The one-lane plan's CPU jobs: one per turn on a worker thread (pinned like `AsyncJobs`'), appending and
+    attending layer by layer as the GPU step stages the layers (`stagger_layer_job`). The device reads and
+    writes host buffers directly (pinned on a GPU): every layer's staged q/k/v and outputs, and per layer two
+    counters, `ready` (raised by the step behind its staging of the layer) and `done` (raised by the job once it
+    wrote the layer's outputs; the next step's layer waits for it on the device). `stalls`: each layer's last
+    device wait (ns on a GPU); `status`: a turn whose device wait timed out. A job that fails raises every done
+    flag to ABORTED, so the GPU goes on (its block rows wrong) and the next `collect` or `launch` raises."""
+
+    def __init__(self, staged: torch.Tensor, outputs: torch.Tensor, pin_memory: bool = True,
+                 threads: Optional[int] = None):
+        layers = staged.shape[0]
+        self.staged = torch.zeros(staged.shape, dtype=staged.dtype, pin_memory=pin_memory)
+        self.outputs = torch.zeros(outputs.shape, dtype=outputs.dtype, pin_memory=pin_memory)
+        counters = torch.zeros(3 * layers + 1, dtype=torch.int64, pin_memory=pin_memory)
+        self.ready, self.done = counters[:layers], counters[layers:2 * layers]
+        self.stalls, self.status = counters[2 * layers:3 * layers], counters[3 * layers:]
+        self.stall_unit = 1e-9 if pin_memory else 0.0  # seconds per unit of `stalls` (polls under the interpreter)
+        self.cores = worker_cores(threads)
+        self.worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="apex-stagger",
+                                                            initializer=_pin_worker, initargs=(self.cores,))
+        self.pending: Deque[concurrent.futures.Future] = collections.deque()
+        # recent timings, seconds: (waiting for the layers' flags, running) per job, and per step the device's
+        # waits for the CPU (how far the CPU is behind the GPU), as AsyncJobs' collect waits
+        self.job_seconds: Deque[Tuple[float, float]] = collections.deque(maxlen=4096)
+        self.collect_seconds: Deque[float] = collections.deque(maxlen=4096)
+
+    def _raise_errors(self) -> None:
+        """Raises a finished job's error, or a device wait that timed out."""
+        while self.pending and self.pending[0].done():
+            self.pending.popleft().result()
+        if int(self.status[0]):
+            raise RuntimeError(f"the GPU waited more than {WAIT_TIMEOUT_S:.0f} s for the staggered CPU job of turn "
+                               f"{int(self.status[0])}: the CPU worker is stuck or gone")
+
+    def launch(self, turn: int, job, inputs: List[torch.Tensor], output: torch.Tensor) -> None:
+        """Runs job(staged, outputs, ready, done) for `turn` after the jobs before it (None: a turn without rows,
+        whose done flags rise as soon as the jobs before it are done). inputs / output: unused (the device
+        reads and writes the host buffers itself)."""
+        self._raise_errors()
+
+        def run():
+            try:
+                if job is None:
+                    self.done.fill_(turn)
+                    return
+                with torch.inference_mode():
+                    self.job_seconds.append(job(self.staged, self.outputs, self.ready, self.done))
+            except BaseException:
+                self.done.fill_(ABORTED)
+                raise
+
+        self.pending.append(self.worker.submit(run))
+
+    def forward_queued(self) -> None:
+        """Nothing waits for it (the device waits for each layer)."""
+
+    def collect(self, key: int, out: torch.Tensor) -> None:
+        """Before a step: raises a failed job's error; records the device's waits of the last steps' layers."""
+        self._raise_errors()
+        self.collect_seconds.append(float(self.stalls.sum()) * self.stall_unit)
+
+    def drain(self) -> None:
+        """Waits for every launched job (their steps are queued: each job's flags come)."""
+        while self.pending:
+            self.pending.popleft().result()
+
+    def close(self) -> None:
+        """Stops the worker once its queued jobs are done."""
+        self.pending.clear()
+        self.worker.shutdown(wait=True)
 
 
 class SyncJobs:

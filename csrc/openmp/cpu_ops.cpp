@@ -439,20 +439,19 @@ void wait_host_flags(const at::Tensor& flags, at::IntArrayRef values, double tim
   wait_flags(flags, values, timeout_s);
 }
 
-// The staggered plan's CPU job in one call, so that the thread running it never needs Python (nor its GIL,
-// which the launching thread holds for most of the host work between two GPU steps) from the moment its inputs
-// are ready until the job is done: wait for the ready flags (the staged q/k/v copied to the host, the output
-// buffer's last copy to the device done), append every row's K/V to its layer's cache and attend, and write the
-// rows of `out`. staged [layers, width, num_heads + 2 * num_kv_heads, head_dim] holds each row's q, k, v heads
-// side by side; rows (int64, into the flattened [layers * width]) picks the rows holding a request (none: all,
-// in order); cache_index / block_tables / context_lens / slot_mapping describe those rows.
-// timings (float64 [2], or [4] with the running time by part: append, attention) receives (seconds waiting for
-// the flags, seconds running[, its parts]).
-void stagger_cpu_job(const at::Tensor& staged, at::TensorList key_caches, at::TensorList value_caches,
-                     const at::Tensor& cache_index, const at::Tensor& block_tables, const at::Tensor& context_lens,
-                     const at::Tensor& slot_mapping, const std::optional<at::Tensor>& rows, int64_t num_heads,
-                     double scale, at::Tensor& out, const at::Tensor& ready_flags, at::IntArrayRef ready_values,
-                     double timeout_s, at::Tensor& timings) {
+// The checked inputs of a staggered CPU job (`stagger_cpu_job`, `stagger_layer_job`): the rows in use of the
+// flattened [layers * width] block, and views of `staged` (each row's q, k, v heads side by side) read in place.
+struct StaggerInputs {
+  int64_t layers = 0, width = 0, count = 0;
+  at::Tensor picked;  // int64 [count]: the rows in use
+  at::Tensor query, key, value;  // [layers * width, heads, head_dim] views of staged
+  std::vector<void*> keys, values;  // the caches' data pointers
+};
+
+void check_stagger_inputs(StaggerInputs& in, const at::Tensor& staged, at::TensorList key_caches,
+                          at::TensorList value_caches, const at::Tensor& cache_index,
+                          const std::optional<at::Tensor>& rows, int64_t num_heads, const at::Tensor& out,
+                          const at::Tensor& timings) {
   check_cpu(staged, "staged");
   check_cpu(out, "out");
   check_cpu(timings, "timings");
@@ -475,33 +474,53 @@ void stagger_cpu_job(const at::Tensor& staged, at::TensorList key_caches, at::Te
     check_cpu(*rows, "rows");
     APEX_CHECK(rows->scalar_type() == at::kLong && rows->dim() == 1, "rows must be int64 [n], got ",
                rows->scalar_type(), " ", shape_of(*rows));
-    const at::Tensor checked = rows->contiguous();
-    const int64_t* picked = checked.data_ptr<int64_t>();
+    in.picked = rows->contiguous();
+    const int64_t* picked = in.picked.data_ptr<int64_t>();
     for (int64_t i = 0; i < count; ++i) {
       APEX_CHECK(picked[i] >= 0 && picked[i] < layers * width, "rows[", i, "] = ", picked[i],
                  " is out of range for ", layers * width, " rows");
     }
+  } else {
+    in.picked = at::arange(count, at::TensorOptions().dtype(at::kLong));
   }
-  std::vector<void*> keys, values;
-  check_cache_list(key_caches, value_caches, cache_index, count, keys, values);
+  check_cache_list(key_caches, value_caches, cache_index, count, in.keys, in.values);
+  const at::Tensor flat = staged.view({layers * width, staged.size(2), head_dim});
+  in.query = flat.narrow(1, 0, num_heads);
+  in.key = flat.narrow(1, num_heads, num_kv_heads);
+  in.value = flat.narrow(1, num_heads + num_kv_heads, num_kv_heads);
+  in.layers = layers;
+  in.width = width;
+  in.count = count;
+}
+
+// The staggered plan's CPU job in one call, so that the thread running it never needs Python (nor its GIL,
+// which the launching thread holds for most of the host work between two GPU steps) from the moment its inputs
+// are ready until the job is done: wait for the ready flags (the staged q/k/v copied to the host, the output
+// buffer's last copy to the device done), append every row's K/V to its layer's cache and attend, and write the
+// rows of `out`. staged [layers, width, num_heads + 2 * num_kv_heads, head_dim] holds each row's q, k, v heads
+// side by side; rows (int64, into the flattened [layers * width]) picks the rows holding a request (none: all,
+// in order); cache_index / block_tables / context_lens / slot_mapping describe those rows.
+// timings (float64 [2], or [4] with the running time by part: append, attention) receives (seconds waiting for
+// the flags, seconds running[, its parts]).
+void stagger_cpu_job(const at::Tensor& staged, at::TensorList key_caches, at::TensorList value_caches,
+                     const at::Tensor& cache_index, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                     const at::Tensor& slot_mapping, const std::optional<at::Tensor>& rows, int64_t num_heads,
+                     double scale, at::Tensor& out, const at::Tensor& ready_flags, at::IntArrayRef ready_values,
+                     double timeout_s, at::Tensor& timings) {
+  StaggerInputs in;
+  check_stagger_inputs(in, staged, key_caches, value_caches, cache_index, rows, num_heads, out, timings);
+  const int64_t count = in.count;
 
   // Everything is checked and planned before the wait, so that from the inputs' arrival the job only computes.
   // The rows in use are read in place from `staged` and written in place into `out` (no gathers, no scatter).
-  at::Tensor all_rows;
-  if (!rows.has_value()) all_rows = at::arange(count, at::TensorOptions().dtype(at::kLong));
-  const at::Tensor picked = rows.has_value() ? rows->contiguous() : all_rows;
-  const int64_t* row_ptr = picked.data_ptr<int64_t>();
-  const at::Tensor flat = staged.view({layers * width, staged.size(2), head_dim});
-  const at::Tensor query = flat.narrow(1, 0, num_heads);
-  const at::Tensor key = flat.narrow(1, num_heads, num_kv_heads);
-  const at::Tensor value = flat.narrow(1, num_heads + num_kv_heads, num_kv_heads);
+  const int64_t* row_ptr = in.picked.data_ptr<int64_t>();
   const int team = std::max(1, at::get_num_threads());
   AppendCall append;
   AttentionCall attention;
-  prepare_append(append, key, value, key_caches[0], value_caches[0], slot_mapping, &keys, &values, &cache_index,
-                 row_ptr, team);
-  prepare_attention(attention, query, key_caches[0], value_caches[0], block_tables, context_lens, scale, &keys,
-                    &values, &cache_index, out.data_ptr(), row_ptr, team);
+  prepare_append(append, in.key, in.value, key_caches[0], value_caches[0], slot_mapping, &in.keys, &in.values,
+                 &cache_index, row_ptr, team);
+  prepare_attention(attention, in.query, key_caches[0], value_caches[0], block_tables, context_lens, scale,
+                    &in.keys, &in.values, &cache_index, out.data_ptr(), row_ptr, team);
   APEX_CHECK(append.args.num_tokens == count && block_tables.size(0) == count,
              "slot_mapping and block_tables must have one row per picked row (", count, "), got ",
              shape_of(slot_mapping), " and ", shape_of(block_tables));
@@ -554,6 +573,136 @@ void stagger_cpu_job(const at::Tensor& staged, at::TensorList key_caches, at::Te
   }
 }
 
+// One layer's share of a layered job: its rows' append and attention, planned before the job's first wait.
+struct LayerWork {
+  AppendCall append;
+  AttentionCall attention;
+  at::Tensor slots, tables, lens, index;  // this layer's rows of the job's metadata
+};
+
+// The one-lane staggered plan's CPU job: as `stagger_cpu_job`, but layer by layer as the GPU step that stages
+// them runs. Layer l's rows (the rows of [l * width, (l + 1) * width) in use; rows must be sorted by layer and
+// cache_index must name each row's layer) are appended and attended once ready_flags[l] >= turn (raised by the
+// step behind its staging of layer l; it also says the step has read layer l's outputs of the turn before), and
+// done_flags[l] is then set to turn (release order: layer l's rows of `out` are written), which the next step's
+// layer l waits for. Every layer's flags are waited for and raised, with rows or without. timings as in
+// `stagger_cpu_job`, the waiting summed over layers and the running time without it.
+void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::TensorList value_caches,
+                       const at::Tensor& cache_index, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                       const at::Tensor& slot_mapping, const std::optional<at::Tensor>& rows, int64_t num_heads,
+                       double scale, at::Tensor& out, const at::Tensor& ready_flags, at::Tensor& done_flags,
+                       int64_t turn, double timeout_s, at::Tensor& timings) {
+  StaggerInputs in;
+  check_stagger_inputs(in, staged, key_caches, value_caches, cache_index, rows, num_heads, out, timings);
+  const int64_t layers = in.layers, width = in.width, count = in.count;
+  for (const at::Tensor* flags : {&ready_flags, static_cast<const at::Tensor*>(&done_flags)}) {
+    check_cpu(*flags, "ready_flags / done_flags");
+    APEX_CHECK(flags->scalar_type() == at::kLong && flags->dim() == 1 && flags->is_contiguous() &&
+                   flags->size(0) == layers,
+               "ready_flags and done_flags must be contiguous int64 [layers=", layers, "], got ",
+               flags->scalar_type(), " ", shape_of(*flags));
+  }
+  APEX_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == count &&
+                 block_tables.dim() == 2 && block_tables.size(0) == count && context_lens.dim() == 1 &&
+                 context_lens.size(0) == count,
+             "slot_mapping, block_tables and context_lens must have one row per picked row (", count, "), got ",
+             shape_of(slot_mapping), ", ", shape_of(block_tables), " and ", shape_of(context_lens));
+  const int64_t* row_ptr = in.picked.data_ptr<int64_t>();
+  const int32_t* index = cache_index.data_ptr<int32_t>();
+  std::vector<int64_t> first(layers + 1, count);  // rows of layer l: [first[l], first[l + 1])
+  for (int64_t i = count - 1; i >= 0; --i) {
+    APEX_CHECK(index[i] == row_ptr[i] / width && (i == 0 || index[i - 1] <= index[i]),
+               "rows must be sorted by layer and cache_index must name each row's layer: row ", row_ptr[i],
+               " has cache_index ", int64_t(index[i]));
+    first[index[i]] = i;
+  }
+  for (int64_t l = layers - 1; l >= 0; --l) first[l] = std::min(first[l], first[l + 1]);
+
+  const int team = std::max(1, at::get_num_threads());
+  std::vector<std::unique_ptr<LayerWork>> work(layers);
+  for (int64_t l = 0; l < layers; ++l) {
+    const int64_t begin = first[l], n = first[l + 1] - first[l];
+    if (n == 0) continue;
+    work[l] = std::make_unique<LayerWork>();
+    LayerWork& w = *work[l];
+    w.slots = slot_mapping.narrow(0, begin, n);
+    w.tables = block_tables.narrow(0, begin, n);
+    w.lens = context_lens.narrow(0, begin, n);
+    w.index = cache_index.narrow(0, begin, n);
+    prepare_append(w.append, in.key, in.value, key_caches[0], value_caches[0], w.slots, &in.keys, &in.values,
+                   &w.index, row_ptr + begin, team);
+    prepare_attention(w.attention, in.query, key_caches[0], value_caches[0], w.tables, w.lens, scale, &in.keys,
+                      &in.values, &w.index, out.data_ptr(), row_ptr + begin, team);
+  }
+
+  // One parallel region: thread 0 waits for each layer's flag while the team polls, then the team appends,
+  // meets at a barrier, attends, meets again, and thread 0 raises the layer's done flag.
+  using clock = std::chrono::steady_clock;
+  const int64_t* ready = ready_flags.data_ptr<int64_t>();
+  int64_t* done = done_flags.data_ptr<int64_t>();
+  double waited = 0.0, ran = 0.0, appending = 0.0;
+  std::string error;
+  std::atomic<int64_t> released{-1};  // the last layer whose inputs are ready; -2: a wait failed
+  const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(
+                                           std::chrono::duration<double>(timeout_s));
+#pragma omp parallel num_threads(team) if (team > 1)
+  {
+    const bool leader = omp_get_thread_num() == 0;
+    clock::time_point start, appended;
+    for (int64_t l = 0; l < layers; ++l) {
+      if (leader) {
+        const auto begin = clock::now();
+        for (int64_t polls = 0; __atomic_load_n(ready + l, __ATOMIC_ACQUIRE) < turn; ++polls) {
+          if (polls < 20000) {
+            cpu_relax();
+            continue;
+          }
+          std::this_thread::yield();
+          if (polls % 256 == 0 && clock::now() > deadline) {
+            error = message("waited more than ", int64_t(timeout_s), " s for layer ", l, " of turn ", turn,
+                            " to be staged (its flag is ", __atomic_load_n(ready + l, __ATOMIC_ACQUIRE), ")");
+            break;
+          }
+        }
+        start = clock::now();
+        waited += std::chrono::duration<double>(start - begin).count();
+        released.store(error.empty() ? l : -2, std::memory_order_release);
+      } else {
+        int64_t seen;
+        for (int64_t polls = 0; (seen = released.load(std::memory_order_acquire)) < l && seen != -2; ++polls) {
+          if (polls % 64 == 63) {
+            std::this_thread::yield();
+          } else {
+            cpu_relax();
+          }
+        }
+      }
+      if (released.load(std::memory_order_acquire) == -2) break;
+      LayerWork* w = work[l].get();
+      if (w != nullptr) {
+        apex_cpu::cache_append(w->append.args);  // ends at a barrier
+        if (leader) appended = clock::now();
+        run_attention(w->attention);
+#pragma omp barrier
+      }
+      if (leader) {
+        const auto end = clock::now();
+        ran += std::chrono::duration<double>(end - start).count();
+        if (w != nullptr) appending += std::chrono::duration<double>(appended - start).count();
+        __atomic_store_n(done + l, turn, __ATOMIC_RELEASE);
+      }
+    }
+  }
+  APEX_CHECK(error.empty(), error);
+  double* seconds = timings.data_ptr<double>();
+  seconds[0] = waited;
+  seconds[1] = ran;
+  if (timings.numel() == 4) {
+    seconds[2] = appending;
+    seconds[3] = ran - appending;
+  }
+}
+
 // Code of the kernel path the next call will use: 0 scalar, 1 avx2, 2 avx512 (errors like the ops would).
 int64_t cpu_isa_code() { return int64_t(select_isa()); }
 
@@ -577,6 +726,7 @@ TORCH_LIBRARY_IMPL(apex, CPU, m) {
   m.impl("paged_attention_cpu_multi", &paged_attention_cpu_multi);
   m.impl("cache_append_cpu_multi", &cache_append_cpu_multi);
   m.impl("stagger_cpu_job", &stagger_cpu_job);
+  m.impl("stagger_layer_job", &stagger_layer_job);
   m.impl("wait_host_flags", &wait_host_flags);
 }
 

@@ -97,6 +97,10 @@ def test_a_piecewise_mode_differs_from_its_mode_only_in_its_mixed_steps():
         piecewise = e2e_hybrid.hybrid_config(mode + "/pw", 1 << 30, 1 << 31, 64, 640, 256)
         assert whole.mixed_graphs and not piecewise.mixed_graphs
         assert dict(vars(whole), mixed_graphs=False) == vars(piecewise)
+        one_lane = e2e_hybrid.hybrid_config(mode + "/1lane", 1 << 30, 1 << 31, 64, 640, 256)
+        assert whole.stagger_lanes == 2 and dict(vars(whole), stagger_lanes=1) == vars(one_lane)
+        both = e2e_hybrid.hybrid_config(mode + "/1lane/pw", 1 << 30, 1 << 31, 64, 640, 256)
+        assert dict(vars(whole), stagger_lanes=1, mixed_graphs=False) == vars(both)
 
 
 def test_a_staggered_window_records_which_row_limit_binds():

@@ -192,38 +192,45 @@ def sharp_small_pool_case(lengths=SMALL_POOL_LENGTHS):
     return (*small_pool_case(model, lengths), model)
 
 
-@pytest.mark.parametrize("width", [1, 3])
-def test_staggered_equals_hf_generate_fp32(width):
+@pytest.mark.parametrize("width,lanes", [(1, 2), (3, 2), (1, 1), (3, 1)])
+def test_staggered_equals_hf_generate_fp32(width, lanes):
     """Requests the small device pool cannot take decode staggered from the host pool (CPU attention on the
-    worker thread, one layer per step): the same tokens as HF (attention sharpened so RoPE rows matter)."""
+    worker thread, one layer per step; one lane: each layer waits on the device for the CPU's): the same tokens
+    as HF (attention sharpened so RoPE rows matter)."""
     ids, mask, ref, block, model = sharp_small_pool_case()
     apex = optimize(model, ApexConfig(offload="staggered", stagger_width=width, gpu_cache_size=8 * block,
-                                      cpu_cache_size=32 * MB))
+                                      cpu_cache_size=32 * MB, stagger_lanes=lanes))
     out = apex.generate(ids, attention_mask=mask, **GREEDY_20)
     assert torch.equal(out, ref)
+    if lanes == 1:
+        jobs = apex.engine.stagger.executor
+        assert apex.engine.stagger.layered and jobs.job_seconds and int(jobs.status[0]) == 0
     assert apex.engine.stats.requests_per_pool[1] >= 2  # some requests ran staggered from the host pool
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 
-def test_staggered_mixed_steps_replay_whole_graphs_and_equal_hf_generate_fp32():
+@pytest.mark.parametrize("lanes", [2, 1])
+def test_staggered_mixed_steps_replay_whole_graphs_and_equal_hf_generate_fp32(lanes):
     """Three times the small-pool requests for one staggered row (6 requests in the pipeline): device-pool
     prompts are admitted as device requests finish, beside the pipeline's block. Those mixed steps replay whole
-    graphs (the block's exchange captured in them) and the tokens stay HF's."""
+    graphs (the block's exchange captured in them, with its device waits for one lane) and the tokens stay
+    HF's."""
     ids, mask, ref, block, model = sharp_small_pool_case(SMALL_POOL_LENGTHS * 3)
     apex = optimize(model, ApexConfig(offload="staggered", stagger_width=1, gpu_cache_size=8 * block,
-                                      cpu_cache_size=32 * MB))
+                                      cpu_cache_size=32 * MB, stagger_lanes=lanes))
     out = apex.generate(ids, attention_mask=mask, **GREEDY_20)
     assert torch.equal(out, ref)
     assert apex.engine.stagger_mixed.replays > 0 and apex.engine.stats.requests_per_pool[1] >= 1
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 
-def test_a_fallen_row_limit_on_the_gpu_equals_hf_generate_fp32():
+@pytest.mark.parametrize("lanes", [2, 1])
+def test_a_fallen_row_limit_on_the_gpu_equals_hf_generate_fp32(lanes):
     """The rows' limit falls to 0 while three rows are in use (async scheduling, captured graphs): requests
     beyond the one row left wait to rejoin and all finish with HF's tokens."""
     ids, mask, ref, block, model = sharp_small_pool_case()
     apex = optimize(model, ApexConfig(offload="staggered", stagger_width=3, gpu_cache_size=8 * block,
-                                      cpu_cache_size=32 * MB))
+                                      cpu_cache_size=32 * MB, stagger_lanes=lanes))
     stagger = apex.engine.stagger
     begin = stagger.begin_step
 

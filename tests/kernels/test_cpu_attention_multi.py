@@ -225,6 +225,91 @@ def test_stagger_job_times_out_with_a_clear_error_and_writes_nothing(team, threa
     assert not torch.isnan(out).any()
 
 
+def run_layer_job(caches, staged, meta, picked, ready, done, turn, heads=4, **kwargs):
+    """stagger_layer_job over the rows `picked` (None: all) into a NaN-filled output; returns it and the timings."""
+    from apex_compile.ops.cpu_attention import stagger_layer_job
+
+    rows = None if picked is None else torch.tensor(picked)
+    chosen = {k: v if rows is None else v[rows] for k, v in meta.items()}
+    out = torch.full(staged.shape[:2] + (heads, staged.shape[3]), float("nan"), dtype=staged.dtype)
+    seconds = stagger_layer_job(staged, [k for k, _ in caches], [v for _, v in caches], chosen["cache_index"],
+                                chosen["block_tables"], chosen["context_lens"], chosen["slot_mapping"], rows, heads,
+                                0.3, out, ready, done, turn, **kwargs)
+    return out, seconds
+
+
+@pytest.mark.parametrize("picked", [None, [0, 2, 7, 8], [6, 7]])
+@pytest.mark.parametrize("team", [1, 3])
+def test_layer_job_equals_the_whole_job_and_raises_every_layer(picked, team, threads):
+    """The one-lane job (layer by layer, each behind its ready flag) writes what the whole-turn job writes, bit
+    for bit, into outputs and caches, and raises every layer's done flag to the turn (layers without rows too)."""
+    torch.set_num_threads(team)
+    caches, staged, meta = stagger_job_case(13, layers=3, width=3)
+    pristine = [(k.clone(), v.clone()) for k, v in caches]
+    want, _ = run_stagger_job([(k.clone(), v.clone()) for k, v in pristine], staged, meta, picked)
+    expected_caches = [(k.clone(), v.clone()) for k, v in pristine]
+    run_stagger_job(expected_caches, staged, meta, picked)
+    ready = torch.full((3,), 4, dtype=torch.int64)
+    done = torch.full((3,), 3, dtype=torch.int64)
+    got, (waited, ran) = run_layer_job(caches, staged, meta, picked, ready, done, 4)
+    assert torch.equal(got.nan_to_num(-7.0), want.nan_to_num(-7.0))
+    for (k, v), (k1, v1) in zip(caches, expected_caches):
+        assert torch.equal(k.nan_to_num(-7.0), k1.nan_to_num(-7.0)) and torch.equal(v.nan_to_num(-7.0),
+                                                                                    v1.nan_to_num(-7.0))
+    assert done.tolist() == [4, 4, 4] and waited >= 0 and ran >= 0
+
+
+@pytest.mark.parametrize("team", [1, 3])
+def test_layer_job_runs_each_layer_behind_its_flag(team, threads):
+    """Layer l is written only after ready_flags[l] reaches the turn, and its done flag rises right after it,
+    before later layers are staged (the GPU's next step waits for it per layer, not for the whole job)."""
+    import concurrent.futures
+    import time
+
+    torch.set_num_threads(team)
+    caches, staged, meta = stagger_job_case(17, layers=3, width=2)
+    ready = torch.zeros(3, dtype=torch.int64)
+    done = torch.zeros(3, dtype=torch.int64)
+    turn = 2
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(run_layer_job, caches, staged, meta, None, ready, done, turn)
+        time.sleep(0.05)
+        assert done.tolist() == [0, 0, 0]
+        ready[0] = turn
+        for _ in range(2000):
+            if done[0] == turn:
+                break
+            time.sleep(0.001)
+        assert done.tolist() == [turn, 0, 0] and not future.done()
+        ready[1] = turn - 1  # the turn before: still waiting
+        time.sleep(0.05)
+        assert done.tolist() == [turn, 0, 0]
+        ready[1:] = turn
+        out, (waited, _) = future.result(timeout=30)
+    assert done.tolist() == [turn] * 3 and not torch.isnan(out).any() and waited >= 0.09
+
+
+def test_layer_job_checks_its_rows_and_times_out_clearly(threads):
+    """Rows out of layer order or a cache_index that is not each row's layer are refused before any wait; a
+    layer never staged raises after the timeout, the done flags of the layers before it raised, none after."""
+    torch.set_num_threads(2)
+    caches, staged, meta = stagger_job_case(19, layers=2, width=2)
+    ready = torch.ones(2, dtype=torch.int64)
+    done = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="sorted by layer"):
+        run_layer_job(caches, staged, meta, [2, 0], ready, done, 1)
+    swapped = dict(meta, cache_index=meta["cache_index"].flip(0))
+    with pytest.raises(RuntimeError, match="sorted by layer"):
+        run_layer_job(caches, staged, swapped, None, ready, done, 1)
+    with pytest.raises(RuntimeError, match="ready_flags and done_flags"):
+        run_layer_job(caches, staged, meta, None, torch.ones(3, dtype=torch.int64), done, 1)
+    assert done.tolist() == [0, 0]
+    ready[1] = 0
+    with pytest.raises(RuntimeError, match="layer 1 of turn 1"):
+        run_layer_job(caches, staged, meta, None, ready, done, 1, timeout_s=0.05)
+    assert done.tolist() == [1, 0]
+
+
 def written_while_python_holds_the_gil(job, out, flags, window=1.0):
     """Starts job() on a worker thread (it waits for flags[0] >= 1), then raises the flag and runs pure Python
     for up to `window` seconds with forced GIL switches pushed out to 30 s, polling out's first element through

@@ -41,18 +41,24 @@ def hf_tokens(model, prompts, new_tokens):
     return out
 
 
-def staggered(model, width=2, device_blocks=4):
+def staggered(model, width=2, device_blocks=4, lanes=2, **config):
     return optimize(model, ApexConfig(offload="staggered", stagger_width=width, gpu_cache_size=device_blocks
-                                      * BLOCK_BYTES, cpu_cache_size=128 * BLOCK_BYTES, max_model_len=64))
+                                      * BLOCK_BYTES, cpu_cache_size=128 * BLOCK_BYTES, max_model_len=64,
+                                      stagger_lanes=lanes, **config))
 
 
-@pytest.mark.parametrize("kind,width", [("llama", 2), ("qwen2", 1), ("llama", 3)])
-def test_staggered_tokens_equal_hf_generate(kind, width):
+@pytest.mark.parametrize("kind,width,lanes", [("llama", 2, 2), ("qwen2", 1, 2), ("llama", 3, 2), ("llama", 2, 1),
+                                              ("qwen2", 3, 1)])
+def test_staggered_tokens_equal_hf_generate(kind, width, lanes):
+    """Every host request decodes staggered, with two lanes or one (here each turn's CPU job runs whole after
+    its step: the one-lane order without the device waits, which tests/runtime/test_runtime_stagger_layered.py
+    runs under the Triton interpreter)."""
     torch.manual_seed(1)
     model = sharp_model(kind)
     prompts = [torch.randint(3, 96, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4, 8, 6)]
     reference = hf_tokens(model, prompts, 10)
-    apex = staggered(model, width)
+    apex = staggered(model, width, lanes=lanes)
+    assert apex.engine.stagger.capacity == lanes * (LAYERS + 1) * width
     done = apex.engine.generate(prompts, SamplingParams(max_new_tokens=10))
     assert [c.token_ids for c in done] == reference
     on_host = [c for c in done if c.steps_per_pool["host"]]

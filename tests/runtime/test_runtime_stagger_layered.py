@@ -1,0 +1,69 @@
+"""The one-lane staggered plan with its CPU jobs beside the step (`LayerJobs`): each layer's device wait (a
+Triton kernel polling a host flag) and the worker thread's layer-by-layer job, on CPU tensors under
+TRITON_INTERPRET=1 (tests/kernels/test_triton_interpreter.py runs this file that way) or on a GPU."""
+import pytest
+import torch
+
+from apex_compile import SamplingParams
+from apex_compile.runtime.stagger import LayerJobs
+from tests.devices import INTERPRET
+from tests.runtime.test_runtime_stagger import hf_tokens, sharp_model, staggered
+
+pytestmark = pytest.mark.skipif(not INTERPRET, reason="the device waits run under TRITON_INTERPRET=1 on a CPU")
+
+
+def test_one_lane_with_layered_jobs_gives_hf_tokens():
+    """The job of turn t runs on the worker while step t's layers stage their rows, and step t + 1's layers each
+    wait for their layer of it: tokens equal HF's, every job ran through its layers' flags."""
+    torch.manual_seed(21)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4, 8, 6, 10)]
+    reference = hf_tokens(model, prompts, 9)
+    apex = staggered(model, width=2, lanes=1)
+    jobs = apex.engine.stagger.executor
+    assert isinstance(jobs, LayerJobs)
+    done = apex.engine.generate(prompts, SamplingParams(max_new_tokens=9))
+    assert [c.token_ids for c in done] == reference
+    assert sum(1 for c in done if c.steps_per_pool["host"]) >= 3
+    assert len(jobs.job_seconds) >= 9 and int(jobs.status[0]) == 0
+    jobs.drain()
+    turns = apex.engine.stagger.steps  # (the last turn may have been begun and never run)
+    assert jobs.done.tolist() in ([turns] * len(jobs.done), [turns - 1] * len(jobs.done))  # every layer raised
+    assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+
+
+def test_a_failed_layered_job_raises_at_the_next_step_without_hanging(monkeypatch):
+    """A job that fails on the worker lifts its done flags past any turn (the device waits pass at once) and its
+    error reaches the caller at the next step."""
+    from apex_compile.runtime import stagger as stagger_module
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("host cache unreadable")
+
+    monkeypatch.setattr(stagger_module, "stagger_layer_job", failing)
+    torch.manual_seed(22)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4)]
+    apex = staggered(model, width=2, lanes=1)
+    with pytest.raises(RuntimeError, match="host cache unreadable"):
+        apex.engine.generate(prompts, SamplingParams(max_new_tokens=6))
+    assert min(apex.engine.stagger.executor.done.tolist()) >= stagger_module.ABORTED
+
+
+def test_quiet_leaves_turn_and_flags_as_they_were():
+    """A graph's warm-up run executes the step: meanwhile both turns are 0 (its waits pass, its raises say
+    nothing to a job), and they, the ready flags and the residual rows come back after."""
+    torch.manual_seed(23)
+    apex = staggered(sharp_model(), width=2, lanes=1)
+    stagger = apex.engine.stagger
+    stagger.turn.fill_(5)
+    stagger.after.fill_(3)
+    stagger.executor.ready.fill_(4)
+    residual = torch.randn_like(stagger.residual)
+    stagger.residual.copy_(residual)
+    with stagger.quiet():
+        assert int(stagger.turn) == 0 and int(stagger.after) == 0
+        stagger.executor.ready.fill_(0)
+        stagger.residual.zero_()
+    assert int(stagger.turn) == 5 and int(stagger.after) == 3 and stagger.executor.ready.tolist() == [4] * len(stagger.executor.ready)
+    assert torch.equal(stagger.residual, residual)
