@@ -10,9 +10,10 @@ torch needs two or three:
   job, and the attention the CPU computed for the requests arriving fills the block's rows of the output:
       staged = [q | k | v] (along heads)      out = arriving
   One program per (row, staged head).
-- waiting exchange (the one-lane plan): the same exchange with `staged` and `arriving` in pinned host memory
-  (read and written over the bus by the kernel), after waiting on the device for the CPU job of the turn before
-  to have written `arriving` (a host flag it raises); `raise_flag` then tells the CPU the layer is staged.
+- waiting exchange (the one-lane plan): one program waits on the device for the CPU job of the turn before
+  to have written `arriving` (a host flag it raises), then the same exchange with `staged` and `arriving` in
+  pinned host memory (read and written over the bus by the kernel); `raise_flag` then tells the CPU the layer
+  is staged.
   A wait that outlasts its timeout marks a host status word and goes on (the engine raises on it), so a dead
   CPU worker cannot hang the GPU.
 """
@@ -67,20 +68,60 @@ def _exchange_kernel(q_ptr, k_ptr, v_ptr, staged_ptr, arriving_ptr, out_ptr,
                      stride_q, stride_qh, stride_k, stride_kh, stride_v, stride_vh,
                      stride_staged, stride_arriving, stride_out,
                      NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
+                     BLOCK_D: tl.constexpr, HOST: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < HEAD_DIM
     if head < NUM_HEADS:
         value = tl.load(q_ptr + row * stride_q + head * stride_qh + offs, mask=mask)
-        kept = tl.load(arriving_ptr + row * stride_arriving + head * HEAD_DIM + offs, mask=mask)
+        if HOST:  # written by the CPU since this kernel's last run: fetched again, never from a cache
+            kept = tl.load(arriving_ptr + row * stride_arriving + head * HEAD_DIM + offs, mask=mask,
+                           cache_modifier=".cv")
+        else:
+            kept = tl.load(arriving_ptr + row * stride_arriving + head * HEAD_DIM + offs, mask=mask)
         tl.store(out_ptr + row * stride_out + head * HEAD_DIM + offs, kept, mask=mask)
     elif head < NUM_HEADS + NUM_KV_HEADS:
         value = tl.load(k_ptr + row * stride_k + (head - NUM_HEADS) * stride_kh + offs, mask=mask)
     else:
         value = tl.load(v_ptr + row * stride_v + (head - NUM_HEADS - NUM_KV_HEADS) * stride_vh + offs, mask=mask)
-    tl.store(staged_ptr + row * stride_staged + head * HEAD_DIM + offs, value, mask=mask)
+    if HOST:  # read by the CPU: written through to host memory
+        tl.store(staged_ptr + row * stride_staged + head * HEAD_DIM + offs, value, mask=mask, cache_modifier=".wt")
+    else:
+        tl.store(staged_ptr + row * stride_staged + head * HEAD_DIM + offs, value, mask=mask)
+
+
+def exchange_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, staged: torch.Tensor,
+                  arriving: torch.Tensor, out: torch.Tensor) -> None:
+    """staged = cat([query, key, value], dim=1) and out = arriving, in one launch: query [w, Hq, D], key/value
+    [w, Hkv, D] (rows and heads may be strided, unit stride along D), staged [w, Hq + 2 Hkv, D] and arriving /
+    out [w, Hq, D] with contiguous rows; one dtype and device."""
+    check_same_device(query=query, key=key, value=value, staged=staged, arriving=arriving, out=out)
+    width, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    if (key.shape != value.shape or key.shape[0] != width or key.shape[2] != head_dim
+            or staged.shape != (width, num_heads + 2 * num_kv_heads, head_dim)
+            or arriving.shape != query.shape or out.shape != query.shape):
+        raise ValueError(f"exchange_rows: query [w, Hq, D], key/value [w, Hkv, D], staged [w, Hq + 2 Hkv, D], "
+                         f"arriving/out [w, Hq, D]; got {tuple(query.shape)}, {tuple(key.shape)}, "
+                         f"{tuple(value.shape)}, {tuple(staged.shape)}, {tuple(arriving.shape)}, {tuple(out.shape)}")
+    if len({t.dtype for t in (query, key, value, staged, arriving, out)}) != 1:
+        raise TypeError("exchange_rows: every tensor must have one dtype")
+    if any(t.stride(2) != 1 for t in (query, key, value)) or any(
+            t.stride(2) != 1 or t.stride(1) != head_dim for t in (staged, arriving, out)):
+        raise ValueError("exchange_rows: unit stride along D, and contiguous rows of staged / arriving / out")
+    _launch_exchange(query, key, value, staged, arriving, out, host=False)
+
+
+def _launch_exchange(query, key, value, staged, arriving, out, host: bool) -> None:
+    width, num_heads, head_dim = query.shape
+    if width == 0:
+        return
+    _exchange_kernel[(width, num_heads + 2 * key.shape[1])](
+        query, key, value, staged, arriving, out, query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+        value.stride(0), value.stride(1), staged.stride(0), arriving.stride(0), out.stride(0),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=key.shape[1], HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), HOST=host,
+        num_warps=1)
 
 
 WAIT_TIMEOUT_S = 60.0  # a device wait for the CPU job longer than this marks the status word and gives up
@@ -93,16 +134,9 @@ def _clock_ns():
 
 
 @triton.jit
-def _exchange_waiting_kernel(q_ptr, k_ptr, v_ptr, staged_ptr, arriving_ptr, out_ptr,
-                             stride_q, stride_qh, stride_k, stride_kh, stride_v, stride_vh, stride_out,
-                             done_ptr, after_ptr, status_ptr, stall_ptr, timeout,
-                             NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                             BLOCK_D: tl.constexpr, TIMED: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs = tl.arange(0, BLOCK_D)
-    mask = offs < HEAD_DIM
-    # the CPU job of turn `after` (the last one launched) has written this layer's `arriving`, read its `staged`
+def _wait_flag_kernel(done_ptr, after_ptr, status_ptr, stall_ptr, timeout, TIMED: tl.constexpr):
+    # one program: on the H200 host each read of a host word took ~1 us, and the reads of one word by many
+    # programs came one after another (384 programs polling it: 0.41 ms), so one program polls for them all
     target = tl.load(after_ptr)
     seen = tl.load(done_ptr, volatile=True)
     waited = tl.zeros((), tl.int64)
@@ -117,18 +151,7 @@ def _exchange_waiting_kernel(q_ptr, k_ptr, v_ptr, staged_ptr, arriving_ptr, out_
             waited += 1
     if seen < target:
         tl.store(status_ptr, target)
-    if (row == 0) & (head == 0):
-        tl.store(stall_ptr, waited)
-    width_heads = NUM_HEADS + 2 * NUM_KV_HEADS
-    if head < NUM_HEADS:
-        value = tl.load(q_ptr + row * stride_q + head * stride_qh + offs, mask=mask)
-        kept = tl.load(arriving_ptr + (row * NUM_HEADS + head) * HEAD_DIM + offs, mask=mask, cache_modifier=".cv")
-        tl.store(out_ptr + row * stride_out + head * HEAD_DIM + offs, kept, mask=mask)
-    elif head < NUM_HEADS + NUM_KV_HEADS:
-        value = tl.load(k_ptr + row * stride_k + (head - NUM_HEADS) * stride_kh + offs, mask=mask)
-    else:
-        value = tl.load(v_ptr + row * stride_v + (head - NUM_HEADS - NUM_KV_HEADS) * stride_vh + offs, mask=mask)
-    tl.store(staged_ptr + (row * width_heads + head) * HEAD_DIM + offs, value, mask=mask, cache_modifier=".wt")
+    tl.store(stall_ptr, waited)
 
 
 @triton.jit
@@ -182,11 +205,8 @@ def exchange_rows_waiting(query: torch.Tensor, key: torch.Tensor, value: torch.T
         return
     timed = not INTERPRET and query.is_cuda
     timeout = int(timeout_s * 1e9) if timed else INTERPRETER_MAX_POLLS
-    _exchange_waiting_kernel[(width, num_heads + 2 * num_kv_heads)](
-        query, key, value, staged, arriving, out, query.stride(0), query.stride(1), key.stride(0), key.stride(1),
-        value.stride(0), value.stride(1), out.stride(0), done, after, status, stall, timeout,
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), TIMED=timed,
-        num_warps=1)
+    _wait_flag_kernel[(1,)](done, after, status, stall, timeout, TIMED=timed, num_warps=1)
+    _launch_exchange(query, key, value, staged, arriving, out, host=True)
 
 
 def raise_flag(flag: torch.Tensor, turn: torch.Tensor) -> None:
@@ -196,31 +216,3 @@ def raise_flag(flag: torch.Tensor, turn: torch.Tensor) -> None:
     _check_flag("flag", flag)
     _check_host(turn.device, flag=flag)
     _raise_flag_kernel[(1,)](flag, turn, num_warps=1)
-
-
-def exchange_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, staged: torch.Tensor,
-                  arriving: torch.Tensor, out: torch.Tensor) -> None:
-    """staged = cat([query, key, value], dim=1) and out = arriving, in one launch: query [w, Hq, D], key/value
-    [w, Hkv, D] (rows and heads may be strided, unit stride along D), staged [w, Hq + 2 Hkv, D] and arriving /
-    out [w, Hq, D] with contiguous rows; one dtype and device."""
-    check_same_device(query=query, key=key, value=value, staged=staged, arriving=arriving, out=out)
-    width, num_heads, head_dim = query.shape
-    num_kv_heads = key.shape[1]
-    if (key.shape != value.shape or key.shape[0] != width or key.shape[2] != head_dim
-            or staged.shape != (width, num_heads + 2 * num_kv_heads, head_dim)
-            or arriving.shape != query.shape or out.shape != query.shape):
-        raise ValueError(f"exchange_rows: query [w, Hq, D], key/value [w, Hkv, D], staged [w, Hq + 2 Hkv, D], "
-                         f"arriving/out [w, Hq, D]; got {tuple(query.shape)}, {tuple(key.shape)}, "
-                         f"{tuple(value.shape)}, {tuple(staged.shape)}, {tuple(arriving.shape)}, {tuple(out.shape)}")
-    if len({t.dtype for t in (query, key, value, staged, arriving, out)}) != 1:
-        raise TypeError("exchange_rows: every tensor must have one dtype")
-    if any(t.stride(2) != 1 for t in (query, key, value)) or any(
-            t.stride(2) != 1 or t.stride(1) != head_dim for t in (staged, arriving, out)):
-        raise ValueError("exchange_rows: unit stride along D, and contiguous rows of staged / arriving / out")
-    if width == 0:
-        return
-    _exchange_kernel[(width, num_heads + 2 * num_kv_heads)](
-        query, key, value, staged, arriving, out, query.stride(0), query.stride(1), key.stride(0), key.stride(1),
-        value.stride(0), value.stride(1), staged.stride(0), arriving.stride(0), out.stride(0),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
-        num_warps=1)
