@@ -14,32 +14,42 @@ namespace {
 // Below this many rows the parallel region costs more than the copy.
 constexpr int64_t kParallelRows = 256;
 
-// The rows shared out over the threads of the enclosing parallel region (an orphaned loop, ending at its barrier;
-// outside a region the calling thread copies them all).
+// One row (token, kv head) of an append: K into its transposed panel, V as a plain row.
 template <class T>
-void append_loop(const CacheAppendArgs& a) {
+inline void append_row(const CacheAppendArgs& a, int64_t row, int64_t slab_elems) {
   const T* key = static_cast<const T*>(a.key);
   const T* value = static_cast<const T*>(a.value);
+  const int64_t token = row / a.num_kv_heads;
+  const int64_t source = a.rows != nullptr ? a.rows[token] : token;
+  const int head = int(row % a.num_kv_heads);
+  const int64_t slot = a.slot_mapping[token];
+  if (slot < 0) return;  // padding token
+  const int64_t block = slot / a.block_size;
+  const int offset = int(slot % a.block_size);
+  const int64_t slab = (block * a.num_kv_heads + head) * slab_elems;
+  const int cache = a.cache_index != nullptr ? a.cache_index[token] : -1;
+  T* key_cache = static_cast<T*>(cache >= 0 ? a.key_caches[cache] : a.key_cache);
+  T* value_cache = static_cast<T*>(cache >= 0 ? a.value_caches[cache] : a.value_cache);
+  const T* k = key + source * a.key_token_stride + head * a.key_head_stride;
+  T* k_dst = key_cache + slab + int64_t(offset / kPanelTokens) * a.head_dim * kPanelTokens + offset % kPanelTokens;
+  for (int d = 0; d < a.head_dim; ++d) k_dst[int64_t(d) * kPanelTokens] = k[d];
+  const T* v = value + source * a.value_token_stride + head * a.value_head_stride;
+  std::memcpy(value_cache + slab + int64_t(offset) * a.head_dim, v, sizeof(T) * a.head_dim);
+}
+
+// The rows shared out over the threads of the enclosing parallel region (an orphaned loop, ending at its barrier
+// unless a.team_nowait: the caller then synchronises the team itself; outside a region the calling thread copies
+// them all).
+template <class T>
+void append_loop(const CacheAppendArgs& a) {
   const int64_t rows = a.num_tokens * a.num_kv_heads;
   const int64_t slab_elems = int64_t(a.block_size) * a.head_dim;
+  if (a.team_nowait) {
+#pragma omp for schedule(static) nowait
+    for (int64_t row = 0; row < rows; ++row) append_row<T>(a, row, slab_elems);
+  } else {
 #pragma omp for schedule(static)
-  for (int64_t row = 0; row < rows; ++row) {
-    const int64_t token = row / a.num_kv_heads;
-    const int64_t source = a.rows != nullptr ? a.rows[token] : token;
-    const int head = int(row % a.num_kv_heads);
-    const int64_t slot = a.slot_mapping[token];
-    if (slot < 0) continue;  // padding token
-    const int64_t block = slot / a.block_size;
-    const int offset = int(slot % a.block_size);
-    const int64_t slab = (block * a.num_kv_heads + head) * slab_elems;
-    const int cache = a.cache_index != nullptr ? a.cache_index[token] : -1;
-    T* key_cache = static_cast<T*>(cache >= 0 ? a.key_caches[cache] : a.key_cache);
-    T* value_cache = static_cast<T*>(cache >= 0 ? a.value_caches[cache] : a.value_cache);
-    const T* k = key + source * a.key_token_stride + head * a.key_head_stride;
-    T* k_dst = key_cache + slab + int64_t(offset / kPanelTokens) * a.head_dim * kPanelTokens + offset % kPanelTokens;
-    for (int d = 0; d < a.head_dim; ++d) k_dst[int64_t(d) * kPanelTokens] = k[d];
-    const T* v = value + source * a.value_token_stride + head * a.value_head_stride;
-    std::memcpy(value_cache + slab + int64_t(offset) * a.head_dim, v, sizeof(T) * a.head_dim);
+    for (int64_t row = 0; row < rows; ++row) append_row<T>(a, row, slab_elems);
   }
 }
 

@@ -573,6 +573,35 @@ void stagger_cpu_job(const at::Tensor& staged, at::TensorList key_caches, at::Te
   }
 }
 
+// A barrier for the threads of a parallel region that spins (pause, a yield every 64 rounds) instead of sleeping:
+// libgomp's barriers put a team to sleep after ~100 rounds when the process has more OpenMP threads than cores,
+// and waking 15 threads cost up to ~1 ms on the GPU machine's virtual CPUs (notes item 37); a layered job meets
+// 64 times a step.
+class SpinBarrier {
+ public:
+  // team: the threads of the enclosing region (omp_get_num_threads(): OpenMP may give fewer than asked).
+  void wait(int team) {
+    if (team <= 1) return;
+    const int64_t generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == team - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.store(generation + 1, std::memory_order_release);
+      return;
+    }
+    for (int64_t polls = 0; generation_.load(std::memory_order_acquire) == generation; ++polls) {
+      if (polls % 64 == 63) {
+        std::this_thread::yield();
+      } else {
+        cpu_relax();
+      }
+    }
+  }
+
+ private:
+  std::atomic<int> arrived_{0};
+  std::atomic<int64_t> generation_{0};
+};
+
 // One layer's share of a layered job: its rows' append and attention, planned before the job's first wait.
 struct LayerWork {
   AppendCall append;
@@ -631,18 +660,20 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
     w.index = cache_index.narrow(0, begin, n);
     prepare_append(w.append, in.key, in.value, key_caches[0], value_caches[0], w.slots, &in.keys, &in.values,
                    &w.index, row_ptr + begin, team);
+    w.append.args.team_nowait = true;  // the team meets at a SpinBarrier instead
     prepare_attention(w.attention, in.query, key_caches[0], value_caches[0], w.tables, w.lens, scale, &in.keys,
                       &in.values, &w.index, out.data_ptr(), row_ptr + begin, team);
   }
 
   // One parallel region: thread 0 waits for each layer's flag while the team polls, then the team appends,
-  // meets at a barrier, attends, meets again, and thread 0 raises the layer's done flag.
+  // meets at a barrier, attends, meets again, and thread 0 raises the layer's done flag (spinning barriers).
   using clock = std::chrono::steady_clock;
   const int64_t* ready = ready_flags.data_ptr<int64_t>();
   int64_t* done = done_flags.data_ptr<int64_t>();
   double waited = 0.0, ran = 0.0, appending = 0.0;
   std::string error;
   std::atomic<int64_t> released{-1};  // the last layer whose inputs are ready; -2: a wait failed
+  SpinBarrier barrier;
   const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(
                                            std::chrono::duration<double>(timeout_s));
 #pragma omp parallel num_threads(team) if (team > 1)
@@ -680,10 +711,11 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
       if (released.load(std::memory_order_acquire) == -2) break;
       LayerWork* w = work[l].get();
       if (w != nullptr) {
-        apex_cpu::cache_append(w->append.args);  // ends at a barrier
+        apex_cpu::cache_append(w->append.args);
+        barrier.wait(omp_get_num_threads());  // the attention reads what other threads appended
         if (leader) appended = clock::now();
         run_attention(w->attention);
-#pragma omp barrier
+        barrier.wait(omp_get_num_threads());  // every row of the layer written before its done flag
       }
       if (leader) {
         const auto end = clock::now();

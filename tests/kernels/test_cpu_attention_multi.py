@@ -259,6 +259,22 @@ def test_layer_job_equals_the_whole_job_and_raises_every_layer(picked, team, thr
     assert done.tolist() == [4, 4, 4] and waited >= 0 and ran >= 0
 
 
+def test_layer_job_in_a_team_is_exact_on_every_call(threads):
+    """The layered job's team meets at its own spinning barriers twice a layer (after the appends, after the
+    attention): 20 calls with a 4-thread team, each equal bit for bit to a 1-thread call (a missing barrier lets
+    an attention read a slot not yet appended, or a done flag rise before its layer's rows are written)."""
+    picked = [0, 1, 3, 4, 5, 7]
+    caches, staged, meta = stagger_job_case(29, layers=4, width=2)
+    pristine = [(k.clone(), v.clone()) for k, v in caches]
+    flags = lambda: (torch.ones(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64))  # noqa: E731
+    torch.set_num_threads(1)
+    want, _ = run_layer_job([(k.clone(), v.clone()) for k, v in pristine], staged, meta, picked, *flags(), 1)
+    torch.set_num_threads(4)
+    for _ in range(20):
+        got, _ = run_layer_job([(k.clone(), v.clone()) for k, v in pristine], staged, meta, picked, *flags(), 1)
+        assert torch.equal(got.nan_to_num(-7.0), want.nan_to_num(-7.0))
+
+
 @pytest.mark.parametrize("team", [1, 3])
 def test_layer_job_runs_each_layer_behind_its_flag(team, threads):
     """Layer l is written only after ready_flags[l] reaches the turn, and its done flag rises right after it,
