@@ -67,3 +67,20 @@ def test_quiet_leaves_turn_and_flags_as_they_were():
         stagger.residual.zero_()
     assert int(stagger.turn) == 5 and int(stagger.after) == 3 and stagger.executor.ready.tolist() == [4] * len(stagger.executor.ready)
     assert torch.equal(stagger.residual, residual)
+
+
+def test_a_turn_begun_but_never_run_is_not_waited_for():
+    """Each step's device wait names the last turn whose job was launched, not the turn before: a turn begun and
+    then not run (no block in that step) launches no job, and the next step must not wait for one."""
+    torch.manual_seed(24)
+    apex = staggered(sharp_model(), width=2, lanes=1)
+    stagger = apex.engine.stagger
+    stagger.begin_step()
+    assert stagger._block_host[-2:].tolist() == [0, 1]
+    stagger.begin_step()  # turn 1 never ran
+    assert stagger._block_host[-2:].tolist() == [0, 2]
+    stagger.end_step(apex.engine.runner)  # turn 2 ran (no rows: its done flags rise at once)
+    stagger.begin_step()
+    assert stagger._block_host[-2:].tolist() == [2, 3]
+    stagger.executor.drain()
+    assert stagger.executor.done.tolist() == [2] * len(stagger.executor.done)
