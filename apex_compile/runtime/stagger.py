@@ -624,6 +624,7 @@ class LayerJobs:
         counters = torch.zeros(3 * layers + 1, dtype=torch.int64, pin_memory=pin_memory)
         self.ready, self.done = counters[:layers], counters[layers:2 * layers]
         self.stalls, self.status = counters[2 * layers:3 * layers], counters[3 * layers:]
+        self._stalls, self._status = self.stalls.numpy(), self.status.numpy()  # read each step: no torch op
         self.stall_unit = 1e-9 if pin_memory else 0.0  # seconds per unit of `stalls` (polls under the interpreter)
         self.cores = worker_cores(threads)
         self.worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="apex-stagger",
@@ -638,9 +639,9 @@ class LayerJobs:
         """Raises a finished job's error, or a device wait that timed out."""
         while self.pending and self.pending[0].done():
             self.pending.popleft().result()
-        if int(self.status[0]):
+        if self._status[0]:
             raise RuntimeError(f"the GPU waited more than {WAIT_TIMEOUT_S:.0f} s for the staggered CPU job of turn "
-                               f"{int(self.status[0])}: the CPU worker is stuck or gone")
+                               f"{int(self._status[0])}: the CPU worker is stuck or gone")
 
     def launch(self, turn: int, job, inputs: List[torch.Tensor], output: torch.Tensor) -> None:
         """Runs job(staged, outputs, ready, done) for `turn` after the jobs before it (None: a turn without rows,
@@ -667,7 +668,7 @@ class LayerJobs:
     def collect(self, key: int, out: torch.Tensor) -> None:
         """Before a step: raises a failed job's error; records the device's waits of the last steps' layers."""
         self._raise_errors()
-        self.collect_seconds.append(float(self.stalls.sum()) * self.stall_unit)
+        self.collect_seconds.append(float(self._stalls.sum()) * self.stall_unit)
 
     def drain(self) -> None:
         """Waits for every launched job (their steps are queued: each job's flags come)."""
