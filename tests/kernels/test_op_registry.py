@@ -24,6 +24,7 @@ EXPECTED_KERNELS = {
     "cache_append_cpu_multi": {"CPU"},
     "paged_attention_cpu_multi": {"CPU"},
     "stagger_cpu_job": {"CPU"},
+    "stagger_layer_job": {"CPU"},
     "wait_host_flags": {"CPU"},
     "cpu_isa_code": {"CompositeExplicitAutograd"},
     "cpu_attention_work_split": {"CompositeExplicitAutograd"},
@@ -96,6 +97,13 @@ def stagger_job_args():
             torch.zeros(2, 2, HEADS, DIM), torch.tensor([3, 1]), [2, 1], 1.0, torch.zeros(2, dtype=torch.float64))
 
 
+def stagger_layer_job_args():
+    """stagger_job_args' rows, layer by layer: both layers staged for turn 2 (ready flags at 2)."""
+    args = stagger_job_args()
+    return args[:11] + (torch.tensor([2, 2]), torch.zeros(2, dtype=torch.int64), 2, 1.0,
+                        torch.zeros(2, dtype=torch.float64))
+
+
 def decode_args():
     return (torch.randn(2, HEADS, DIM), *paged_inputs())
 
@@ -128,6 +136,7 @@ CASES = [
     ("cache_append_cpu_multi", append_multi_args, {}),
     ("paged_attention_cpu_multi", decode_multi_args, {"scale": 0.3}),
     ("stagger_cpu_job", stagger_job_args, {}),
+    ("stagger_layer_job", stagger_layer_job_args, {}),
     ("wait_host_flags", lambda: (torch.tensor([3, 1]), [2, 1], 1.0), {}),
     ("cache_append_gpu", append_args, {}),
     ("paged_attention_gpu", decode_args, {"scale": None, "max_context_len": 32}),
