@@ -28,14 +28,16 @@ class ApexConfig:
         tokens/s; else the host pool only parks swapped-out requests. On a CPU-only run "auto" is "never".
         "staggered": requests the device pool cannot take are prefilled in the host pool and then decode
         staggered: each advances one decoder layer per step, so its CPU attention overlaps a whole GPU step
-        (`apex_compile.runtime.stagger`; a token takes 2 * (num_layers + 1) steps: throughput, not latency).
+        (`apex_compile.runtime.stagger`; a token takes stagger_lanes * (num_layers + 1) steps: throughput, not
+        latency).
     stagger_width: rows per step of staggered host requests; the pipeline holds stagger_lanes * (num_layers + 1)
         * width requests. None: 4 with offload="staggered", "auto" with offload="auto". "auto": up to 8, the rows in
         use following the measured CPU job (as many as keep it within 90% of a step;
         `apex_compile.runtime.stagger.RowLimit`) and, under offload="auto", the performance model.
     stagger_lanes: 2: two lanes take turns, each lane's CPU job runs between two of its steps (while the other
         lane's step runs); 1: one lane, each layer's CPU attention runs between that layer of two steps, the GPU
-        waiting on the device per layer (half the requests in flight for the same rows: notes item 38).
+        waiting on the device per layer (half the requests in flight for the same rows: notes item 38). None: 1
+        with CUDA, 2 on a CPU-only run (nothing runs beside its steps there).
     cpu_attention_threads: OpenMP threads of the staggered plan's CPU attention worker on CUDA, pinned to the
         last cores this process may use. None: all of them but one, left to the thread that launches GPU work.
     max_num_seqs: most requests in one step.
@@ -90,7 +92,7 @@ class ApexConfig:
     async_scheduling: Optional[bool] = None
     capture_sizes: Optional[Sequence[int]] = None
     stagger_width: Union[int, str, None] = None
-    stagger_lanes: int = 2
+    stagger_lanes: Optional[int] = None
     cpu_attention_threads: Optional[int] = None
 
     def __post_init__(self):
@@ -126,8 +128,8 @@ class ApexConfig:
             if not sizes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
                 raise ValueError(f"ApexConfig.capture_sizes must be positive batch sizes, got {self.capture_sizes!r}")
             self.capture_sizes = tuple(sorted(set(sizes)))
-        if self.stagger_lanes not in (1, 2):
-            raise ValueError(f"ApexConfig.stagger_lanes must be 1 or 2, got {self.stagger_lanes!r}")
+        if self.stagger_lanes not in (None, 1, 2):
+            raise ValueError(f"ApexConfig.stagger_lanes must be 1, 2 or None, got {self.stagger_lanes!r}")
         width = self.stagger_width
         if width is not None and width != "auto" and (isinstance(width, bool) or not isinstance(width, int)
                                                       or width < 1):

@@ -5,7 +5,8 @@ mode at steady state: the engine is kept supplied with requests (so every batch,
 stays full), and after a fill-in of --warm-steps steps the tokens generated over the next --window-steps steps
 give its tokens/s; the median step of that window is its step time. Modes: never, auto, a fixed host share
 (overlap plan), "staggered:W" (the staggered plan with W rows per step; "staggered:auto": the rows in use
-follow the measured CPU job). Per configuration also: ideal_gain (the tokens/s the CPU's measured attention
+follow the measured CPU job); a suffix "/1lane" or "/2lane" sets the staggered plan's lanes, "/pw" runs mixed
+steps piecewise. Per configuration also: ideal_gain (the tokens/s the CPU's measured attention
 bandwidth could add: B_cpu / KV bytes a host request reads per step) with its inputs, auto's
 offload efficiency (auto - never) / ideal_gain, the model's predicted decode step against the measured one, and
 HF generate with its offloaded cache (KV in host memory) over as many requests as the device pool holds.
@@ -195,12 +196,15 @@ def amortized(run, prompt_len, new_tokens):
 
 
 PIECEWISE_SUFFIX = "/pw"  # a mode run with its mixed steps piecewise (mixed_graphs=False): the same-run A/B
-ONE_LANE_SUFFIX = "/1lane"  # a mode run with the one-lane staggered plan (stagger_lanes=1)
+LANE_SUFFIXES = {"/1lane": 1, "/2lane": 2}  # a mode run with that many staggered lanes (else the engine's default)
 
 
 def parse_mode(mode: str):
-    """(offload, stagger width) of a mode string (PIECEWISE_SUFFIX and ONE_LANE_SUFFIX aside)."""
-    mode = mode.removesuffix(PIECEWISE_SUFFIX).removesuffix(ONE_LANE_SUFFIX).removesuffix(PIECEWISE_SUFFIX)
+    """(offload, stagger width) of a mode string (PIECEWISE_SUFFIX and LANE_SUFFIXES aside)."""
+    mode = mode.removesuffix(PIECEWISE_SUFFIX)
+    for suffix in LANE_SUFFIXES:
+        mode = mode.removesuffix(suffix)
+    mode = mode.removesuffix(PIECEWISE_SUFFIX)
     if mode.startswith("staggered"):
         width = mode.partition(":")[2]
         return "staggered", (width if width == "auto" else int(width)) if width else None
@@ -212,7 +216,8 @@ def hybrid_config(mode, device_bytes, host_bytes, max_seqs, max_tokens, prefill_
     cap beside decoding, requests up to `max_tokens` (prompt + new tokens)."""
     offload, width = parse_mode(mode)
     return ApexConfig(offload=offload, stagger_width=width, gpu_cache_size=device_bytes,
-                      mixed_graphs=PIECEWISE_SUFFIX not in mode, stagger_lanes=1 if ONE_LANE_SUFFIX in mode else 2,
+                      mixed_graphs=PIECEWISE_SUFFIX not in mode,
+                      stagger_lanes=next((n for s, n in LANE_SUFFIXES.items() if s in mode), None),
                       cpu_attention_threads=cpu_threads, cpu_cache_size=host_bytes, max_num_seqs=max_seqs,
                       max_num_batched_tokens=2048, prefill_tokens_while_decoding=prefill_while_decoding,
                       max_model_len=max_tokens + 64)

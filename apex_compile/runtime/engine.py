@@ -234,12 +234,14 @@ class Engine:
         # replays of this engine's captured decode graphs (filled at capture): the performance model's step
         self.calibration = StepCalibration()
         self.auto_policy: Optional[AutoOffload] = None  # offload="auto"'s model (CUDA with a host pool)
+        # the staggered plan's lanes: one on CUDA (its layers wait on the device: notes item 38), two on a CPU
+        self.stagger_lanes = self.config.stagger_lanes or (1 if self.device.type == "cuda" else 2)
         if (self.config.offload == "auto" and self.device.type == "cuda" and self.config.compile
                 and self.kv.pools[HOST_POOL].num_blocks):
             from apex_compile.runtime.perf_profile import engine_profile
 
             self.auto_policy = AutoOffload(PerfModel(engine_profile(self), self.calibration),
-                                           stagger_groups=self.config.stagger_lanes * (self.shape.num_layers + 1))
+                                           stagger_groups=self.stagger_lanes * (self.shape.num_layers + 1))
         self.stagger: Optional[StaggerPipeline] = None
         self._pipeline_due = False  # a staggered forward was queued and its `_advance_pipeline` not yet run
         self._async = self.config.async_scheduling
@@ -303,7 +305,7 @@ class Engine:
         return StaggerPipeline(self.kv, width, config.hidden_size, config.num_attention_heads,
                                rope_tables(self.model, self.max_model_len), self.device, self.dtype,
                                self.max_model_len, self.config.cpu_attention_threads, adaptive, prior,
-                               lanes=self.config.stagger_lanes)
+                               lanes=self.stagger_lanes)
 
     def _typical_contexts(self) -> List[int]:
         return sorted({min(c, self.max_model_len) for c in (256, 1024, 4096)})

@@ -98,7 +98,9 @@ def test_a_piecewise_mode_differs_from_its_mode_only_in_its_mixed_steps():
         assert whole.mixed_graphs and not piecewise.mixed_graphs
         assert dict(vars(whole), mixed_graphs=False) == vars(piecewise)
         one_lane = e2e_hybrid.hybrid_config(mode + "/1lane", 1 << 30, 1 << 31, 64, 640, 256)
-        assert whole.stagger_lanes == 2 and dict(vars(whole), stagger_lanes=1) == vars(one_lane)
+        assert whole.stagger_lanes is None and dict(vars(whole), stagger_lanes=1) == vars(one_lane)
+        two_lanes = e2e_hybrid.hybrid_config(mode + "/2lane", 1 << 30, 1 << 31, 64, 640, 256)
+        assert dict(vars(whole), stagger_lanes=2) == vars(two_lanes)
         both = e2e_hybrid.hybrid_config(mode + "/1lane/pw", 1 << 30, 1 << 31, 64, 640, 256)
         assert dict(vars(whole), stagger_lanes=1, mixed_graphs=False) == vars(both)
 

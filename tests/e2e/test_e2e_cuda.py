@@ -278,7 +278,8 @@ def test_auto_that_chooses_the_staggered_plan_equals_hf_generate_fp32(tmp_path, 
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 
-def test_staggered_steps_run_ahead_equal_the_synchronous_engine():
+@pytest.mark.parametrize("lanes", [2, 1])
+def test_staggered_steps_run_ahead_equal_the_synchronous_engine(lanes):
     """Async scheduling beside the staggered block on the GPU (device rows' ids copied on the device, a lane
     begun before the previous step's tokens arrive): tokens and stop reasons equal the synchronous engine's,
     with pipeline requests stopping by EOS and length while long device requests keep steps running ahead."""
@@ -297,7 +298,7 @@ def test_staggered_steps_run_ahead_equal_the_synchronous_engine():
     for async_scheduling in (False, True):
         apex = optimize(model, ApexConfig(offload="staggered", stagger_width=2, gpu_cache_size=6 * block,
                                           cpu_cache_size=32 * MB, capture_sizes=(2, 4, 8),
-                                          async_scheduling=async_scheduling))
+                                          async_scheduling=async_scheduling, stagger_lanes=lanes))
         done = apex.engine.generate(prompts, sampling)
         results.append([(c.token_ids, c.finish_reason) for c in done])
         assert sum(1 for c in done if c.steps_per_pool["host"]) >= 3
