@@ -505,6 +505,13 @@ def test_config_checks():
         ApexConfig(stagger_width=0)
     with pytest.raises(ValueError, match="stagger_width"):
         ApexConfig(stagger_width="wide")
+    with pytest.raises(ValueError, match="stagger_lanes must be 1, 2 or None"):
+        ApexConfig(stagger_lanes=3)
+    from tests.devices import INTERPRET
+    if not INTERPRET:  # the layered jobs' device waits need a GPU or the interpreter
+        from apex_compile.runtime.stagger import StaggerPipeline
+        with pytest.raises(ValueError, match="a GPU or TRITON_INTERPRET=1"):
+            StaggerPipeline(None, 2, 8, 2, None, torch.device("cpu"), torch.float32, 64, lanes=1, layered=True)
     with pytest.raises(ValueError, match="compile=True"):
         optimize(sharp_model(), ApexConfig(offload="staggered", compile=False, gpu_cache_size=BLOCK_BYTES,
                                            cpu_cache_size=8 * BLOCK_BYTES))
