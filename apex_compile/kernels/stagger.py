@@ -97,20 +97,25 @@ def exchange_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     [w, Hkv, D] (rows and heads may be strided, unit stride along D), staged [w, Hq + 2 Hkv, D] and arriving /
     out [w, Hq, D] with contiguous rows; one dtype and device."""
     check_same_device(query=query, key=key, value=value, staged=staged, arriving=arriving, out=out)
+    _check_exchange("exchange_rows", query, key, value, staged, arriving, out)
+    _launch_exchange(query, key, value, staged, arriving, out, host=False)
+
+
+def _check_exchange(op: str, query, key, value, staged, arriving, out) -> None:
+    """Shapes, dtypes and strides of an exchange (`exchange_rows`, `exchange_rows_waiting`)."""
     width, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     if (key.shape != value.shape or key.shape[0] != width or key.shape[2] != head_dim
             or staged.shape != (width, num_heads + 2 * num_kv_heads, head_dim)
             or arriving.shape != query.shape or out.shape != query.shape):
-        raise ValueError(f"exchange_rows: query [w, Hq, D], key/value [w, Hkv, D], staged [w, Hq + 2 Hkv, D], "
+        raise ValueError(f"{op}: query [w, Hq, D], key/value [w, Hkv, D], staged [w, Hq + 2 Hkv, D], "
                          f"arriving/out [w, Hq, D]; got {tuple(query.shape)}, {tuple(key.shape)}, "
                          f"{tuple(value.shape)}, {tuple(staged.shape)}, {tuple(arriving.shape)}, {tuple(out.shape)}")
     if len({t.dtype for t in (query, key, value, staged, arriving, out)}) != 1:
-        raise TypeError("exchange_rows: every tensor must have one dtype")
+        raise TypeError(f"{op}: query, key, value, staged, arriving and out must have one dtype")
     if any(t.stride(2) != 1 for t in (query, key, value)) or any(
             t.stride(2) != 1 or t.stride(1) != head_dim for t in (staged, arriving, out)):
-        raise ValueError("exchange_rows: unit stride along D, and contiguous rows of staged / arriving / out")
-    _launch_exchange(query, key, value, staged, arriving, out, host=False)
+        raise ValueError(f"{op}: unit stride along D, and contiguous rows of staged / arriving / out")
 
 
 def _launch_exchange(query, key, value, staged, arriving, out, host: bool) -> None:
@@ -180,28 +185,15 @@ def exchange_rows_waiting(query: torch.Tensor, key: torch.Tensor, value: torch.T
     after[0] (the last launched) has written `arriving` and read `staged`: waits on the device until done[0] >=
     after[0] (done: a host counter the CPU job raises; after: int64 [1] on the kernel's device). A wait beyond
     timeout_s (in polls under the interpreter) writes after[0] into status[0] and goes on; stall[0] receives the
-    wait (ns on a GPU, polls under the interpreter). One launch."""
+    wait (ns on a GPU, polls under the interpreter). Two launches: the wait (one program), then the exchange."""
     check_same_device(query=query, key=key, value=value, out=out, after=after)
     _check_host(query.device, staged=staged, arriving=arriving, done=done, status=status, stall=stall)
     for name, flag in (("done", done), ("status", status), ("stall", stall)):
         _check_flag(name, flag)
     if after.dtype != torch.int64 or after.numel() != 1:
         raise ValueError(f"after must be a one-element int64 tensor, got {after.dtype} {tuple(after.shape)}")
-    width, num_heads, head_dim = query.shape
-    num_kv_heads = key.shape[1]
-    if (key.shape != value.shape or key.shape[0] != width or key.shape[2] != head_dim
-            or staged.shape != (width, num_heads + 2 * num_kv_heads, head_dim)
-            or arriving.shape != query.shape or out.shape != query.shape):
-        raise ValueError(f"exchange_rows_waiting: query [w, Hq, D], key/value [w, Hkv, D], staged [w, Hq + 2 Hkv, D], "
-                         f"arriving/out [w, Hq, D]; got {tuple(query.shape)}, {tuple(key.shape)}, "
-                         f"{tuple(value.shape)}, {tuple(staged.shape)}, {tuple(arriving.shape)}, {tuple(out.shape)}")
-    if len({t.dtype for t in (query, key, value, staged, arriving, out)}) != 1:
-        raise TypeError("exchange_rows_waiting: every tensor but the flags must have one dtype")
-    if any(t.stride(2) != 1 for t in (query, key, value)) or out.stride(2) != 1 or out.stride(1) != head_dim or (
-            not staged.is_contiguous() or not arriving.is_contiguous()):
-        raise ValueError("exchange_rows_waiting: unit stride along D, contiguous rows of out, contiguous staged / "
-                         "arriving")
-    if width == 0:
+    _check_exchange("exchange_rows_waiting", query, key, value, staged, arriving, out)
+    if query.shape[0] == 0:
         return
     timed = not INTERPRET and query.is_cuda
     timeout = int(timeout_s * 1e9) if timed else INTERPRETER_MAX_POLLS

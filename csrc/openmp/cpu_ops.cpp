@@ -392,6 +392,26 @@ inline void cpu_relax() {
 #endif
 }
 
+// A waiting thread's pause between two polls of a flag another agent raises: spin ~100 us (the common wait is short
+// and a wake-up would cost as much), then yield the core between polls.
+constexpr int64_t kSpinPolls = 20000;
+inline void flag_backoff(int64_t polls) {
+  if (polls < kSpinPolls) {
+    cpu_relax();
+  } else {
+    std::this_thread::yield();
+  }
+}
+
+// A team thread's pause while it polls its team's shared state: a yield every 64 rounds.
+inline void team_backoff(int64_t polls) {
+  if (polls % 64 == 63) {
+    std::this_thread::yield();
+  } else {
+    cpu_relax();
+  }
+}
+
 // Longest wait for a soft flag (a negative value): a hint to start after something, not a guard.
 constexpr double kSoftWaitS = 0.03;
 
@@ -415,12 +435,8 @@ double wait_flags(const at::Tensor& flags, at::IntArrayRef values, double timeou
     const int64_t target = soft ? -values[i] : values[i];
     const auto begin = clock::now();
     for (int64_t polls = 0; __atomic_load_n(counters + i, __ATOMIC_ACQUIRE) < target; ++polls) {
-      if (polls < 20000) {
-        cpu_relax();
-        continue;
-      }
-      std::this_thread::yield();
-      if (polls % 256 == 0) {
+      flag_backoff(polls);
+      if (polls >= kSpinPolls && polls % 256 == 0) {
         const auto now = clock::now();
         if (soft) {
           if (std::chrono::duration<double>(now - begin).count() > kSoftWaitS) break;
@@ -546,13 +562,7 @@ void stagger_cpu_job(const at::Tensor& staged, at::TensorList key_caches, at::Te
         state.store(2, std::memory_order_release);
       }
     } else {
-      for (int64_t polls = 0; state.load(std::memory_order_acquire) == 0; ++polls) {
-        if (polls % 64 == 63) {
-          std::this_thread::yield();
-        } else {
-          cpu_relax();
-        }
-      }
+      for (int64_t polls = 0; state.load(std::memory_order_acquire) == 0; ++polls) team_backoff(polls);
     }
     if (state.load(std::memory_order_acquire) == 1 && count > 0) {
       apex_cpu::cache_append(append.args);  // ends at a barrier
@@ -588,13 +598,7 @@ class SpinBarrier {
       generation_.store(generation + 1, std::memory_order_release);
       return;
     }
-    for (int64_t polls = 0; generation_.load(std::memory_order_acquire) == generation; ++polls) {
-      if (polls % 64 == 63) {
-        std::this_thread::yield();
-      } else {
-        cpu_relax();
-      }
-    }
+    for (int64_t polls = 0; generation_.load(std::memory_order_acquire) == generation; ++polls) team_backoff(polls);
   }
 
  private:
@@ -684,12 +688,8 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
       if (leader) {
         const auto begin = clock::now();
         for (int64_t polls = 0; __atomic_load_n(ready + l, __ATOMIC_ACQUIRE) < turn; ++polls) {
-          if (polls < 20000) {
-            cpu_relax();
-            continue;
-          }
-          std::this_thread::yield();
-          if (polls % 256 == 0 && clock::now() > deadline) {
+          flag_backoff(polls);
+          if (polls >= kSpinPolls && polls % 256 == 0 && clock::now() > deadline) {
             error = message("waited more than ", int64_t(timeout_s), " s for layer ", l, " of turn ", turn,
                             " to be staged (its flag is ", __atomic_load_n(ready + l, __ATOMIC_ACQUIRE), ")");
             break;
@@ -701,11 +701,7 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
       } else {
         int64_t seen;
         for (int64_t polls = 0; (seen = released.load(std::memory_order_acquire)) < l && seen != -2; ++polls) {
-          if (polls % 64 == 63) {
-            std::this_thread::yield();
-          } else {
-            cpu_relax();
-          }
+          team_backoff(polls);
         }
       }
       if (released.load(std::memory_order_acquire) == -2) break;
