@@ -40,6 +40,9 @@ class ApexConfig:
         with CUDA, 2 on a CPU-only run (nothing runs beside its steps there).
     cpu_attention_threads: OpenMP threads of the staggered plan's CPU attention worker on CUDA, pinned to the
         last cores this process may use. None: all of them but one, left to the thread that launches GPU work.
+    pin_launcher: whether a thread that calls the engine's step() is pinned (until the engine closes) to the
+        cores the CPU attention worker leaves free, where the staggered plan runs on CUDA. None: no (the H200
+        host, one core left free: the same step either way, and the launch slower on that one core; notes 39).
     max_num_seqs: most requests in one step.
     max_num_batched_tokens: most tokens in one step (the chunked-prefill budget).
     prefill_tokens_while_decoding: most prompt tokens a step takes into the device pool while requests decode
@@ -94,6 +97,7 @@ class ApexConfig:
     stagger_width: Union[int, str, None] = None
     stagger_lanes: Optional[int] = None
     cpu_attention_threads: Optional[int] = None
+    pin_launcher: Optional[bool] = None
 
     def __post_init__(self):
         for name in ("gpu_cache_size", "cpu_cache_size"):
@@ -139,6 +143,8 @@ class ApexConfig:
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"ApexConfig.cpu_attention_threads must be a positive thread count or None, "
                              f"got {threads!r}")
+        if self.pin_launcher is not None and not isinstance(self.pin_launcher, bool):
+            raise ValueError(f"ApexConfig.pin_launcher must be True, False or None, got {self.pin_launcher!r}")
         if self.inner is not None and self.inner not in INNER_COMPILERS:
             raise ValueError(f"ApexConfig.inner must be one of {INNER_COMPILERS} or None, got {self.inner!r}")
 

@@ -6,7 +6,8 @@ stays full), and after a fill-in of --warm-steps steps the tokens generated over
 give its tokens/s; the median step of that window is its step time. Modes: never, auto, a fixed host share
 (overlap plan), "staggered:W" (the staggered plan with W rows per step; "staggered:auto": the rows in use
 follow the measured CPU job); a suffix "/1lane" or "/2lane" sets the staggered plan's lanes, "/pw" runs mixed
-steps piecewise. Per configuration also: ideal_gain (the tokens/s the CPU's measured attention
+steps piecewise, "/pin" pins the launching thread off the worker's cores, "/t14" runs 14 CPU attention threads.
+Per configuration also: ideal_gain (the tokens/s the CPU's measured attention
 bandwidth could add: B_cpu / KV bytes a host request reads per step) with its inputs, auto's
 offload efficiency (auto - never) / ideal_gain, the model's predicted decode step against the measured one, and
 HF generate with its offloaded cache (KV in host memory) over as many requests as the device pool holds.
@@ -18,6 +19,7 @@ import dataclasses
 import datetime
 import gc
 import os
+import re
 import platform
 import statistics
 import sys
@@ -197,14 +199,13 @@ def amortized(run, prompt_len, new_tokens):
 
 PIECEWISE_SUFFIX = "/pw"  # a mode run with its mixed steps piecewise (mixed_graphs=False): the same-run A/B
 LANE_SUFFIXES = {"/1lane": 1, "/2lane": 2}  # a mode run with that many staggered lanes (else the engine's default)
+PIN_SUFFIX = "/pin"  # a mode run with the launching thread pinned off the worker's cores (pin_launcher=True)
+THREADS_SUFFIX = re.compile(r"/t(\d+)\b")  # "/t14": a mode run with that many CPU attention threads
 
 
 def parse_mode(mode: str):
-    """(offload, stagger width) of a mode string (PIECEWISE_SUFFIX and LANE_SUFFIXES aside)."""
-    mode = mode.removesuffix(PIECEWISE_SUFFIX)
-    for suffix in LANE_SUFFIXES:
-        mode = mode.removesuffix(suffix)
-    mode = mode.removesuffix(PIECEWISE_SUFFIX)
+    """(offload, stagger width) of a mode string (its "/" suffixes aside)."""
+    mode = mode.split("/")[0]
     if mode.startswith("staggered"):
         width = mode.partition(":")[2]
         return "staggered", (width if width == "auto" else int(width)) if width else None
@@ -215,10 +216,13 @@ def hybrid_config(mode, device_bytes, host_bytes, max_seqs, max_tokens, prefill_
     """The engine config of a mode in this benchmark: a 2048-token step budget (whole host prompts), the prompt
     cap beside decoding, requests up to `max_tokens` (prompt + new tokens)."""
     offload, width = parse_mode(mode)
+    threads = THREADS_SUFFIX.search(mode)
+    cpu_threads = int(threads.group(1)) if threads else cpu_threads
     return ApexConfig(offload=offload, stagger_width=width, gpu_cache_size=device_bytes,
                       mixed_graphs=PIECEWISE_SUFFIX not in mode,
                       stagger_lanes=next((n for s, n in LANE_SUFFIXES.items() if s in mode), None),
-                      cpu_attention_threads=cpu_threads, cpu_cache_size=host_bytes, max_num_seqs=max_seqs,
+                      cpu_attention_threads=cpu_threads, pin_launcher=True if PIN_SUFFIX in mode else None,
+                      cpu_cache_size=host_bytes, max_num_seqs=max_seqs,
                       max_num_batched_tokens=2048, prefill_tokens_while_decoding=prefill_while_decoding,
                       max_model_len=max_tokens + 64)
 

@@ -28,7 +28,7 @@ from apex_compile.runtime.perf_model import AutoOffload, PerfModel, StepCalibrat
 from apex_compile.runtime.request import Request, RequestStatus, SamplingParams
 from apex_compile.runtime.sampler import PendingTokens, Sampler
 from apex_compile.runtime.scheduler import ScheduledChunk, Scheduler
-from apex_compile.runtime.stagger import StaggerPipeline, rope_tables
+from apex_compile.runtime.stagger import LauncherPin, StaggerPipeline, rope_tables
 from apex_compile.runtime.step_buffers import StepBuffers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -255,6 +255,10 @@ class Engine:
         elif self.auto_policy is not None and self._auto_stagger_pays():
             # auto's plan: the model's ceiling (each step) and the measured CPU job (each turn) set the rows
             self.stagger = self._stagger_pipeline(self.config.stagger_width or "auto")
+        # the threads that call step() kept off the CPU attention worker's cores (a CUDA worker only)
+        cores = getattr(getattr(self.stagger, "executor", None), "cores", None)
+        pin = bool(self.config.pin_launcher)  # off by default (ApexConfig.pin_launcher)
+        self._launcher = LauncherPin(cores) if cores and self.device.type == "cuda" and pin else None
         self._ceiling_key = None  # (device rows, context bucket, calibration state) of the last auto ceiling
         self.scheduler = Scheduler(self.config, self.kv, self.max_model_len, self._auto_host_policy(), self.stagger)
         self.runner = PagedAttentionRunner(self.kv, self.device)
@@ -453,6 +457,8 @@ class Engine:
             self._ahead = None
             self._closed = True
             try:
+                if self._launcher is not None:
+                    self._launcher.release()
                 if self.stagger is not None:
                     self.stagger.close()
             finally:
@@ -746,6 +752,8 @@ class Engine:
     def step(self) -> List[Request]:
         """Runs one forward step; returns the requests that got a new token (in scheduling order)."""
         self._check_open()
+        if self._launcher is not None:
+            self._launcher.ensure()
         self._last_tick = time.perf_counter()
         try:
             return self._step()

@@ -30,6 +30,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import os
+import threading
 import time
 from typing import Deque, Dict, List, Optional, Tuple
 
@@ -783,6 +784,34 @@ def _pin_worker(cores: List[int]) -> None:
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cores)
     torch.set_num_threads(len(cores))
+
+
+class LauncherPin:
+    """Keeps the threads that launch GPU work (those calling `ensure`) on the cores the CPU attention worker
+    leaves free, so that the worker's OpenMP team does not share a core with the launcher (or its hyperthread
+    sibling's load) while a step's host work runs; each pinned thread gets its affinity back on `release`.
+    Nothing happens where no core is left free (a worker on every core) or affinity cannot be set."""
+
+    def __init__(self, worker: List[int]):
+        allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        self.cores = [c for c in allowed if c not in set(worker)]
+        self._pinned: Dict[int, set] = {}  # native thread id -> its affinity before
+
+    def ensure(self) -> None:
+        if not self.cores:
+            return
+        tid = threading.get_native_id()
+        if tid not in self._pinned:
+            self._pinned[tid] = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, self.cores)
+
+    def release(self) -> None:
+        for tid, cores in self._pinned.items():
+            try:
+                os.sched_setaffinity(tid, cores)
+            except OSError:  # that thread has ended
+                pass
+        self._pinned.clear()
 
 
 class AsyncJobs:

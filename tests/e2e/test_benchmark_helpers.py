@@ -103,6 +103,25 @@ def test_a_piecewise_mode_differs_from_its_mode_only_in_its_mixed_steps():
         assert dict(vars(whole), stagger_lanes=2) == vars(two_lanes)
         both = e2e_hybrid.hybrid_config(mode + "/1lane/pw", 1 << 30, 1 << 31, 64, 640, 256)
         assert dict(vars(whole), stagger_lanes=1, mixed_graphs=False) == vars(both)
+        pinned = e2e_hybrid.hybrid_config(mode + "/1lane/pin/t14", 1 << 30, 1 << 31, 64, 640, 256)
+        assert dict(vars(whole), stagger_lanes=1, pin_launcher=True, cpu_attention_threads=14) == vars(pinned)
+
+
+def test_host_contention_times_each_kind_of_work_under_each_worker_load(tmp_path):
+    """benchmarks/host_contention.py on this machine (tiny job, few calls): a row per worker load it can run
+    here, each with the Python timing, the loaded rows with the jobs the worker ran."""
+    import subprocess
+
+    out = tmp_path / "hc.json"
+    script = os.path.join(os.path.dirname(e2e_hybrid.__file__), "host_contention.py")
+    done = subprocess.run([sys.executable, script, "--repeats", "10", "--layers", "2", "--width", "2", "--context",
+                           "64", "--pool-gib", "0.01", "--out", str(out)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert {"idle", "stream", "poll"} <= set(rows)
+    assert all(row["python"]["median_us"] > 0 for row in rows.values())
+    assert rows["stream"]["jobs"] > 0 and "jobs" not in rows["idle"]
 
 
 def test_a_staggered_window_records_which_row_limit_binds():

@@ -4,6 +4,8 @@ device pool and/or the host pool (CPU attention overlapped with the GPU through 
 fp32 (TF32 off): the same tokens as HF generate. bf16: forward logits within BF16_LOGITS_ATOL of HF's (the two
 differ only in op order and fused kernels; bf16 keeps ~3 significant digits of logits of magnitude ~1-10).
 """
+import os
+
 import pytest
 import torch
 
@@ -192,14 +194,16 @@ def sharp_small_pool_case(lengths=SMALL_POOL_LENGTHS):
     return (*small_pool_case(model, lengths), model)
 
 
-@pytest.mark.parametrize("width,lanes", [(1, 2), (3, 2), (1, 1), (3, 1)])
-def test_staggered_equals_hf_generate_fp32(width, lanes):
+@pytest.mark.parametrize("width,lanes,pin", [(1, 2, False), (3, 2, False), (1, 1, False), (3, 1, True)])
+def test_staggered_equals_hf_generate_fp32(width, lanes, pin):
     """Requests the small device pool cannot take decode staggered from the host pool (CPU attention on the
     worker thread, one layer per step; one lane: each layer waits on the device for the CPU's): the same tokens
-    as HF (attention sharpened so RoPE rows matter)."""
+    as HF (attention sharpened so RoPE rows matter); pinned, the launching thread runs off the worker's cores
+    while the engine is open."""
     ids, mask, ref, block, model = sharp_small_pool_case()
+    before = os.sched_getaffinity(0)
     apex = optimize(model, ApexConfig(offload="staggered", stagger_width=width, gpu_cache_size=8 * block,
-                                      cpu_cache_size=32 * MB, stagger_lanes=lanes))
+                                      cpu_cache_size=32 * MB, stagger_lanes=lanes, pin_launcher=pin))
     out = apex.generate(ids, attention_mask=mask, **GREEDY_20)
     assert torch.equal(out, ref)
     if lanes == 1:
@@ -207,6 +211,11 @@ def test_staggered_equals_hf_generate_fp32(width, lanes):
         assert apex.engine.stagger.layered and jobs.job_seconds and int(jobs.status[0]) == 0
     assert apex.engine.stats.requests_per_pool[1] >= 2  # some requests ran staggered from the host pool
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+    workers = set(apex.engine.stagger.executor.cores)
+    if pin and len(before) > len(workers):
+        assert os.sched_getaffinity(0) == before - workers
+    apex.close()
+    assert os.sched_getaffinity(0) == before
 
 
 @pytest.mark.parametrize("lanes", [2, 1])

@@ -705,6 +705,50 @@ def test_worker_threads_run_on_their_cores():
     assert seen.result() == (cores[-1:], 1)
 
 
+def test_the_launching_thread_is_kept_off_the_workers_cores_until_release():
+    """LauncherPin: a thread that calls ensure() runs on the cores the worker leaves free (once), and gets its
+    own affinity back on release(); with no core free it changes nothing."""
+    import threading
+
+    from apex_compile.runtime.stagger import LauncherPin
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    pin = LauncherPin(cores[1:])
+    assert pin.cores == cores[:1]
+    seen = []
+
+    def launcher():
+        pin.ensure()
+        seen.append(sorted(os.sched_getaffinity(0)))
+        pin.ensure()  # once per thread
+        seen.append(len(pin._pinned))
+        done.wait()
+
+    done = threading.Event()
+    thread = threading.Thread(target=launcher)
+    thread.start()
+    while len(seen) < 2:
+        time.sleep(0.001)
+    assert seen == [cores[:1], 1]
+    assert sorted(os.sched_getaffinity(0)) == cores  # other threads untouched
+    pin.release()
+    assert sorted(os.sched_getaffinity(thread.native_id)) == cores
+    done.set()
+    thread.join()
+    pin.release()  # nothing left (an ended thread is skipped)
+    everywhere = LauncherPin(cores)
+    everywhere.ensure()
+    assert everywhere.cores == [] and sorted(os.sched_getaffinity(0)) == cores
+
+
+def test_pin_launcher_is_checked():
+    with pytest.raises(ValueError, match="pin_launcher"):
+        ApexConfig(pin_launcher="yes")
+    assert ApexConfig(pin_launcher=False).pin_launcher is False
+
+
 def test_a_whole_step_graph_fill_computes_every_row():
     """The fill of a captured staggered decode step: the device rows start after the block, are padded to the
     graph's size, and the logits of every row (block and device) are computed (the engine picks its rows)."""
