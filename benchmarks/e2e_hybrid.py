@@ -19,8 +19,8 @@ import dataclasses
 import datetime
 import gc
 import os
-import re
 import platform
+import re
 import statistics
 import sys
 import time

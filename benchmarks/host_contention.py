@@ -6,8 +6,8 @@ Main-thread work, each timed alone, many times:
   python  `HostJob.of` over a lane of 32 groups (Python and numpy: the engine's own metadata code)
   launch  the host call of a CUDA graph replay (a graph of --nodes small kernels; synchronised between calls)
   copy    a 1 KB pinned host-to-device copy, then a 1 KB device-to-host copy, then synchronise (a round trip)
-Worker loads: idle; stream (the job back to back); poll; stream with the launching thread pinned to the cores
-the worker leaves free; stream with one worker thread fewer (two cores free).
+Worker loads: idle; stream (the job back to back); poll; where cores are left free, stream with the launching
+thread pinned to them, and stream with one worker thread fewer (two cores free), unpinned and pinned.
 
     python benchmarks/host_contention.py --out host_contention.json
 """
@@ -81,13 +81,18 @@ class Worker:
         return self.pool.submit(loop)
 
 
-def timed(fn, repeats):
+def timed(fn, repeats, drain=None):
+    """Median and p90 of fn's time; drain (the launch: synchronise the GPU) runs untimed before each call,
+    else a short pause after it (the step's rhythm: the work comes in bursts)."""
     samples = []
     for _ in range(repeats):
+        if drain is not None:
+            drain()
         start = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - start)
-        time.sleep(0.0005)  # the step's rhythm: the work comes in bursts
+        if drain is None:
+            time.sleep(0.0005)
     samples.sort()
     return {"median_us": statistics.median(samples) * 1e6, "p90_us": samples[int(0.9 * len(samples))] * 1e6}
 
@@ -150,18 +155,8 @@ def main():
                 fn()
             if cuda:
                 torch.cuda.synchronize()
-            if kind != "launch":
-                row[kind] = timed(fn, args.repeats)
-                continue
-            samples = []  # the call's host time alone, the GPU drained between calls
-            for _ in range(args.repeats):
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                fn()
-                samples.append(time.perf_counter() - start)
-            samples.sort()
-            row[kind] = {"median_us": statistics.median(samples) * 1e6,
-                         "p90_us": samples[int(0.9 * len(samples))] * 1e6}
+            # the launch: the call's host time alone, the GPU drained between calls
+            row[kind] = timed(fn, args.repeats, torch.cuda.synchronize if kind == "launch" else None)
         if future is not None:
             worker.stop.set()
             future.result()

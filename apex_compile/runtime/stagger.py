@@ -794,7 +794,8 @@ class LauncherPin:
 
     def __init__(self, worker: List[int]):
         allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        self.cores = [c for c in allowed if c not in set(worker)]
+        busy = set(worker)
+        self.cores = [c for c in allowed if c not in busy]
         self._pinned: Dict[int, set] = {}  # native thread id -> its affinity before
 
     def ensure(self) -> None:
