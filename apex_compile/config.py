@@ -72,8 +72,9 @@ class ApexConfig:
     async_scheduling: queue a decode step while the previous one runs on the GPU, its input ids taken from
         the previous step's sampled ids on the device, so that scheduling and the step's metadata are off the
         critical path. Only steps whose rows all decode in the device pool (beside the staggered block, whose
-        rows take tokens sampled two steps before) run ahead, and only while no request waits for a step that
-        could admit it; a request that stops by EOS or a stop string gets one extra row, discarded. None: on
+        re-entering rows take the previous step's samples on the device too) run ahead, and only while no
+        waiting or parked request could start in that step; a request that stops by EOS or a stop string gets
+        one extra row, discarded. None: on
         CUDA (on a CPU the step runs on the host thread itself, so nothing would overlap).
     capture_sizes: batch sizes captured (None: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs); a decode step
         runs the smallest size >= its batch, larger batches run uncaptured.

@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import sys
 import time
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -29,7 +29,7 @@ from apex_compile.runtime.request import Request, RequestStatus, SamplingParams
 from apex_compile.runtime.sampler import PendingTokens, Sampler
 from apex_compile.runtime.scheduler import ScheduledChunk, Scheduler
 from apex_compile.runtime.stagger import LauncherPin, StaggerPipeline, rope_tables
-from apex_compile.runtime.step_buffers import StepBuffers
+from apex_compile.runtime.step_buffers import DeviceIds, StepBuffers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 EAGER_ATTENTION_NAME = "apex_paged"
@@ -629,7 +629,7 @@ class Engine:
         self.calibration.stagger_width = width
 
     def _forward_staggered(self, chunks: List[ScheduledChunk], logit_rows: List[int],
-                           device_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           device_ids: Optional[DeviceIds] = None) -> torch.Tensor:
         """`_forward_chunks` of a step led by the staggered block: a whole-step graph when the device rows all
         decode, a whole mixed graph when they hold prompt chunks that fit its layout (`MixedGraphs`), else the
         staggered graph in pieces or (without CUDA graphs, above their sizes) as compiled.
@@ -662,9 +662,9 @@ class Engine:
             parts, num_rows = self.buffers.fill(chunks, padded_rows, first_row=width, mixed_rows=mixed[0] - width)
         else:
             parts, num_rows = self._fill_staggered(chunks, padded_rows, pad_to=size, total_rows=key and key[0])
-        self.buffers.ids[:width] = stagger.input_ids()  # (sampled two steps ago, by this lane's last turn)
+        self.buffers.ids[:width] = stagger.input_ids()  # (0 where the token is still on its way: device_ids)
         self.buffers.positions[:width] = stagger.groups[0].positions
-        self.buffers.copy_to_device(device_ids, first_row=width)  # (a step queued ahead: its device rows' ids)
+        self.buffers.copy_to_device(device_ids)
         stagger.collect()
         start = self._tick("prepare")
         self.runner.set_parts(parts, num_rows, width)
@@ -698,11 +698,11 @@ class Engine:
         self._tick("pipeline")
 
     def _forward_chunks(self, chunks: List[ScheduledChunk], logit_rows: List[int],
-                        device_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                        device_ids: Optional[DeviceIds] = None) -> torch.Tensor:
         """Runs the model on the chunks (flattened in order) and returns the logits of `logit_rows`: a whole
         decode graph, a whole mixed graph (prompt chunks, every row in the device pool), piecewise graphs (host
-        rows), or (without CUDA graphs) the compiled step itself. device_ids: the first
-        rows' input ids on the device (a step queued before the host has them)."""
+        rows), or (without CUDA graphs) the compiled step itself. device_ids: input ids already on the device
+        (a step queued before the host has them)."""
         if self.stagger is not None and self.stagger.active:
             return self._forward_staggered(chunks, logit_rows, device_ids)
         size = self._graph_size(chunks)
@@ -788,9 +788,9 @@ class Engine:
             policy.observe(len(chunks) - on_host, on_host, context, time.perf_counter() - start)
         return sampled
 
-    def _launch(self, chunks: List[ScheduledChunk], device_ids: Optional[torch.Tensor] = None) -> _Launched:
+    def _launch(self, chunks: List[ScheduledChunk], device_ids: Optional[DeviceIds] = None) -> _Launched:
         """Queues the chunks' forward and the choice of their next tokens; with `device_ids` (a step queued
-        ahead) every chunk is a decode row whose input id is that tensor's."""
+        ahead) every chunk is a decode row whose input id is on the device."""
         logit_rows: List[int] = []
         sampled: List[Request] = []
         row = 0
@@ -826,13 +826,13 @@ class Engine:
         for request, token in zip(launched.sampled, tokens):
             if request.status is RequestStatus.FINISHED:
                 continue
-            if launched.ahead:
+            in_pipeline = request.request_id in launched.in_pipeline
+            if launched.ahead and not in_pipeline:
                 request.steps_per_pool[DEVICE_POOL] += 1
             got.append(request)
             request.output_token_ids.append(token)
             self.stats.generated_tokens += 1
             reason = self._stop_reason(request)
-            in_pipeline = request.request_id in launched.in_pipeline
             if reason is not None:
                 if in_pipeline:
                     self.scheduler.finish_staggered(request, reason)
@@ -843,16 +843,15 @@ class Engine:
                 self.scheduler.to_pipeline(request)  # prefilled in the host pool: decodes staggered
         return got
 
-    def _ahead_chunks(self, launched: _Launched) -> Optional[List[ScheduledChunk]]:
-        """The next step's chunks if it can be queued before `launched`'s tokens are known: every running
-        request decodes one token in the device pool, nothing waits to be admitted, no sampling rule needs the
-        last token on the host; requests that `launched`'s token stops by length are left out. Takes their
-        blocks. None when any condition fails (the next step is scheduled as usual)."""
+    def _ahead_chunks(self, launched: _Launched) -> Optional[Tuple[List[ScheduledChunk], DeviceIds]]:
+        """The next step's chunks, and where its input ids come from, if it can be queued before `launched`'s
+        tokens are known: every running request decodes one token in the device pool, nothing is admitted or
+        resumed, no sampling rule needs the last token on the host; requests that `launched`'s token stops by
+        length are left out. Takes their blocks. None when any condition fails (the next step is scheduled as
+        usual)."""
         scheduler = self.scheduler
         if not self._async or launched.pending is None:
             return None
-        if self.stagger is not None and self.stagger.begun and not self.stagger.inputs_known():
-            return None  # one lane: the block's next turn needs tokens `launched` samples
         # the device rows (the staggered block's requests get their next token from the pipeline, not a chunk),
         # less rows queued ahead for requests that stopped meanwhile
         alive = [r for r in launched.sampled if not r.is_finished and r.request_id not in launched.in_pipeline]
@@ -871,23 +870,39 @@ class Engine:
             return None  # nothing to run, or a step that would capture or run uncaptured
         if sum(self.kv.extra_blocks(r.request_id, r.num_computed + 1) for r in kept) > self.kv.num_free(DEVICE_POOL):
             return None  # someone must be evicted: the scheduler's call
+        ids = self._ahead_ids(launched, kept)
+        if ids is None:
+            return None
         for request in kept:
             self.kv.grow(request.request_id, DEVICE_POOL, request.num_computed + 1)
-        return [ScheduledChunk(request, request.num_computed, 1, DEVICE_POOL) for request in kept]
+        return [ScheduledChunk(request, request.num_computed, 1, DEVICE_POOL) for request in kept], ids
+
+    def _ahead_ids(self, launched: _Launched, kept: List[Request]) -> Optional[DeviceIds]:
+        """The input ids of a step queued after `launched`, on the device from its sampled ids: the device rows
+        (`kept`, after the staggered block) and the block's group-0 rows whose token `launched` samples (one
+        lane: a request re-enters group 0 the step after it sampled). None if a token is neither on the host
+        nor among them."""
+        source = {r.request_id: i for i, r in enumerate(launched.sampled)}
+        rows, sources, first = [], [], 0
+        if self.stagger is not None and self.stagger.active:
+            first = self.stagger.width
+            for row, request in self.stagger.pending_input_rows():
+                if request.request_id not in source:
+                    return None
+                rows.append(row)
+                sources.append(source[request.request_id])
+        rows += range(first, first + len(kept))
+        sources += [source[r.request_id] for r in kept]
+        return DeviceIds(launched.pending.device, rows, sources)
 
     def _launch_ahead(self, launched: _Launched) -> Optional[_Launched]:
         """Queues the step after `launched` before its tokens reach the host (async scheduling), its input ids
         copied on the device from `launched`'s sampled ids; None where `_ahead_chunks` declines."""
-        chunks = self._ahead_chunks(launched)
-        if chunks is None:
+        ahead = self._ahead_chunks(launched)
+        if ahead is None:
             return None
-        tokens = launched.pending.device
-        if len(chunks) < len(launched.sampled):  # rows left out: gather the others' ids
-            keep = {c.request.request_id for c in chunks}
-            rows = [i for i, r in enumerate(launched.sampled) if r.request_id in keep]
-            tokens = tokens.index_select(0, to_device(rows, torch.long, tokens.device))
         self.stats.ahead_steps += 1
-        return self._launch(chunks, device_ids=tokens)
+        return self._launch(*ahead)
 
     def _drop_finished_ahead(self) -> None:
         """Forgets a step queued ahead whose requests all stopped or were cancelled: nothing of it is needed (its

@@ -5,8 +5,9 @@ to the token budget when prefilling), oldest first. When a request's pool has no
 the newest running request of that pool is evicted: moved to the other pool when that pool also runs
 requests (offload fraction) and has room, else parked in the other pool (swap preemption), else its blocks
 are freed and it is prefilled again later (recompute preemption). Parked requests resume before waiting
-requests are admitted; waiting requests are admitted in arrival order while their first chunk fits in the
-pool the offload policy picks for them.
+requests are admitted (with the staggered plan, waiting requests may meanwhile start in its pipeline: the parked
+wait for the device pool only); waiting requests are admitted in arrival order while their first chunk fits in
+the pool the offload policy picks for them.
 """
 import collections
 import dataclasses
@@ -113,13 +114,17 @@ class Scheduler:
     def admits_nothing(self) -> bool:
         """Whether the next step would start no parked or waiting request, with every running request decoding
         one token (conservative: True only where that is certain). Lets the engine queue that step ahead."""
-        if self.parked:
-            return False
-        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+        if not (self.waiting or self.parked) or len(self.running) >= self.config.max_num_seqs:
             return True
         budget = self.config.max_num_batched_tokens - len(self.running)
         if budget <= 0:
             return True
+        if self.parked and self._resumes(self.parked[0], budget) is not None:
+            return False  # the first parked request resumes first
+        if not self.waiting:
+            return True
+        if self.parked and self.stagger is None:
+            return True  # nothing waiting starts before a parked request
         request = self.waiting[0]
         rest = request.num_tokens - request.num_computed
         end = request.num_computed + min(rest, budget)
@@ -129,11 +134,19 @@ class Scheduler:
             last = end if pool == HOST_POOL or room is None else request.num_computed + min(rest, budget, room)
             return self.kv.extra_blocks(request.request_id, last) > self.kv.num_free(pool)
 
-        if self.stagger is not None:  # the host pool takes one only while the pipeline has a row for it
-            return full(DEVICE_POOL) and self._pipeline_full()
+        if self.stagger is not None:  # the pipeline's host pool (the device pool, unless the parked wait for it)
+            return (bool(self.parked) or full(DEVICE_POOL)) and not self._pipeline_takes(request)
         if len(self.run_pools) > 1:
             return False  # a policy picks the pool: leave it to the step
         return full(self.run_pools[0])
+
+    def _resumes(self, request: Request, budget: int) -> Optional[int]:
+        """The tokens of parked `request`'s next chunk if its pool-to-be (the first that runs requests) has room
+        for its blocks and that chunk; None if not."""
+        num_tokens = min(request.num_tokens - request.num_computed, budget)
+        blocks = len(self.kv.tables[request.request_id].block_ids)
+        need = blocks + self.kv.extra_blocks(request.request_id, request.num_computed + num_tokens)
+        return num_tokens if self.kv.num_free(self.run_pools[0]) >= need else None
 
     def _prefill_room(self) -> Optional[int]:
         """Prompt tokens the device pool may take this step (`prefill_tokens_while_decoding`) while a running
@@ -145,6 +158,18 @@ class Scheduler:
         if decoding or (self.stagger is not None and self.stagger.num_members):
             return cap
         return None
+
+    def _pipeline_takes(self, request: Request) -> bool:
+        """Whether the staggered pipeline has a row for `request` and the host pool room for its whole length
+        beside the room kept to park the device pool's requests (swap preemption; else they would be recomputed
+        from their prompts): the device pool's blocks, at most half the host pool."""
+        if self._pipeline_full():
+            return False
+        reserve = 0
+        if self.park_pool == HOST_POOL:
+            reserve = min(self.kv.pools[DEVICE_POOL].num_blocks, self.kv.pools[HOST_POOL].num_blocks // 2)
+        need = self.kv.extra_blocks(request.request_id, self.max_tokens(request))
+        return self.kv.num_free(HOST_POOL) >= need + reserve
 
     def _pipeline_full(self) -> bool:
         """Whether the staggered pipeline has no row left for another host request (members, and host-pool
@@ -220,10 +245,8 @@ class Scheduler:
         while self.parked and len(self.running) < self.config.max_num_seqs and budget > 0:
             request = self.parked[0]
             pool = self.run_pools[0]
-            num_tokens = min(request.num_tokens - request.num_computed, budget)
-            blocks = len(self.kv.tables[request.request_id].block_ids)
-            if self.kv.num_free(pool) < blocks + self.kv.extra_blocks(request.request_id, request.num_computed
-                                                                     + num_tokens):
+            num_tokens = self._resumes(request, budget)
+            if num_tokens is None:
                 break
             self.kv.move(request.request_id, pool)
             self.kv.grow(request.request_id, pool, request.num_computed + num_tokens)
@@ -235,8 +258,10 @@ class Scheduler:
             budget -= num_tokens
         if room is None:
             room = self._prefill_room()  # a resumed request decodes now
-        while (self.waiting and not self.parked and len(self.running) < self.config.max_num_seqs
-               and budget > 0 and (room is None or room > 0)):
+        # waiting requests start after the parked ones; with the staggered plan they may start in its pipeline
+        # meanwhile (the parked wait for the device pool only)
+        while (self.waiting and (not self.parked or self.stagger is not None)
+               and len(self.running) < self.config.max_num_seqs and budget > 0 and (room is None or room > 0)):
             request = self.waiting[0]
             num_tokens = min(request.num_tokens - request.num_computed, budget)
             device_tokens = num_tokens if room is None else min(num_tokens, room)
@@ -338,14 +363,15 @@ class Scheduler:
 
     def _admit_staggered(self, request: Request, num_tokens: int, device_tokens: int,
                          fitting: List[int]) -> Optional[int]:
-        """The staggered plan: the device pool when it has room, else the host pool while the pipeline has a
-        row for the request, with blocks for its whole length (a pipeline request never waits for a block)."""
-        if DEVICE_POOL in fitting and self.kv.grow(request.request_id, DEVICE_POOL,
+        """The staggered plan: the device pool when it has room and no parked request waits for it, else the
+        host pool while the pipeline has a row for the request, with blocks for its whole length (a pipeline
+        request never waits for a block)."""
+        if not self.parked and DEVICE_POOL in fitting and self.kv.grow(request.request_id, DEVICE_POOL,
                                                    request.num_computed + device_tokens):
             return DEVICE_POOL
         if HOST_POOL not in fitting or self._splits_host_prompt(request, num_tokens):
             return None
-        if self._pipeline_full():
+        if not self._pipeline_takes(request):
             return None
         if self.kv.grow(request.request_id, HOST_POOL, self.max_tokens(request)):
             return HOST_POOL

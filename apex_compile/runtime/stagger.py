@@ -309,12 +309,12 @@ class StaggerPipeline:
         """Queues a host-pool request whose prefill is done (its last token not yet computed)."""
         self.joining.append(request)
 
-    def inputs_known(self) -> bool:
-        """Whether the host has every input token of the current turn's group 0 (one lane: a request that sampled
-        in the step before re-enters at once, so a step queued before that token reaches the host cannot be
-        filled)."""
-        return all(r.num_computed < len(r.prompt_token_ids) + len(r.output_token_ids)
-                   for r in self.groups[0].requests if r is not None)
+    def pending_input_rows(self) -> List[Tuple[int, Request]]:
+        """(row, request) of the current turn's group-0 rows whose input token the host does not have yet (one
+        lane: a request that sampled in the step before re-enters at once; a step queued before that token
+        reaches the host takes it on the device)."""
+        return [(row, r) for row, r in enumerate(self.groups[0].requests)
+                if r is not None and r.num_computed >= r.num_tokens]
 
     def sampling_rows(self) -> List[Tuple[int, Request]]:
         """(row, request) of the current lane's last group: the rows whose logits give a token this step."""
@@ -339,29 +339,30 @@ class StaggerPipeline:
         return removed
 
     def finish(self, request: Request) -> None:
-        """A request that sampled is done: its row is free from the lane's next turn on (either lane: the next
-        step may be begun before this step's tokens are sampled). With a step queued ahead (async scheduling),
-        its lane's next turn may be begun already: the request then re-entered group 0, which is rebuilt
-        without it (so no CPU job appends into its freed blocks)."""
+        """A request that sampled is done; its row is freed so that no CPU job appends into its freed blocks.
+        In the last group (two lanes: its jobs were collected) the row is just freed. With the next turn begun
+        before its token came back, it re-entered group 0 (no job yet), which is rebuilt without it. One lane with
+        a step queued ahead: it went on to group 1, into that step's job, so it is removed (`remove` drains the
+        job first)."""
         for lane in self.lanes:
-            last = lane[-1].requests
-            for row, r in enumerate(last):
-                if r is request:
-                    last[row] = None
+            for index, group in enumerate(lane):
+                row = next((row for row, r in enumerate(group.requests) if r is request), None)
+                if row is None:
+                    continue
+                if index == len(lane) - 1 and not self.layered:
+                    group.requests[row] = None
                     self.inside -= 1
-                    return
-        for lane in self.lanes:
-            first = lane[0].requests
-            for row, r in enumerate(first):
-                if r is request:
-                    first[row] = None
+                elif index == 0 and (self.begun or not self.layered):
+                    group.requests[row] = None
                     self.inside -= 1
-                    lane[0] = self._group(first)
-                    return
+                    lane[0] = self._group(group.requests)
+                else:
+                    self.remove([request.request_id])
+                return
         if request in self.joining:  # that turn sent it back to wait (a fallen row limit)
             self.joining.remove(request)
             return
-        raise ValueError(f"request {request.request_id} is not in a last or first group of the staggered pipeline")
+        raise ValueError(f"request {request.request_id} is not in the staggered pipeline")
 
     def close(self) -> None:
         """Stops the CPU jobs' worker (its running job finishes first)."""
@@ -538,10 +539,11 @@ class StaggerPipeline:
         return group
 
     def input_ids(self) -> List[int]:
-        """The token each row of the current lane's group 0 embeds (0 for a free row)."""
+        """The token each row of the current lane's group 0 embeds (0 for a free row, and for a token not yet on
+        the host: `pending_input_rows`)."""
         out = []
         for r in self.groups[0].requests:
-            if r is None:
+            if r is None or r.num_computed >= r.num_tokens:
                 out.append(0)
             else:
                 prompt = len(r.prompt_token_ids)

@@ -20,6 +20,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
+from apex_compile.ops.kv_layout import to_device
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, BlockTable, KVManager, KVPool
 from apex_compile.runtime.scheduler import ScheduledChunk
 
@@ -86,6 +87,29 @@ class PoolPart:
     # and query_start_loc [MIXED_CHUNKS + 1] holds the chunks' rows relative to `start`.
     chunk_tables: Optional[torch.Tensor] = None
     chunk_context_lens: Optional[torch.Tensor] = None
+
+
+@dataclasses.dataclass
+class DeviceIds:
+    """Input ids already on the device (a step queued before the host has them): step row rows[i] takes
+    tokens[sources[i]]."""
+
+    tokens: torch.Tensor
+    rows: List[int]
+    sources: List[int]
+
+    def runs(self) -> List[Tuple[int, int, int]]:
+        """(first row, first source, length) of each run where both rows and sources are consecutive."""
+        runs: List[Tuple[int, int, int]] = []
+        for row, source in zip(self.rows, self.sources):
+            if runs and runs[-1][0] + runs[-1][2] == row and runs[-1][1] + runs[-1][2] == source:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((row, source, 1))
+        return runs
+
+
+MAX_ID_RUNS = 3  # DeviceIds of more runs are gathered in one indexed copy (their indices copied first)
 
 
 class _PoolRows:
@@ -310,17 +334,24 @@ class StepBuffers:
                         rows.dev_tables[:MIXED_CHUNKS], rows.dev_ctx[:MIXED_CHUNKS])
         return part, MIXED_CHUNKS + decode_rows  # the table rows written: the step copies up to there
 
-    def copy_to_device(self, device_ids: Optional[torch.Tensor] = None, first_row: int = 0) -> None:
+    def copy_to_device(self, device_ids: Optional[DeviceIds] = None) -> None:
         """The step's one host-to-device copy (the used prefix of the arena; no-op on a CPU-only run), then
-        `device_ids` (ids already on the device: a step queued before the host has them) into the input ids
-        from `first_row`, over the placeholders `fill` wrote there."""
+        `device_ids` (ids already on the device: a step queued before the host has them) into their rows of the
+        input ids, over the placeholders written there: a device copy per run of rows, or one indexed copy."""
         if self.dev_buf is not self.host_buf:
             n = self._copy_bytes
             self.dev_buf[:n].copy_(self.host_buf[:n], non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
-        if device_ids is not None:
-            self.dev_ids[first_row:first_row + device_ids.numel()].copy_(device_ids)
+        if device_ids is None or not device_ids.rows:
+            return
+        tokens, runs = device_ids.tokens, device_ids.runs()
+        if len(runs) <= MAX_ID_RUNS:
+            for row, source, n in runs:
+                self.dev_ids[row:row + n].copy_(tokens[source:source + n])
+            return
+        index = to_device([device_ids.rows, device_ids.sources], torch.int64, tokens.device)
+        self.dev_ids.index_copy_(0, index[0], tokens.index_select(0, index[1]).to(self.dev_ids.dtype))
 
     def inputs(self, num_rows: int, num_logits: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(input_ids [1, rows], position_ids [1, rows], logits_indices [num_logits]): views of the buffers,

@@ -122,3 +122,129 @@ def test_admits_nothing_is_true_only_where_the_next_step_admits_nothing():
     sched.schedule()
     sched.add(Request(3, [1, 2], SamplingParams(max_new_tokens=4)))
     assert len(sched.running) == 2 and sched.admits_nothing()  # max_num_seqs reached
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_staggered_steps_run_ahead_give_the_synchronous_tokens(lanes, monkeypatch):
+    """With the staggered block, a step queued ahead takes on the device both its device rows' ids and (one lane)
+    the block's group-0 ids that the step before samples; requests that stop by EOS meanwhile leave the
+    pipeline without losing a token or a block."""
+    from apex_compile.runtime.stagger import StaggerPipeline
+    from tests.runtime.test_runtime_stagger import sharp_model, staggered
+
+    torch.manual_seed(31)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4, 8, 6, 10, 11)]
+    lengths = [14, 9, 16, 11, 15, 8, 13, 16, 10, 12]
+    pending, removed = [], []
+    real_pending, real_remove = StaggerPipeline.pending_input_rows, StaggerPipeline.remove
+    monkeypatch.setattr(StaggerPipeline, "pending_input_rows",
+                        lambda self: pending.append(real_pending(self)) or pending[-1])
+    monkeypatch.setattr(StaggerPipeline, "remove",
+                        lambda self, ids: removed.append(list(ids)) or real_remove(self, ids))
+
+    def generate(async_scheduling, eos=()):
+        apex = staggered(model, width=2, lanes=lanes, device_blocks=6, async_scheduling=async_scheduling)
+        sampling = [SamplingParams(max_new_tokens=n, eos_token_ids=eos) for n in lengths]
+        done = apex.engine.generate(prompts, sampling)
+        assert apex.engine.blocks_in_use() == {"device": 0, "host": 0} and not apex.engine.stagger.members()
+        return [(c.token_ids, c.finish_reason, c.steps_per_pool) for c in done], apex.engine.stats
+
+    plain, _ = generate(False)
+    eos = (collections.Counter(t for ids, _, _ in plain for t in ids).most_common(3)[2][0],)
+    expected, sync_stats = generate(False, eos)
+    pending.clear()
+    removed.clear()
+    got, stats = generate(True, eos)
+    assert got == expected
+    assert sync_stats.ahead_steps == 0 and stats.ahead_steps > 0
+    assert "eos" in [reason for _, reason, _ in got] and sum(1 for _, _, s in got if s["host"]) >= 3
+    if lanes == 1:  # ids sampled by the step before, taken on the device; some stopped in a later group
+        assert any(pending) and removed
+    else:
+        assert not any(pending)
+
+
+def test_a_parked_request_admits_nothing_until_the_device_pool_can_take_it_back():
+    """A parked request resumes before anything waiting starts: while its blocks and next token do not fit in the
+    device pool the next step starts nothing (it may be queued ahead), and once they fit it resumes."""
+    from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, CacheShape, KVManager
+    from apex_compile.runtime.request import RequestStatus
+
+    shape = CacheShape(num_layers=1, num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32)
+    kv = KVManager(shape, 4, 8, torch.device("cpu"))
+    sched = Scheduler(ApexConfig(offload="never", preemption="swap", max_num_seqs=4, max_num_batched_tokens=64), kv)
+    running = Request(0, list(range(1, 41)), SamplingParams(max_new_tokens=4))
+    running.num_computed, running.status = 40, RequestStatus.RUNNING
+    kv.grow(running.request_id, DEVICE_POOL, 41)  # 3 of the 4 device blocks
+    sched.running.append(running)
+    parked = Request(1, list(range(1, 33)), SamplingParams(max_new_tokens=4))
+    parked.output_token_ids, parked.num_computed, parked.status = [7], 32, RequestStatus.PARKED
+    kv.grow(parked.request_id, HOST_POOL, 32)  # 2 blocks, and a third for its next token
+    sched.parked.append(parked)
+    sched.add(Request(2, [1, 2], SamplingParams(max_new_tokens=4)))  # would fit, but waits behind the parked one
+    assert sched.admits_nothing()
+    out = sched.schedule()
+    assert not out.resumed and [c.request for c in out.chunks] == [running] and len(sched.waiting) == 1
+    sched.finish(running, "length")
+    assert not sched.admits_nothing()
+    assert sched.schedule().resumed == [parked] and kv.pool_of(parked.request_id) == DEVICE_POOL
+
+
+def test_with_the_staggered_plan_a_parked_request_keeps_the_device_pool_not_the_pipeline():
+    """While a parked request waits for the device pool, waiting requests may start in the staggered pipeline's
+    host pool (never in the device pool ahead of it): the next step admits one while the pipeline has a row."""
+    import types
+
+    from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, CacheShape, KVManager
+    from apex_compile.runtime.request import RequestStatus
+
+    shape = CacheShape(num_layers=1, num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32)
+    kv = KVManager(shape, 4, 16, torch.device("cpu"))
+    pipeline = types.SimpleNamespace(num_members=0, capacity=2)
+    sched = Scheduler(ApexConfig(offload="staggered", preemption="swap", max_num_seqs=8,
+                                 max_num_batched_tokens=64), kv, stagger=pipeline)
+    running = Request(0, list(range(1, 41)), SamplingParams(max_new_tokens=4))
+    running.num_computed, running.status = 40, RequestStatus.RUNNING
+    kv.grow(running.request_id, DEVICE_POOL, 41)  # 3 of the 4 device blocks: one free
+    sched.running.append(running)
+    parked = Request(1, list(range(1, 33)), SamplingParams(max_new_tokens=4))
+    parked.output_token_ids, parked.num_computed, parked.status = [7], 32, RequestStatus.PARKED
+    kv.grow(parked.request_id, HOST_POOL, 32)
+    sched.parked.append(parked)
+    short = Request(2, [1, 2], SamplingParams(max_new_tokens=4))  # one block: would fit in the device pool
+    sched.add(short)
+    assert not sched.admits_nothing()
+    out = sched.schedule()
+    assert not out.resumed and kv.pool_of(short.request_id) == HOST_POOL and sched.parked[0] is parked
+    assert kv.num_free(DEVICE_POOL) == 1  # kept for the parked request
+    sched.add(Request(3, [3, 4], SamplingParams(max_new_tokens=4)))
+    pipeline.num_members = 1  # with `short` prefilling, the pipeline is full
+    assert sched.admits_nothing()
+    assert [c.request for c in sched.schedule().chunks] == [running, short]
+
+
+def test_the_pipeline_leaves_the_host_pool_room_to_park_the_device_pools_requests():
+    """A request starts in the staggered pipeline only while the host pool keeps room to park the device pool's
+    blocks (else full pools would recompute evicted requests from their prompts): the next step admits nothing."""
+    import types
+
+    from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, CacheShape, KVManager
+    from apex_compile.runtime.request import RequestStatus
+
+    shape = CacheShape(num_layers=1, num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32)
+    kv = KVManager(shape, 4, 12, torch.device("cpu"))
+    sched = Scheduler(ApexConfig(offload="staggered", preemption="swap", max_num_seqs=8, max_num_batched_tokens=64),
+                      kv, stagger=types.SimpleNamespace(num_members=0, capacity=8))
+    running = Request(0, list(range(1, 64)), SamplingParams(max_new_tokens=1))
+    running.num_computed, running.status = 63, RequestStatus.RUNNING
+    kv.grow(running.request_id, DEVICE_POOL, 64)  # the whole device pool
+    sched.running.append(running)
+    member = Request(1, list(range(1, 50)), SamplingParams(max_new_tokens=30))
+    kv.grow(member.request_id, HOST_POOL, 79)  # a pipeline member's 5 blocks: 7 host blocks free
+    sched.add(Request(2, [1, 2, 3], SamplingParams(max_new_tokens=40)))  # 3 blocks, + 4 kept to park: fits
+    sched.add(Request(3, [1, 2, 3], SamplingParams(max_new_tokens=40)))  # 3 more: would leave 1 of the 4 kept
+    assert not sched.admits_nothing()
+    out = sched.schedule()
+    assert [c.request.request_id for c in out.chunks] == [0, 2] and kv.num_free(HOST_POOL) == 4
+    assert sched.admits_nothing() and [c.request.request_id for c in sched.schedule().chunks] == [0, 2]

@@ -84,3 +84,29 @@ def test_a_turn_begun_but_never_run_is_not_waited_for():
     assert stagger._block_host[-2:].tolist() == [2, 3]
     stagger.executor.drain()
     assert stagger.executor.done.tolist() == [2] * len(stagger.executor.done)
+
+
+def test_steps_queued_ahead_with_layered_jobs_give_the_synchronous_tokens():
+    """Async scheduling with one lane: a step queued before the previous step's tokens reach the host takes the
+    block's re-entering ids on the device, and a request that stops by EOS while its next turn's job runs is
+    removed after that job (tokens and finish reasons equal the synchronous engine's, every block returned)."""
+    import collections
+
+    torch.manual_seed(25)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4, 8, 6, 10)]
+    lengths = [12, 8, 14, 10, 13, 9, 12, 14, 11]
+
+    def generate(async_scheduling, eos=()):
+        apex = staggered(model, width=2, lanes=1, device_blocks=6, async_scheduling=async_scheduling)
+        sampling = [SamplingParams(max_new_tokens=n, eos_token_ids=eos) for n in lengths]
+        done = apex.engine.generate(prompts, sampling)
+        assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+        assert int(apex.engine.stagger.executor.status[0]) == 0
+        return [(c.token_ids, c.finish_reason) for c in done], apex.engine.stats
+
+    plain, _ = generate(False)
+    eos = (collections.Counter(t for ids, _ in plain for t in ids).most_common(3)[2][0],)
+    expected, _ = generate(False, eos)
+    got, stats = generate(True, eos)
+    assert got == expected and stats.ahead_steps > 0 and "eos" in [reason for _, reason in got]

@@ -168,3 +168,22 @@ def test_tail_padding_rows_of_a_piecewise_step_belong_to_no_pool():
     assert ids[0, 26:].tolist() == [0] * 6 and positions[0, 26:].tolist() == [0] * 6
     unpadded, _ = buffers.fill(chunks, [0, 1])
     assert [p.slot_mapping.tolist() for p in unpadded] == [p.slot_mapping.tolist() for p in parts]
+
+
+def test_ids_already_on_the_device_fill_their_rows_by_runs_or_one_indexed_copy():
+    """A step queued ahead: the sampled ids land in their rows over the host's placeholders (rows and sources in
+    runs: a copy per run; scattered: one indexed copy), the other rows keep what the host wrote."""
+    from apex_compile.runtime.step_buffers import MAX_ID_RUNS, DeviceIds
+
+    _, buffers = setup()
+    tokens = torch.tensor([70, 71, 72, 73, 74, 75])
+    cases = [([0, 1, 4, 5, 6], [0, 1, 2, 3, 4]),  # two runs
+             ([0, 2, 4, 6, 8, 10], [5, 4, 3, 2, 1, 0])]  # six runs
+    assert len(DeviceIds(tokens, *cases[0]).runs()) == 2 <= MAX_ID_RUNS < len(DeviceIds(tokens, *cases[1]).runs())
+    for rows, sources in cases:
+        buffers.ids[:12] = range(1, 13)
+        buffers.copy_to_device(DeviceIds(tokens, rows, sources))
+        expected = list(range(1, 13))
+        for row, source in zip(rows, sources):
+            expected[row] = int(tokens[source])
+        assert buffers.dev_ids[:12].tolist() == expected
