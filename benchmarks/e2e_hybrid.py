@@ -88,7 +88,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
         if stagger is not None:  # the rows' limits after the step: which of them binds, and when
             r = stagger.rows
             limits.append({"measured": r.measured, "guard": r.guard, "ceiling": r.ceiling, "limit": r.limit,
-                           "step_s": r.step or 0.0})
+                           "step_s": r.step or 0.0, "members": stagger.num_members})
         events.append({k: v - counts[k] for k, v in _event_counts(engine).items() if v != counts[k]})
         host = sum(1 for r in sampled if r.steps_per_pool[HOST_POOL])
         return (len(running) - on_host, on_host + staggered, context, seconds, prefill_tokens), host
@@ -143,6 +143,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
             "steps": steps, "prefill": prefill,
             "row_limits": {k: (statistics.median(x[k] for x in window_limits), min(x[k] for x in window_limits),
                                max(x[k] for x in window_limits)) for k in window_limits[0]} if window_limits else None,
+            "row_limit_steps": window_limits,  # per window step (runs of a zero ceiling show here, not in the median)
             "probe": probed, "slow_decode_steps": slow,
             "decode_phase_s": {k: statistics.median(p[k] for p in decode_phases)
                                for k in decode_phases[0]} if decode_phases else None,

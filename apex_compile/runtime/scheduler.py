@@ -366,8 +366,8 @@ class Scheduler:
         """The staggered plan: the device pool when it has room and no parked request waits for it, else the
         host pool while the pipeline has a row for the request, with blocks for its whole length (a pipeline
         request never waits for a block)."""
-        if not self.parked and DEVICE_POOL in fitting and self.kv.grow(request.request_id, DEVICE_POOL,
-                                                   request.num_computed + device_tokens):
+        if not self.parked and DEVICE_POOL in fitting and self.kv.grow(
+                request.request_id, DEVICE_POOL, request.num_computed + device_tokens):
             return DEVICE_POOL
         if HOST_POOL not in fitting or self._splits_host_prompt(request, num_tokens):
             return None

@@ -126,8 +126,8 @@ def test_host_contention_times_each_kind_of_work_under_each_worker_load(tmp_path
 
 def test_a_staggered_window_records_which_row_limit_binds():
     """With the staggered plan the window keeps its RowLimit after every step (the job fit with the guard, the
-    guard, the model's ceiling, the limit, the step average) as (median, min, max): the next GPU run names
-    whichever holds the rows below the job fit."""
+    guard, the model's ceiling, the limit, the step average, the pipeline's members) as (median, min, max) and
+    per step: the next GPU run names whichever holds the rows below the job fit, and how long it held."""
     from apex_compile import ApexConfig, SamplingParams, optimize
 
     block_bytes = 2 * 2 * 2 * 16 * 16 * 4  # tiny_model: 2 layers, 2 KV heads x 16 dims, fp32, 16-token blocks
@@ -138,12 +138,15 @@ def test_a_staggered_window_records_which_row_limit_binds():
     run = e2e_hybrid.steady_state(engine, prompts, SamplingParams(max_new_tokens=4), warm_steps=3, window_steps=5,
                                   fill_steps=20)
     limits = run["row_limits"]
-    assert set(limits) == {"measured", "guard", "ceiling", "limit", "step_s"}
+    assert set(limits) == {"measured", "guard", "ceiling", "limit", "step_s", "members"}
     assert all(low <= median <= high for median, low, high in limits.values())
     assert limits["limit"][2] <= 2 and limits["guard"][0] == 2  # a fixed pipeline keeps its width
+    per_step = run["row_limit_steps"]  # and every step's, in order
+    assert len(per_step) == 5 and [s["limit"] for s in per_step].count(limits["limit"][2]) >= 1
+    assert 0 < limits["members"][2] <= engine.stagger.capacity
     never = optimize(model, ApexConfig(offload="never", compile=False, max_num_seqs=4)).engine
-    assert e2e_hybrid.steady_state(never, prompts, SamplingParams(max_new_tokens=3), warm_steps=1,
-                                   window_steps=2)["row_limits"] is None
+    idle = e2e_hybrid.steady_state(never, prompts, SamplingParams(max_new_tokens=3), warm_steps=1, window_steps=2)
+    assert idle["row_limits"] is None and idle["row_limit_steps"] == []
 
 
 def test_the_staggered_bound_is_the_tighter_of_host_pool_and_cpu_less_the_prefill():
