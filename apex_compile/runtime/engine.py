@@ -325,9 +325,10 @@ class Engine:
     def _update_stagger_ceiling(self) -> None:
         """offload="auto" with the staggered plan, before a step: the host rows per step that the (calibrated)
         model predicts best beside the running device-pool requests, among the rows the measured CPU job fits;
-        0 when none beats GPU-only, so that no request enters the pipeline (those inside finish): a plan whose
-        job fits fewer rows than its overhead needs to pay stops taking requests. Recomputed when the
-        composition or the measured rows change."""
+        0 when none beats GPU-only, so that no request enters the pipeline (those inside leave it as they
+        sample, parked to resume in the device pool: `_park_idle_pipeline`): a plan whose job fits fewer rows
+        than its overhead needs to pay stops taking requests. Recomputed when the composition or the measured
+        rows change."""
         running = self.scheduler.running
         if not running:
             return
@@ -340,6 +341,22 @@ class Engine:
             return
         self._ceiling_key = key
         stagger.rows.set_ceiling(self.auto_policy.stagger_rows(len(device), context, fits))
+
+    def _park_idle_pipeline(self) -> None:
+        """A staggered pipeline whose ceiling is 0 (offload="auto": host rows no longer pay) empties as its
+        requests sample (`_row_limit`); once none is inside, those waiting to rejoin are parked (with their host
+        KV) so that they resume in the device pool, rather than keeping every step staggered for a row each.
+        Only requests whose last token the host has (a step queued ahead may still be sampling the others')."""
+        stagger = self.stagger
+        if stagger.rows.ceiling or stagger.inside or not stagger.joining:
+            return
+        ready = [r.request_id for r in stagger.joining if r.num_computed < r.num_tokens]
+        if not ready:
+            return
+        stagger.executor.drain()  # nothing may still read their blocks as they shrink (no job holds them now)
+        self.runner.exports.wait()  # and a prompt's K/V is in the host cache before a resume moves it
+        for request in stagger.remove(ready):
+            self.scheduler.park_from_pipeline(request)
 
     def _auto_host_policy(self) -> Optional[AutoOffload]:
         """The auto policy if its model predicts that host requests pay for some typical load, else None (then
@@ -762,8 +779,10 @@ class Engine:
             self._last_tick = None
 
     def _step(self) -> List[Request]:
-        if self.stagger is not None and self.config.offload == "auto":
-            self._update_stagger_ceiling()
+        if self.stagger is not None:
+            if self.config.offload == "auto":
+                self._update_stagger_ceiling()
+            self._park_idle_pipeline()
         launched, self._ahead = self._ahead, None
         chunks = None
         if launched is None:

@@ -252,6 +252,15 @@ class KVManager:
         if table is not None:
             self.pools[table.pool].allocator.free(table.block_ids)
 
+    def shrink(self, request_id: int, num_tokens: int) -> None:
+        """Returns the request's blocks beyond those covering `num_tokens` tokens (a new table: rows written from
+        the old one are rewritten, not extended)."""
+        table = self.tables[request_id]
+        keep = self.blocks_for(num_tokens)
+        if keep < len(table.block_ids):
+            self.pools[table.pool].allocator.free(table.block_ids[keep:])
+            self.tables[request_id] = BlockTable(table.pool, table.block_ids[:keep])
+
     def can_move(self, request_id: int, dst_pool: int) -> bool:
         """Whether the destination pool has room for all the request's blocks."""
         table = self.tables[request_id]

@@ -182,6 +182,14 @@ class Scheduler:
         self.running.remove(request)
         self.stagger.join(request)
 
+    def park_from_pipeline(self, request: Request) -> None:
+        """A request the staggered pipeline let go (auto's model stopped its host rows): parked with its host KV
+        (the blocks past its computed tokens returned), it resumes in the device pool like a swapped-out one."""
+        self.kv.shrink(request.request_id, request.num_computed)
+        request.status = RequestStatus.PARKED
+        request.num_preemptions += 1
+        self.parked.append(request)
+
     def finish_staggered(self, request: Request, reason: str) -> None:
         """Marks a pipeline request finished and returns its blocks."""
         request.status = RequestStatus.FINISHED

@@ -456,8 +456,10 @@ class StaggerPipeline:
             self._last_begin = now
             lens = [g.context_lens for g in lane if g.size]
             rows.update(float(np.concatenate(lens).mean()) if lens else 0.0)
-        # admitted requests (inside, or waiting to join) keep at least one row, so they all finish
-        return max(rows.limit, 1) if self.joining or self.inside else rows.limit
+        # admitted requests (inside, or waiting to join) keep at least one row, so they all finish; unless the
+        # model's ceiling is 0 (auto: host rows no longer pay): then the pipeline empties as its requests sample,
+        # and the engine parks them (`Engine._park_idle_pipeline`)
+        return max(rows.limit, 1) if (self.joining or self.inside) and rows.ceiling else rows.limit
 
     def forward_queued(self) -> None:
         """After every forward the engine queues: the CPU job launched after the step before starts now, not

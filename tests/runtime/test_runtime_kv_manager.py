@@ -129,3 +129,16 @@ def test_a_host_pool_collected_without_close_is_unregistered_by_the_next_one():
     again = KVManager(shape, 2, 9, torch.device("cuda"))
     assert not kv_manager._UNRELEASED
     again.close()
+
+
+def test_shrink_returns_the_blocks_past_the_tokens_kept_in_a_new_table():
+    kv = make_manager(host_blocks=5)
+    assert kv.grow(0, HOST_POOL, 70)  # 5 blocks
+    before = kv.tables[0]
+    kv.shrink(0, 33)  # 3 blocks cover 33 tokens
+    assert kv.tables[0].block_ids == before.block_ids[:3] and kv.tables[0] is not before
+    assert kv.num_free(HOST_POOL) == 2 and kv.tables[0].pool == HOST_POOL
+    kv.shrink(0, 40)  # already within: nothing changes
+    assert kv.num_free(HOST_POOL) == 2 and len(kv.tables[0].block_ids) == 3
+    kv.free(0)
+    assert kv.num_free(HOST_POOL) == 5

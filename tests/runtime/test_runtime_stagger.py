@@ -399,10 +399,13 @@ def test_rows_are_taken_away_while_the_gpu_waits_for_the_cpu_job():
     assert rows.update(576) == 6  # a row comes back to try again
 
 
-def test_a_ceiling_of_zero_admits_nothing_and_lets_admitted_requests_finish():
+def test_a_ceiling_of_zero_admits_nothing_and_parks_the_pipelines_requests(monkeypatch):
     """offload="auto"'s model may set the rows to 0 (no gain beside the running device requests): the
-    pipeline's capacity is 0, so nothing more enters the host pool, and requests admitted before still run
-    through it; either way the tokens are HF's."""
+    pipeline's capacity is 0, so nothing more enters the host pool, and requests admitted before leave it as
+    they sample, parked with their host KV, to resume in the device pool; either way the tokens are HF's."""
+    from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL
+    from apex_compile.runtime.scheduler import Scheduler
+
     from apex_compile.runtime.stagger import RowLimit
 
     rows = RowLimit(width=8, num_layers=32, adaptive=True)
@@ -422,6 +425,9 @@ def test_a_ceiling_of_zero_admits_nothing_and_lets_admitted_requests_finish():
     done = apex.engine.generate(prompts, SamplingParams(max_new_tokens=8))
     assert [c.token_ids for c in done] == reference
     assert apex.engine.stats.requests_per_pool[1] == 0  # nothing decoded from the host pool
+    parked = []
+    park = Scheduler.park_from_pipeline
+    monkeypatch.setattr(Scheduler, "park_from_pipeline", lambda self, r: parked.append(r) or park(self, r))
     apex = staggered(model, width=3)
     stagger = apex.engine.stagger
     stagger.rows.set_ceiling(1)  # one row per turn: admitted requests queue to join
@@ -432,14 +438,15 @@ def test_a_ceiling_of_zero_admits_nothing_and_lets_admitted_requests_finish():
             stagger.rows.set_ceiling(0)
             cut = True
     assert cut and tokens == reference
-    assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+    assert parked and all(r.steps_per_pool[HOST_POOL] and r.steps_per_pool[DEVICE_POOL] for r in parked)
+    assert not stagger.members() and apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 
 def test_a_fallen_row_limit_sends_requests_beyond_it_back_to_wait():
-    """When the limit falls below the rows in use (the CPU job fell behind, or the model's ceiling dropped), the
-    requests beyond it leave the pipeline at their next turn and wait first in line to rejoin (their blocks
-    kept), so the CPU job shrinks at once instead of after their whole generation; at least one row goes on,
-    so every request finishes, with HF's tokens."""
+    """When the limit falls below the rows in use (the CPU job fell behind, or the model's ceiling dropped to 1),
+    the requests beyond it leave the pipeline at their next turn and wait first in line to rejoin (their blocks
+    kept), so the CPU job shrinks at once instead of after their whole generation; one row goes on, so every
+    request finishes, with HF's tokens (a ceiling of 0 empties the pipeline: the test above)."""
     torch.manual_seed(9)
     model = sharp_model()
     prompts = [torch.randint(3, 96, (n,)).tolist() for n in (6, 11, 4, 9, 13, 5, 7, 8, 10)]
@@ -451,7 +458,7 @@ def test_a_fallen_row_limit_sends_requests_beyond_it_back_to_wait():
         tokens[event.index].append(event.token_id)
         in_use = max(sum(r is not None for r in g.requests) for lane in stagger.lanes for g in lane)
         if cut is None and in_use >= 2:
-            stagger.rows.set_ceiling(0)
+            stagger.rows.set_ceiling(1)
             cut = stagger.steps
         elif cut is not None and stagger.steps > cut + 2 * (LAYERS + 1):  # every group of both lanes had its turn
             most_after = max(most_after, in_use)

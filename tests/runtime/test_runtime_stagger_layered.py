@@ -110,3 +110,29 @@ def test_steps_queued_ahead_with_layered_jobs_give_the_synchronous_tokens():
     expected, _ = generate(False, eos)
     got, stats = generate(True, eos)
     assert got == expected and stats.ahead_steps > 0 and "eos" in [reason for _, reason in got]
+
+
+def test_a_ceiling_of_zero_parks_the_one_lane_pipeline_with_steps_queued_ahead(monkeypatch):
+    """The model's ceiling falls to 0 while one lane's steps run ahead: the pipeline empties as its requests
+    sample, they are parked once their token is on the host and resume in the device pool; tokens are HF's."""
+    from apex_compile.runtime.scheduler import Scheduler
+
+    parked = []
+    park = Scheduler.park_from_pipeline
+    monkeypatch.setattr(Scheduler, "park_from_pipeline", lambda self, r: parked.append(r) or park(self, r))
+    torch.manual_seed(26)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4, 8)]
+    reference = hf_tokens(model, prompts, 10)
+    apex = staggered(model, width=2, lanes=1, async_scheduling=True)
+    stagger = apex.engine.stagger
+    tokens, cut = [[] for _ in prompts], False
+    for event in apex.engine.stream(prompts, SamplingParams(max_new_tokens=10)):
+        tokens[event.index].append(event.token_id)
+        if not cut and stagger.inside >= 2 and apex.engine.stats.ahead_steps:
+            stagger.rows.set_ceiling(0)
+            cut = True
+    assert cut and tokens == reference
+    assert len(parked) >= 2 and all(r.num_tokens == len(r.prompt_token_ids) + 10 for r in parked)
+    assert not stagger.members()
+    assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
