@@ -39,6 +39,9 @@ from apex_compile.runtime.perf_profile import engine_profile  # noqa: E402
 GiB = 1 << 30
 
 
+FILL_SAMPLE = 20  # steps between two records of the rows' limits before the window (fill_limit_steps)
+
+
 def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps=0, probe=None, start_step=0):
     """Tokens/s over `window_steps` steps after `warm_steps`, the engine topped up from `prompts` (cycled) so
     requests always wait; with the staggered plan first up to `fill_steps` steps until its pipeline is full
@@ -88,7 +91,8 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
         if stagger is not None:  # the rows' limits after the step: which of them binds, and when
             r = stagger.rows
             limits.append({"measured": r.measured, "guard": r.guard, "ceiling": r.ceiling, "limit": r.limit,
-                           "step_s": r.step or 0.0, "members": stagger.num_members})
+                           "step_s": r.step or 0.0, "members": stagger.num_members, "capacity": stagger.capacity,
+                           "parked": len(engine.scheduler.parked), "prefill": prefill_tokens})
         events.append({k: v - counts[k] for k, v in _event_counts(engine).items() if v != counts[k]})
         host = sum(1 for r in sampled if r.steps_per_pool[HOST_POOL])
         return (len(running) - on_host, on_host + staggered, context, seconds, prefill_tokens), host
@@ -144,6 +148,8 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
             "row_limits": {k: (statistics.median(x[k] for x in window_limits), min(x[k] for x in window_limits),
                                max(x[k] for x in window_limits)) for k in window_limits[0]} if window_limits else None,
             "row_limit_steps": window_limits,  # per window step (runs of a zero ceiling show here, not in the median)
+            # every FILL_SAMPLE-th step before the window (fill, warm-up): how the rows and members ramped
+            "fill_limit_steps": [dict(x, step=i) for i, x in enumerate(limits[:window_start]) if i % FILL_SAMPLE == 0],
             "probe": probed, "slow_decode_steps": slow,
             "decode_phase_s": {k: statistics.median(p[k] for p in decode_phases)
                                for k in decode_phases[0]} if decode_phases else None,

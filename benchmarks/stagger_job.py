@@ -3,7 +3,10 @@ lane turn) on a Llama-3-8B-shaped host pool, at 1..8 rows of every layer, on a w
 engine pins it, called three ways:
   hot   back to back, its ready flags already raised;
   gap   the same after a 4 ms sleep on the worker (its OpenMP team idles as it does between two turns);
-  flag  as the engine calls it: the job waits in C++ for a flag another thread raises 4 ms after submission.
+  flag  as the engine calls it: the job waits in C++ for a flag another thread raises 4 ms after submission;
+  layer the one-lane plan's layered job (`apex::stagger_layer_job`): the main thread raises layer l's ready flag
+        l x --layer-us after submission (busy-waiting, as the launching thread keeps one core busy), the job
+        appends and attends each layer once its flag is up (its waits are not in its running time).
 Each prints the running time's parts (append, attention) and a least-squares fit of fixed + per-row seconds,
 beside the K+V bytes read per row and the bandwidth that implies. (Session 21's "before" results also have
 the gathers and the output scatter the job then did: `stagger_job_*_s21_before_*`.)
@@ -46,6 +49,9 @@ def main():
     parser.add_argument("--threads", type=int, default=None, help="worker threads (default: the engine's)")
     parser.add_argument("--gap-ms", type=float, default=4.0)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--layer-us", type=float, default=170.0,
+                        help="'layer' mode: microseconds between two layers' ready flags (a GPU step / layers)")
+    parser.add_argument("--modes", default="hot,gap,flag,layer")
     parser.add_argument("--pinned", action="store_true",
                         help="a page-locked pool from torch's pinned allocator (default: plain memory with huge pages "
                              "advised, which the engine registers with CUDA: same CPU access)")
@@ -76,6 +82,7 @@ def main():
     print(f"{os.cpu_count()} CPUs, worker on {len(cores)} cores, {layers} layers x {hk} kv heads x {dim}, context "
           f"{args.context}, pool {blocks} blocks per layer, pinned={pin}", flush=True)
     results = []
+    modes = args.modes.split(",")
     for rows in [int(r) for r in args.rows.split(",")]:
         # the first `rows` block rows of every layer hold a request (as a lane's job picks them)
         picked = torch.tensor([layer * width + r for layer in range(layers) for r in range(rows)], dtype=torch.int64)
@@ -84,25 +91,38 @@ def main():
         lens = torch.full((len(picked),), args.context + 1, dtype=torch.int32)
         slots = row_tables[:, args.context // bs].long() * bs + args.context % bs
         kv_bytes = 2 * layers * rows * hk * dim * 2 * (args.context + 1)
-        for how in ("hot", "gap", "flag"):
+        for how in modes:
             samples = []
             for i in range(args.repeats + 2):
-                flags = torch.zeros(1, dtype=torch.int64)
+                flags = torch.zeros(layers if how == "layer" else 1, dtype=torch.int64)
+                done = torch.zeros(layers, dtype=torch.int64)
                 timings = torch.zeros(2 + len(PARTS), dtype=torch.float64)
-                if how != "flag":
+                if how in ("hot", "gap"):
                     flags[0] = 1
 
                 def job():
                     if how == "gap":
                         time.sleep(args.gap_ms / 1e3)
                     with torch.inference_mode():
-                        torch.ops.apex.stagger_cpu_job(staged, keys, values, cache_index, row_tables, lens, slots,
-                                                       picked, hq, dim ** -0.5, out, flags, [1], 60.0, timings)
+                        if how == "layer":
+                            torch.ops.apex.stagger_layer_job(staged, keys, values, cache_index, row_tables, lens,
+                                                             slots, picked, hq, dim ** -0.5, out, flags, done, 1,
+                                                             60.0, timings)
+                        else:
+                            torch.ops.apex.stagger_cpu_job(staged, keys, values, cache_index, row_tables, lens,
+                                                           slots, picked, hq, dim ** -0.5, out, flags, [1], 60.0,
+                                                           timings)
 
                 future = pool.submit(job)
                 if how == "flag":
                     timer = threading.Timer(args.gap_ms / 1e3, lambda: flags.fill_(1))
                     timer.start()
+                elif how == "layer":  # the GPU's cadence: layer l staged l x layer_us after the submission
+                    begin, view = time.perf_counter(), flags.numpy()
+                    for layer in range(layers):
+                        while time.perf_counter() - begin < layer * args.layer_us / 1e6:
+                            pass
+                        view[layer] = 1
                 future.result()
                 if i >= 2:
                     samples.append(timings.tolist())
@@ -113,7 +133,7 @@ def main():
             results.append(row)
             print(f"rows {rows} {how:4}: {run * 1e3:6.3f} ms ({kv_bytes / run / 1e9:5.1f} GB/s)  "
                   + "  ".join(f"{p} {v * 1e3:.3f}" for p, v in parts.items()), flush=True)
-    for how in ("hot", "gap", "flag"):
+    for how in modes:
         pts = [(r["rows"], r["run_s"]) for r in results if r["how"] == how]
         fixed, slope = fit([p[0] for p in pts], [p[1] for p in pts])
         att = fit([p[0] for p in pts], [r["parts_s"]["attention"] for r in results if r["how"] == how])

@@ -679,6 +679,8 @@ class Engine:
             parts, num_rows = self.buffers.fill(chunks, padded_rows, first_row=width, mixed_rows=mixed[0] - width)
         else:
             parts, num_rows = self._fill_staggered(chunks, padded_rows, pad_to=size, total_rows=key and key[0])
+        if any(not (c.num_tokens == 1 and c.start) for c in chunks):
+            stagger.note_prompt_step()
         self.buffers.ids[:width] = stagger.input_ids()  # (0 where the token is still on its way: device_ids)
         self.buffers.positions[:width] = stagger.groups[0].positions
         self.buffers.copy_to_device(device_ids)
@@ -783,6 +785,8 @@ class Engine:
             if self.config.offload == "auto":
                 self._update_stagger_ceiling()
             self._park_idle_pipeline()
+            if not self.stagger.num_members:
+                self.stagger.idle_step()
         launched, self._ahead = self._ahead, None
         chunks = None
         if launched is None:

@@ -56,6 +56,11 @@ REGROW_STEPS = 16  # steps without waiting for the CPU before a row taken away c
 # and the rows collapsed for good; a flat noisy fit read as a nearly free CPU whose fixed part took the step.
 # A CPU really slower than the profile's (another process) is caught by the waits (the guard).
 PRIOR_SPREAD = 1.5
+# Steps an empty pipeline waits before the guard comes back to the width (a probe: the rows follow the job fit
+# and auto's model again); the wait doubles after each probe, up to MAX_IDLE_HOLD. Without jobs nothing else
+# moves the limits, so one bad stretch (a fill's contention) would otherwise stop the host rows for good.
+IDLE_HOLD = 256
+MAX_IDLE_HOLD = 16384
 
 
 class RowLimit:
@@ -67,7 +72,10 @@ class RowLimit:
     limit). A guard against a fit that flatters the CPU (a slower host than the fit's jobs showed): each step in
     which the launching thread waits for the job more than WAIT_SHARE of the step, as it has on average lately,
     takes a row away; one comes back after REGROW_STEPS steps without such a wait. With the performance model's CPU
-    rate (`prior_rate`) the fit's rate is kept within PRIOR_SPREAD of it. A fixed pipeline keeps every row."""
+    rate (`prior_rate`) the fit's rate is kept within PRIOR_SPREAD of it. The step average takes decode steps only
+    (a step with prompt chunks, hundreds of them while a pipeline fills, would widen the budget of the decode
+    steps that follow). An empty pipeline probes again after `IDLE_HOLD` steps (`idle_step`). A fixed pipeline keeps
+    every row."""
 
     def __init__(self, width: int, num_layers: int, adaptive: bool, prior_rate: Optional[float] = None):
         """prior_rate: the profiled seconds per (layer, context token) of the CPU attention, or None."""
@@ -85,6 +93,10 @@ class RowLimit:
         self.guard = width  # rows allowed by the waits for the CPU job (the guard in the class docstring)
         self._calm_steps = 0  # steps since the last one that waited too long
         self._moments: Optional[List[float]] = None  # weighted sums of 1, work, seconds, work^2, work x seconds
+        self._context = 0.0  # the last mean context `update` saw (an empty pipeline keeps it)
+        self.idle_steps = 0  # steps with an empty pipeline since it emptied or last probed
+        self.idle_hold = IDLE_HOLD  # idle steps before the next probe (doubles after each)
+        self.probes = 0
 
     @staticmethod
     def _average(old: Optional[float], new: float) -> float:
@@ -113,10 +125,13 @@ class RowLimit:
             self.rate = min(max(self.rate, self.prior_rate / PRIOR_SPREAD), self.prior_rate * PRIOR_SPREAD)
         self.fixed = min(max(mean_y - self.rate * mean_x, 0.0), mean_y)
 
-    def observe_step(self, seconds: float, waited: float = 0.0) -> None:
-        """A step's seconds without the launching thread's wait for the CPU job, and that wait."""
+    def observe_step(self, seconds: float, waited: float = 0.0, decode: bool = True) -> None:
+        """A step's seconds without the launching thread's wait for the CPU job, and that wait; decode: False for
+        a step with prompt chunks (the wait still counts, its length does not)."""
+        self.idle_steps = 0
         if seconds > 0:
-            self.step = self._average(self.step, seconds)
+            if decode:
+                self.step = self._average(self.step, seconds)
             share = waited / (seconds + waited)
             self.wait_share = self._average(self.wait_share, share)
             if share > WAIT_SHARE and self.wait_share > WAIT_SHARE:  # this step waited, and it is no one-off
@@ -133,9 +148,27 @@ class RowLimit:
         self.ceiling = max(0, min(self.width, rows))
         self.limit = min(self.measured, self.ceiling)
 
+    def idle_step(self) -> None:
+        """A step with no request in the pipeline: after `idle_hold` of them the guard returns to the width and the
+        measured rows follow the job fit again (auto's model then decides whether rows pay); a guard already at
+        the width is no probe."""
+        if not self.adaptive or self.guard >= self.width:
+            return
+        self.idle_steps += 1
+        if self.idle_steps >= self.idle_hold:
+            self.idle_steps = 0
+            self.idle_hold = min(2 * self.idle_hold, MAX_IDLE_HOLD)
+            self.probes += 1
+            self.guard = self.measured = self.width  # (the fit, if there is one, decides in update)
+            self._calm_steps = 0
+            self.update(0.0)
+
     def update(self, mean_context: float) -> int:
-        """The limit for requests of `mean_context` tokens (the measured part unchanged until both averages
-        exist)."""
+        """The limit for requests of `mean_context` tokens (0: the last seen; the measured part unchanged until
+        both averages exist)."""
+        if mean_context > 0:
+            self._context = mean_context
+        mean_context = self._context
         if self.adaptive and self.rate is not None and self.step is not None and mean_context > 0:
             per_row = self.rate * self.num_layers * mean_context  # a full lane: each row at every layer once
             budget = JOB_SHARE * self.step - self.fixed
@@ -246,6 +279,9 @@ class StaggerPipeline:
         self.begun = False  # begin_step ran for a step whose end_step has not
         self.rows = RowLimit(width, self.num_layers, adaptive, prior_rate)
         self._last_begin: Optional[float] = None
+        # turns whose step time is not a decode step's: a step with prompt chunks was queued in them or in the turn
+        # before (with steps queued ahead, the launching thread's turn lags the GPU by up to a step)
+        self._prompt_turns = 0
         on_cuda = device.type == "cuda"
         layers = self.num_layers
 
@@ -308,6 +344,17 @@ class StaggerPipeline:
     def join(self, request: Request) -> None:
         """Queues a host-pool request whose prefill is done (its last token not yet computed)."""
         self.joining.append(request)
+
+    def note_prompt_step(self) -> None:
+        """The engine queued a step with prompt chunks: this turn's and the next's step times are no decode
+        step's (`RowLimit.observe_step`)."""
+        self._prompt_turns = 2
+
+    def idle_step(self) -> None:
+        """A step with no request in the pipeline: the next turn's step time starts afresh (not from the last
+        turn before the pause), and the row limit counts towards its probe (`RowLimit.idle_step`)."""
+        self._last_begin = None
+        self.rows.idle_step()
 
     def pending_input_rows(self) -> List[Tuple[int, Request]]:
         """(row, request) of the current turn's group-0 rows whose input token the host does not have yet (one
@@ -452,7 +499,8 @@ class StaggerPipeline:
             if self._last_begin is not None:
                 waits = getattr(self.executor, "collect_seconds", None)
                 waited = waits[-1] if waits else 0.0
-                rows.observe_step(now - self._last_begin - waited, waited)
+                rows.observe_step(now - self._last_begin - waited, waited, decode=not self._prompt_turns)
+            self._prompt_turns = max(self._prompt_turns - 1, 0)
             self._last_begin = now
             lens = [g.context_lens for g in lane if g.size]
             rows.update(float(np.concatenate(lens).mean()) if lens else 0.0)

@@ -138,12 +138,17 @@ def test_a_staggered_window_records_which_row_limit_binds():
     run = e2e_hybrid.steady_state(engine, prompts, SamplingParams(max_new_tokens=4), warm_steps=3, window_steps=5,
                                   fill_steps=20)
     limits = run["row_limits"]
-    assert set(limits) == {"measured", "guard", "ceiling", "limit", "step_s", "members"}
+    assert set(limits) == {"measured", "guard", "ceiling", "limit", "step_s", "members", "capacity", "parked",
+                           "prefill"}
     assert all(low <= median <= high for median, low, high in limits.values())
     assert limits["limit"][2] <= 2 and limits["guard"][0] == 2  # a fixed pipeline keeps its width
     per_step = run["row_limit_steps"]  # and every step's, in order
     assert len(per_step) == 5 and [s["limit"] for s in per_step].count(limits["limit"][2]) >= 1
     assert 0 < limits["members"][2] <= engine.stagger.capacity
+    ramp = run["fill_limit_steps"]  # every FILL_SAMPLE-th step before the window, numbered
+    assert [s["step"] for s in ramp] == list(range(0, run["window_start"], e2e_hybrid.FILL_SAMPLE))
+    assert ramp[0]["members"] <= ramp[-1]["members"] and all(
+        s["capacity"] == engine.stagger.num_lanes * (engine.stagger.num_layers + 1) * s["limit"] for s in ramp)
     never = optimize(model, ApexConfig(offload="never", compile=False, max_num_seqs=4)).engine
     idle = e2e_hybrid.steady_state(never, prompts, SamplingParams(max_new_tokens=3), warm_steps=1, window_steps=2)
     assert idle["row_limits"] is None and idle["row_limit_steps"] == []

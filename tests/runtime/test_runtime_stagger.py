@@ -399,6 +399,101 @@ def test_rows_are_taken_away_while_the_gpu_waits_for_the_cpu_job():
     assert rows.update(576) == 6  # a row comes back to try again
 
 
+def test_steps_with_prompt_chunks_do_not_widen_the_decode_steps_budget():
+    """A filling pipeline's steps carry prompts (tens of ms each): their length stays out of the step average,
+    so the rows admitted during the fill are those a decode step fits; their waits still count for the guard."""
+    from apex_compile.runtime.stagger import JOB_SHARE, RowLimit
+
+    rows = RowLimit(width=8, num_layers=32, adaptive=True)
+    rows.observe_job(3.8e-3, work=32 * 4 * 576)  # 0.95 ms a row
+    rows.observe_step(6.0e-3)
+    for _ in range(20):
+        rows.observe_step(60e-3, decode=False)
+    assert rows.step == pytest.approx(6.0e-3) and rows.update(576) == int(JOB_SHARE * 6.0 / 0.95) == 5
+    mixed = RowLimit(width=8, num_layers=32, adaptive=True)  # the old average: every step counted
+    mixed.observe_job(3.8e-3, work=32 * 4 * 576)
+    mixed.observe_step(6.0e-3)
+    for _ in range(20):
+        mixed.observe_step(60e-3)
+    assert mixed.update(576) == 8
+    for _ in range(3):  # prompt steps that waited for the job: the guard takes rows away all the same
+        rows.observe_step(60e-3, waited=10e-3, decode=False)
+    assert rows.guard < 8
+
+
+def test_an_empty_pipeline_probes_its_rows_again_after_a_hold():
+    """Rows that collapsed (the guard at 1, auto's ceiling then 0, the pipeline emptied) would never come back:
+    with no job, nothing updates the limits. After IDLE_HOLD steps without a member the guard returns to the
+    width and the measured rows follow the job fit at the last context seen (auto's model then decides); the
+    hold doubles after each probe, up to MAX_IDLE_HOLD; a guard already at the width is no probe."""
+    from apex_compile.runtime.stagger import IDLE_HOLD, JOB_SHARE, MAX_IDLE_HOLD, RowLimit
+
+    rows = RowLimit(width=8, num_layers=32, adaptive=True)
+    rows.observe_job(3.8e-3, work=32 * 4 * 576)  # 0.95 ms a row: 5 rows fit a 6 ms step
+    rows.observe_step(6.0e-3)
+    assert rows.update(576) == 5
+    for _ in range(8):  # the launching thread waits for the job: the guard falls to one row
+        rows.observe_step(6.0e-3, waited=3e-3)
+    assert rows.update(576) == 1 and rows.guard == 1
+    rows.set_ceiling(0)  # auto: one row does not pay
+    for _ in range(IDLE_HOLD - 1):
+        rows.idle_step()
+    assert rows.guard == 1 and rows.update(0) == 0 and rows.measured == 1
+    rows.idle_step()
+    assert rows.probes == 1 and rows.guard == 8 and rows.measured == int(JOB_SHARE * 6.0 / 0.95) == 5
+    assert rows.idle_hold == 2 * IDLE_HOLD and rows.limit == 0  # the ceiling is the model's to raise
+    rows.observe_step(6.0e-3, waited=3e-3)  # the probe's rows: the job still too slow
+    rows.observe_step(6.0e-3, waited=3e-3)
+    for _ in range(2 * IDLE_HOLD):
+        rows.idle_step()
+    assert rows.probes == 2 and rows.idle_hold == 4 * IDLE_HOLD
+    for _ in range(40):
+        rows.idle_hold = min(2 * rows.idle_hold, MAX_IDLE_HOLD)
+    assert rows.idle_hold == MAX_IDLE_HOLD
+    calm = RowLimit(width=8, num_layers=32, adaptive=True)
+    for _ in range(2 * IDLE_HOLD):
+        calm.idle_step()
+    assert calm.probes == 0 and calm.idle_hold == IDLE_HOLD
+
+
+def test_auto_refills_a_pipeline_its_ceiling_emptied_after_the_probe():
+    """offload="auto" end to end: rows collapsed to 1 (which does not pay), so the ceiling is 0, the pipeline
+    empties and its requests are parked; once it has been empty for the hold, the probe restores the guard, the
+    model (here: pays from 2 rows) raises the ceiling, and requests arriving later decode staggered again. Every
+    request gets HF's tokens."""
+    torch.manual_seed(12)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (6, 11, 4, 9, 13, 5, 7, 8, 10, 12, 6, 9, 5, 7)]
+    reference = hf_tokens(model, prompts, 24)
+    apex = staggered(model, width="auto")
+    engine, stagger = apex.engine, apex.engine.stagger
+
+    class Policy:
+        def stagger_rows(self, gpu_requests, context, width):
+            return width if width >= 2 else 0
+
+    engine.auto_policy = Policy()
+    engine.config.offload = "auto"  # the ceiling comes from the policy each step
+    stagger.rows.guard = stagger.rows.measured = 1  # collapsed
+    stagger.rows.idle_hold = 6
+    sampling = SamplingParams(max_new_tokens=24)
+    requests = [engine.add_request(p, sampling) for p in prompts[:8]]
+    seen = []
+    while engine.has_unfinished():
+        engine.step()
+        seen.append((stagger.rows.probes, stagger.rows.ceiling, stagger.active))
+        if stagger.rows.probes and len(requests) < len(prompts):  # later arrivals, after the probe
+            requests += [engine.add_request(p, sampling) for p in prompts[8:]]
+    # the ceiling at 0 emptied the pipeline before any probe; after the probe it is staggered again
+    assert any(ceiling == 0 and not active and not probes for probes, ceiling, active in seen)
+    after = [(ceiling, active) for probes, ceiling, active in seen if probes]
+    assert after and max(c for c, _ in after) >= 2 and any(a for _, a in after)
+    assert any(r.steps_per_pool[1] for r in requests[8:])  # the later arrivals decoded from the host pool
+    assert [r.output_token_ids for r in requests] == reference
+    assert engine.blocks_in_use() == {"device": 0, "host": 0}
+    apex.close()
+
+
 def test_a_ceiling_of_zero_admits_nothing_and_parks_the_pipelines_requests(monkeypatch):
     """offload="auto"'s model may set the rows to 0 (no gain beside the running device requests): the
     pipeline's capacity is 0, so nothing more enters the host pool, and requests admitted before leave it as
