@@ -74,7 +74,12 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     def one_step():
         top_up()
         running = list(engine.scheduler.running)
-        on_host = sum(1 for r in running if engine.kv.pool_of(r.request_id) == HOST_POOL)
+        # the requests whose token this step comes from the host pool (the pipeline's, or running there); not
+        # those that once ran there (a request parked out of the pipeline resumes in the device pool)
+        host_ids = {r.request_id for r in running if engine.kv.pool_of(r.request_id) == HOST_POOL}
+        on_host = len(host_ids)
+        if stagger is not None:
+            host_ids.update(r.request_id for r in stagger.members())
         # the block's rows holding a request (on average over its groups: each is one layer of the CPU job)
         staggered = (round(sum(g.size for g in stagger.groups) / len(stagger.groups))
                      if stagger is not None and stagger.active else 0)
@@ -94,7 +99,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
                            "step_s": r.step or 0.0, "members": stagger.num_members, "capacity": stagger.capacity,
                            "parked": len(engine.scheduler.parked), "prefill": prefill_tokens})
         events.append({k: v - counts[k] for k, v in _event_counts(engine).items() if v != counts[k]})
-        host = sum(1 for r in sampled if r.steps_per_pool[HOST_POOL])
+        host = sum(1 for r in sampled if r.request_id in host_ids)
         return (len(running) - on_host, on_host + staggered, context, seconds, prefill_tokens), host
 
     phases = []  # per step: the main thread's seconds per part of engine.step() (EngineStats.phase_seconds)
@@ -186,6 +191,12 @@ def slow_steps(steps, phases, events, factor=1.5):
             "excess_share": sum(t - median for t, _, _ in slow) / max(sum(s[3] for s in steps), 1e-12),
             "phase_s": {k: statistics.median(p[k] for _, p, _ in slow) for k in slow[0][1]} if slow else None,
             "event_rate": {k: (rate(slow, k), rate(rest, k)) for k in keys}}
+
+
+def without_host_tokens(runs) -> list:
+    """The modes other than never whose window decoded no token from the host pool (their tokens/s against
+    never's is then no host gain: an auto that stopped its host rows ran never's plan)."""
+    return [m for m, r in runs.items() if m != "never" and not r["host_tokens"]]
 
 
 def amortized(run, prompt_len, new_tokens):
@@ -470,7 +481,7 @@ def main():
                    "online_model_error": online_errors, "profile": dataclasses.asdict(perf.profile),
                    "staggered_bound": bound, "staggered_bound_1lane": bounds[1][1] if 1 in bounds else None,
                    "efficiency": efficiencies,
-                   "best_mode": best, "hf_offloaded": hf,
+                   "best_mode": best, "hf_offloaded": hf, "without_host_tokens": without_host_tokens(runs),
                    "best_efficiency": (runs[best]["tokens_per_s"] - never) / ideal if never else None,
                    "modes": {m: {k: v for k, v in r.items() if k != "steps"} for m, r in runs.items()},
                    "steps": {m: r["steps"] for m, r in runs.items()}}
@@ -490,6 +501,10 @@ def main():
             if efficiencies:
                 print("   efficiency per mode: " + ", ".join(f"{m} {e:.2f}" for m, e in efficiencies.items()),
                       flush=True)
+            if row["without_host_tokens"]:
+                print(f"   {', '.join(row['without_host_tokens'])}: no host token in the window, so the difference "
+                      "from never is the window's phase (e.g. parked requests resuming without a prefill) and "
+                      "noise, not a host gain", flush=True)
             for lanes, (pool_rows, b) in bounds.items():
                 print(f"   staggered plan's bound, {lanes} lane{'s' if lanes > 1 else ''} (computed from never's run): "
                       f"{b['rows']:.1f} rows (host pool {pool_rows}, CPU job in {stagger_module.JOB_SHARE:.0%} of a "

@@ -52,6 +52,9 @@ def main():
     parser.add_argument("--layer-us", type=float, default=170.0,
                         help="'layer' mode: microseconds between two layers' ready flags (a GPU step / layers)")
     parser.add_argument("--modes", default="hot,gap,flag,layer")
+    parser.add_argument("--split", default=None,
+                        help="items_per_thread,min_item_bytes,min_thread_bytes of the attention's work split (all "
+                             "calls; default: the op's): a layer's few rows split finer over the team")
     parser.add_argument("--pinned", action="store_true",
                         help="a page-locked pool from torch's pinned allocator (default: plain memory with huge pages "
                              "advised, which the engine registers with CUDA: same CPU access)")
@@ -77,10 +80,16 @@ def main():
     out = torch.zeros(layers, width, hq, dim, dtype=torch.bfloat16)
     if pin:
         staged, out = staged.pin_memory(), out.pin_memory()
+    if args.split:
+        split = [int(v) for v in args.split.split(",")]
+        if len(split) != 3:
+            sys.exit(f"--split takes three integers, got {args.split!r}")
+        torch.ops.apex.cpu_attention_work_split(*split)
+    split = torch.ops.apex.cpu_attention_work_split(0, 0, 0)  # (the values now in effect)
     cores = worker_cores(args.threads)
     pool = concurrent.futures.ThreadPoolExecutor(1, initializer=_pin_worker, initargs=(cores,))
     print(f"{os.cpu_count()} CPUs, worker on {len(cores)} cores, {layers} layers x {hk} kv heads x {dim}, context "
-          f"{args.context}, pool {blocks} blocks per layer, pinned={pin}", flush=True)
+          f"{args.context}, pool {blocks} blocks per layer, pinned={pin}, work split {list(split)}", flush=True)
     results = []
     modes = args.modes.split(",")
     for rows in [int(r) for r in args.rows.split(",")]:
@@ -145,6 +154,7 @@ def main():
         with open(args.out, "w") as f:
             json.dump({"benchmark": "stagger_job", "cpus": os.cpu_count(), "worker_cores": len(cores),
                        "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")},
+                       "work_split": list(split),
                        "args": vars(args), "rows": results}, f, indent=1)
 
 

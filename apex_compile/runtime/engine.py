@@ -35,6 +35,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 EAGER_ATTENTION_NAME = "apex_paged"
 _PROGRESS_MIN_TOKENS = 4096  # default progress bar only for runs generating at least this many tokens
 DEFAULT_STAGGER_WIDTH = 4  # offload="staggered" without a width
+# offload="auto": steps in a row the model must find host rows paying before a ceiling of 0 rises (an empty
+# pipeline's first requests are prefilled in the host pool, hundreds of ms for a few; a verdict that flickers at
+# the margin paid that and parked them again: Llama-2-7B at 2 GiB, 0.89x never)
+STAGGER_RISE_STEPS = 64
 AUTO_STAGGER_WIDTH = 8  # stagger_width="auto": the block's rows, of which the measured CPU job decides the used
 
 
@@ -260,6 +264,8 @@ class Engine:
         pin = bool(self.config.pin_launcher)  # off by default (ApexConfig.pin_launcher)
         self._launcher = LauncherPin(cores) if cores and self.device.type == "cuda" and pin else None
         self._ceiling_key = None  # (device rows, context bucket, calibration state) of the last auto ceiling
+        self._model_rows = 0  # the model's host rows at that key
+        self._rise_steps = 0  # steps in a row the model's rows were > 0 while the ceiling stayed 0
         self.scheduler = Scheduler(self.config, self.kv, self.max_model_len, self._auto_host_policy(), self.stagger)
         self.runner = PagedAttentionRunner(self.kv, self.device)
         self.runner.stagger = self.stagger
@@ -328,7 +334,8 @@ class Engine:
         0 when none beats GPU-only, so that no request enters the pipeline (those inside leave it as they
         sample, parked to resume in the device pool: `_park_idle_pipeline`): a plan whose job fits fewer rows
         than its overhead needs to pay stops taking requests. Recomputed when the composition or the measured
-        rows change."""
+        rows change; a ceiling of 0 rises only after the model has found rows paying STAGGER_RISE_STEPS steps in
+        a row."""
         running = self.scheduler.running
         if not running:
             return
@@ -337,10 +344,16 @@ class Engine:
         context = sum(r.num_tokens for r in running) / len(running)
         fits = min(stagger.width, stagger.rows.measured)
         key = (len(device), int(context) // 32, len(self.calibration.rows), self.calibration.stagger_width, fits)
-        if key == self._ceiling_key:
-            return
-        self._ceiling_key = key
-        stagger.rows.set_ceiling(self.auto_policy.stagger_rows(len(device), context, fits))
+        if key != self._ceiling_key:
+            self._ceiling_key = key
+            self._model_rows = self.auto_policy.stagger_rows(len(device), context, fits)
+        rows = self._model_rows
+        if rows and not stagger.rows.ceiling:  # rising from 0: only once the verdict has held STAGGER_RISE_STEPS
+            self._rise_steps += 1
+            if self._rise_steps < STAGGER_RISE_STEPS:
+                return
+        self._rise_steps = 0
+        stagger.rows.set_ceiling(rows)
 
     def _park_idle_pipeline(self) -> None:
         """A staggered pipeline whose ceiling is 0 (offload="auto": host rows no longer pay) empties as its
@@ -679,8 +692,6 @@ class Engine:
             parts, num_rows = self.buffers.fill(chunks, padded_rows, first_row=width, mixed_rows=mixed[0] - width)
         else:
             parts, num_rows = self._fill_staggered(chunks, padded_rows, pad_to=size, total_rows=key and key[0])
-        if any(not (c.num_tokens == 1 and c.start) for c in chunks):
-            stagger.note_prompt_step()
         self.buffers.ids[:width] = stagger.input_ids()  # (0 where the token is still on its way: device_ids)
         self.buffers.positions[:width] = stagger.groups[0].positions
         self.buffers.copy_to_device(device_ids)
@@ -722,6 +733,8 @@ class Engine:
         decode graph, a whole mixed graph (prompt chunks, every row in the device pool), piecewise graphs (host
         rows), or (without CUDA graphs) the compiled step itself. device_ids: input ids already on the device
         (a step queued before the host has them)."""
+        if self.stagger is not None and any(not (c.num_tokens == 1 and c.start) for c in chunks):
+            self.stagger.note_prompt_step()  # the row limit leaves this step out of its decode-step measures
         if self.stagger is not None and self.stagger.active:
             return self._forward_staggered(chunks, logit_rows, device_ids)
         size = self._graph_size(chunks)

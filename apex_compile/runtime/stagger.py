@@ -127,11 +127,12 @@ class RowLimit:
 
     def observe_step(self, seconds: float, waited: float = 0.0, decode: bool = True) -> None:
         """A step's seconds without the launching thread's wait for the CPU job, and that wait; decode: False for
-        a step with prompt chunks (the wait still counts, its length does not)."""
+        a step with prompt chunks or just after one, which neither its length nor its wait tells about: the CPU job
+        then also waits for the prompts' K/V on their way into the host cache, and that wait, not the job's rows,
+        held the GPU (measured: admissions of less than one row's requests took the guard to one row)."""
         self.idle_steps = 0
-        if seconds > 0:
-            if decode:
-                self.step = self._average(self.step, seconds)
+        if seconds > 0 and decode:
+            self.step = self._average(self.step, seconds)
             share = waited / (seconds + waited)
             self.wait_share = self._average(self.wait_share, share)
             if share > WAIT_SHARE and self.wait_share > WAIT_SHARE:  # this step waited, and it is no one-off
@@ -279,8 +280,8 @@ class StaggerPipeline:
         self.begun = False  # begin_step ran for a step whose end_step has not
         self.rows = RowLimit(width, self.num_layers, adaptive, prior_rate)
         self._last_begin: Optional[float] = None
-        # turns whose step time is not a decode step's: a step with prompt chunks was queued in them or in the turn
-        # before (with steps queued ahead, the launching thread's turn lags the GPU by up to a step)
+        # turns whose step time and wait are not a decode step's: a step with prompt chunks was queued in them or in
+        # the two turns before (steps are queued ahead; a prompt's export can delay the jobs after it)
         self._prompt_turns = 0
         on_cuda = device.type == "cuda"
         layers = self.num_layers
@@ -346,9 +347,10 @@ class StaggerPipeline:
         self.joining.append(request)
 
     def note_prompt_step(self) -> None:
-        """The engine queued a step with prompt chunks: this turn's and the next's step times are no decode
-        step's (`RowLimit.observe_step`)."""
-        self._prompt_turns = 2
+        """The engine queued a step with prompt chunks: this turn's and the next two's step times and waits are no
+        decode step's (`RowLimit.observe_step`; a prompt's export into the host cache can hold the jobs of the
+        steps after it)."""
+        self._prompt_turns = 3
 
     def idle_step(self) -> None:
         """A step with no request in the pipeline: the next turn's step time starts afresh (not from the last

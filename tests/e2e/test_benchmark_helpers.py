@@ -86,6 +86,7 @@ def test_windows_of_compared_modes_start_at_the_same_step():
     run = e2e_hybrid.steady_state(engine, prompts, SamplingParams(max_new_tokens=3), warm_steps=2,
                                   window_steps=3, start_step=7)
     assert run["window_start"] == 7 and len(run["steps"]) == 3 and len(run["prefill"]) == 7
+    assert run["host_tokens"] == 0
     run = e2e_hybrid.steady_state(engine, prompts, SamplingParams(max_new_tokens=3), warm_steps=2, window_steps=3)
     assert run["window_start"] == 2
 
@@ -137,6 +138,7 @@ def test_a_staggered_window_records_which_row_limit_binds():
     prompts = [[5, 6, 7, 8, 9]] * 8
     run = e2e_hybrid.steady_state(engine, prompts, SamplingParams(max_new_tokens=4), warm_steps=3, window_steps=5,
                                   fill_steps=20)
+    assert 0 < run["host_tokens"] < run["tokens"]  # the pipeline's tokens beside the device pool's
     limits = run["row_limits"]
     assert set(limits) == {"measured", "guard", "ceiling", "limit", "step_s", "members", "capacity", "parked",
                            "prefill"}
@@ -166,3 +168,12 @@ def test_the_staggered_bound_is_the_tighter_of_host_pool_and_cpu_less_the_prefil
     assert cpu_bound["efficiency"] == pytest.approx((750.0 - 120.0) / 1000.0)
     pool_bound = e2e_hybrid.staggered_bound(never, 1000.0, 3, 512, 512)
     assert pool_bound["rows"] == 3 and pool_bound["efficiency"] == pytest.approx((500.0 - 20.0) / 1000.0)
+
+
+def test_modes_without_host_tokens_are_named():
+    """A mode whose window decoded nothing from the host pool (auto after its ceiling fell to 0) is named, so
+    its ratio to never is not read as a host gain."""
+    runs = {"never": {"host_tokens": 0}, "auto": {"host_tokens": 0}, "staggered": {"host_tokens": 120}}
+    assert e2e_hybrid.without_host_tokens(runs) == ["auto"]
+    assert e2e_hybrid.without_host_tokens({"never": {"host_tokens": 0}}) == []
+

@@ -401,7 +401,8 @@ def test_rows_are_taken_away_while_the_gpu_waits_for_the_cpu_job():
 
 def test_steps_with_prompt_chunks_do_not_widen_the_decode_steps_budget():
     """A filling pipeline's steps carry prompts (tens of ms each): their length stays out of the step average,
-    so the rows admitted during the fill are those a decode step fits; their waits still count for the guard."""
+    so the rows admitted during the fill are those a decode step fits; nor do their waits cut the guard (the job
+    then also waits for the prompts' K/V export, which its rows do not cost)."""
     from apex_compile.runtime.stagger import JOB_SHARE, RowLimit
 
     rows = RowLimit(width=8, num_layers=32, adaptive=True)
@@ -416,9 +417,31 @@ def test_steps_with_prompt_chunks_do_not_widen_the_decode_steps_budget():
     for _ in range(20):
         mixed.observe_step(60e-3)
     assert mixed.update(576) == 8
-    for _ in range(3):  # prompt steps that waited for the job: the guard takes rows away all the same
+    for _ in range(3):  # prompt steps that waited for the job: the guard keeps its rows
         rows.observe_step(60e-3, waited=10e-3, decode=False)
+    assert rows.guard == 8
+    for _ in range(3):  # decode steps that wait: it does not
+        rows.observe_step(6e-3, waited=3e-3)
     assert rows.guard < 8
+
+
+def test_the_engine_tells_the_pipeline_which_steps_carry_prompts(monkeypatch):
+    """Every step with a prompt chunk (in either pool, the pipeline active or not) is noted, and no decode-only
+    step is: the row limit's decode-step measures depend on it."""
+    from apex_compile.runtime.stagger import StaggerPipeline
+
+    noted = []
+    monkeypatch.setattr(StaggerPipeline, "note_prompt_step", lambda self: noted.append(self.steps))
+    apex = staggered(sharp_model(), width=2)
+    engine = apex.engine
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17], [18, 19, 20, 21, 22]]
+    launched = []
+    launch = engine._launch
+    monkeypatch.setattr(engine, "_launch", lambda chunks: launched.append(
+        any(not (c.num_tokens == 1 and c.start) for c in chunks)) or launch(chunks))
+    engine.generate(prompts, SamplingParams(max_new_tokens=6))
+    assert sum(launched) == len(noted) > 0 and not all(launched)
+    apex.close()
 
 
 def test_an_empty_pipeline_probes_its_rows_again_after_a_hold():
@@ -456,11 +479,13 @@ def test_an_empty_pipeline_probes_its_rows_again_after_a_hold():
     assert calm.probes == 0 and calm.idle_hold == IDLE_HOLD
 
 
-def test_auto_refills_a_pipeline_its_ceiling_emptied_after_the_probe():
+def test_auto_refills_a_pipeline_its_ceiling_emptied_after_the_probe(monkeypatch):
     """offload="auto" end to end: rows collapsed to 1 (which does not pay), so the ceiling is 0, the pipeline
     empties and its requests are parked; once it has been empty for the hold, the probe restores the guard, the
     model (here: pays from 2 rows) raises the ceiling, and requests arriving later decode staggered again. Every
     request gets HF's tokens."""
+    from apex_compile.runtime import engine as engine_module
+
     torch.manual_seed(12)
     model = sharp_model()
     prompts = [torch.randint(3, 96, (n,)).tolist() for n in (6, 11, 4, 9, 13, 5, 7, 8, 10, 12, 6, 9, 5, 7)]
@@ -476,6 +501,7 @@ def test_auto_refills_a_pipeline_its_ceiling_emptied_after_the_probe():
     engine.config.offload = "auto"  # the ceiling comes from the policy each step
     stagger.rows.guard = stagger.rows.measured = 1  # collapsed
     stagger.rows.idle_hold = 6
+    monkeypatch.setattr(engine_module, "STAGGER_RISE_STEPS", 4)
     sampling = SamplingParams(max_new_tokens=24)
     requests = [engine.add_request(p, sampling) for p in prompts[:8]]
     seen = []
@@ -565,7 +591,10 @@ def test_a_fallen_row_limit_sends_requests_beyond_it_back_to_wait():
 def test_auto_ceiling_is_chosen_among_the_rows_the_cpu_job_fits():
     """offload="auto": the model's rows are chosen among those the measured job fits, so a plan whose job fits
     fewer rows than its overhead needs to pay gets a ceiling of 0 (no request enters the pipeline), where the
-    model alone would have asked for more rows than the CPU can serve."""
+    model alone would have asked for more rows than the CPU can serve. From 0 the ceiling rises only after the
+    verdict held STAGGER_RISE_STEPS steps (a flickering verdict paid host prefills only to park them again)."""
+    from apex_compile.runtime.engine import STAGGER_RISE_STEPS
+
     apex = staggered(sharp_model(), width="auto")
     engine, stagger = apex.engine, apex.engine.stagger
     asked = []
@@ -583,9 +612,24 @@ def test_auto_ceiling_is_chosen_among_the_rows_the_cpu_job_fits():
     stagger.rows.measured = 2
     engine._update_stagger_ceiling()
     assert asked[-1] == 2 and stagger.rows.ceiling == 0 and stagger.rows.update(0) == 0
-    stagger.rows.measured = 5
+    stagger.rows.measured = 5  # the verdict rises from 0 only once it held STAGGER_RISE_STEPS steps
+    for _ in range(STAGGER_RISE_STEPS - 1):
+        engine._update_stagger_ceiling()
+    assert stagger.rows.ceiling == 0
     engine._update_stagger_ceiling()
     assert stagger.rows.ceiling == 5
+    stagger.rows.measured = 2  # falling needs no wait
+    engine._update_stagger_ceiling()
+    assert stagger.rows.ceiling == 0
+    stagger.rows.measured = 5  # a flicker shorter than the hold never raises it
+    for _ in range(STAGGER_RISE_STEPS // 2):
+        engine._update_stagger_ceiling()
+    stagger.rows.measured = 2
+    engine._update_stagger_ceiling()
+    stagger.rows.measured = 5
+    for _ in range(STAGGER_RISE_STEPS // 2 + 1):
+        engine._update_stagger_ceiling()
+    assert stagger.rows.ceiling == 0
     apex.close()
 
 
