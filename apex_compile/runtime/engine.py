@@ -36,8 +36,8 @@ EAGER_ATTENTION_NAME = "apex_paged"
 _PROGRESS_MIN_TOKENS = 4096  # default progress bar only for runs generating at least this many tokens
 DEFAULT_STAGGER_WIDTH = 4  # offload="staggered" without a width
 # offload="auto": steps in a row the model must find host rows paying before a ceiling of 0 rises (an empty
-# pipeline's first requests are prefilled in the host pool, hundreds of ms for a few; a verdict that flickers at
-# the margin paid that and parked them again: Llama-2-7B at 2 GiB, 0.89x never)
+# pipeline's first requests are prefilled in the host pool, costly; a verdict flickering at the margin would pay
+# that and park them again: notes item 41)
 STAGGER_RISE_STEPS = 64
 AUTO_STAGGER_WIDTH = 8  # stagger_width="auto": the block's rows, of which the measured CPU job decides the used
 

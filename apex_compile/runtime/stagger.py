@@ -56,9 +56,9 @@ REGROW_STEPS = 16  # steps without waiting for the CPU before a row taken away c
 # and the rows collapsed for good; a flat noisy fit read as a nearly free CPU whose fixed part took the step.
 # A CPU really slower than the profile's (another process) is caught by the waits (the guard).
 PRIOR_SPREAD = 1.5
-# Steps an empty pipeline waits before the guard comes back to the width (a probe: the rows follow the job fit
-# and auto's model again); the wait doubles after each probe, up to MAX_IDLE_HOLD. Without jobs nothing else
-# moves the limits, so one bad stretch (a fill's contention) would otherwise stop the host rows for good.
+# Steps an empty pipeline waits before it drops its measured rows' evidence (a probe: every row again, auto's
+# model decides); the wait doubles after each probe, up to MAX_IDLE_HOLD. Without jobs nothing else moves the
+# limits, so one bad stretch (a fill's contention) would otherwise stop the host rows for good.
 IDLE_HOLD = 256
 MAX_IDLE_HOLD = 16384
 
@@ -74,8 +74,8 @@ class RowLimit:
     takes a row away; one comes back after REGROW_STEPS steps without such a wait. With the performance model's CPU
     rate (`prior_rate`) the fit's rate is kept within PRIOR_SPREAD of it. The step average takes decode steps only
     (a step with prompt chunks, hundreds of them while a pipeline fills, would widen the budget of the decode
-    steps that follow). An empty pipeline probes again after `IDLE_HOLD` steps (`idle_step`). A fixed pipeline keeps
-    every row."""
+    steps that follow). An empty pipeline drops that evidence after `IDLE_HOLD` steps (`idle_step`). A fixed pipeline
+    keeps every row."""
 
     def __init__(self, width: int, num_layers: int, adaptive: bool, prior_rate: Optional[float] = None):
         """prior_rate: the profiled seconds per (layer, context token) of the CPU attention, or None."""
@@ -129,7 +129,7 @@ class RowLimit:
         """A step's seconds without the launching thread's wait for the CPU job, and that wait; decode: False for
         a step with prompt chunks or just after one, which neither its length nor its wait tells about: the CPU job
         then also waits for the prompts' K/V on their way into the host cache, and that wait, not the job's rows,
-        held the GPU (measured: admissions of less than one row's requests took the guard to one row)."""
+        holds the GPU."""
         self.idle_steps = 0
         if seconds > 0 and decode:
             self.step = self._average(self.step, seconds)
@@ -150,17 +150,18 @@ class RowLimit:
         self.limit = min(self.measured, self.ceiling)
 
     def idle_step(self) -> None:
-        """A step with no request in the pipeline: after `idle_hold` of them the guard returns to the width and the
-        measured rows follow the job fit again (auto's model then decides whether rows pay); a guard already at
-        the width is no probe."""
-        if not self.adaptive or self.guard >= self.width:
+        """A step with no request in the pipeline: after `idle_hold` of them, if the measured rows are below the
+        width, the evidence behind them (the job fit, the guard) is dropped as stale: every row again until new
+        jobs are measured, and auto's model decides whether rows pay. Measured rows at the width are no probe."""
+        if not self.adaptive or self.measured >= self.width:
             return
         self.idle_steps += 1
         if self.idle_steps >= self.idle_hold:
             self.idle_steps = 0
             self.idle_hold = min(2 * self.idle_hold, MAX_IDLE_HOLD)
             self.probes += 1
-            self.guard = self.measured = self.width  # (the fit, if there is one, decides in update)
+            self.guard = self.measured = self.width
+            self.rate, self.fixed, self._moments = None, 0.0, None
             self._calm_steps = 0
             self.update(0.0)
 

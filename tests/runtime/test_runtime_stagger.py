@@ -446,9 +446,10 @@ def test_the_engine_tells_the_pipeline_which_steps_carry_prompts(monkeypatch):
 
 def test_an_empty_pipeline_probes_its_rows_again_after_a_hold():
     """Rows that collapsed (the guard at 1, auto's ceiling then 0, the pipeline emptied) would never come back:
-    with no job, nothing updates the limits. After IDLE_HOLD steps without a member the guard returns to the
-    width and the measured rows follow the job fit at the last context seen (auto's model then decides); the
-    hold doubles after each probe, up to MAX_IDLE_HOLD; a guard already at the width is no probe."""
+    with no job, nothing updates the limits. After IDLE_HOLD steps without a member the evidence behind the
+    measured rows (guard, job fit) is dropped: every row again until new jobs are measured (auto's model then
+    decides). The hold doubles after each probe, up to MAX_IDLE_HOLD; a fit that alone holds the rows down (a
+    fill's contention in its jobs) is dropped too; measured rows at the width are no probe."""
     from apex_compile.runtime.stagger import IDLE_HOLD, JOB_SHARE, MAX_IDLE_HOLD, RowLimit
 
     rows = RowLimit(width=8, num_layers=32, adaptive=True)
@@ -463,16 +464,33 @@ def test_an_empty_pipeline_probes_its_rows_again_after_a_hold():
         rows.idle_step()
     assert rows.guard == 1 and rows.update(0) == 0 and rows.measured == 1
     rows.idle_step()
-    assert rows.probes == 1 and rows.guard == 8 and rows.measured == int(JOB_SHARE * 6.0 / 0.95) == 5
+    assert rows.probes == 1 and rows.guard == rows.measured == 8 and rows.rate is None
     assert rows.idle_hold == 2 * IDLE_HOLD and rows.limit == 0  # the ceiling is the model's to raise
-    rows.observe_step(6.0e-3, waited=3e-3)  # the probe's rows: the job still too slow
-    rows.observe_step(6.0e-3, waited=3e-3)
-    for _ in range(2 * IDLE_HOLD):
+    rows.observe_job(3.8e-3, work=32 * 4 * 576)  # the probe's jobs: the rows follow them again
+    rows.observe_step(6.0e-3)
+    rows.update(576)
+    assert rows.measured == int(JOB_SHARE * 6.0 / 0.95) == 5
+    for _ in range(2 * IDLE_HOLD - 1):  # emptied again: the next probe waits twice as long
         rows.idle_step()
-    assert rows.probes == 2 and rows.idle_hold == 4 * IDLE_HOLD
-    for _ in range(40):
-        rows.idle_hold = min(2 * rows.idle_hold, MAX_IDLE_HOLD)
-    assert rows.idle_hold == MAX_IDLE_HOLD
+    assert rows.probes == 1
+    rows.idle_step()
+    assert rows.probes == 2 and rows.idle_hold == 4 * IDLE_HOLD and rows.measured == 8
+    rows.observe_job(3.8e-3, work=32 * 4 * 576)
+    rows.observe_step(6.0e-3)
+    rows.update(576)
+    rows.idle_hold = MAX_IDLE_HOLD
+    for _ in range(MAX_IDLE_HOLD):
+        rows.idle_step()
+    assert rows.probes == 3 and rows.idle_hold == MAX_IDLE_HOLD  # capped
+    stale = RowLimit(width=8, num_layers=32, adaptive=True)  # a fit with a large fixed part, the guard at 8
+    for used in (2, 4, 6):
+        stale.observe_job(3.6e-3 + 1.7e-3 * used, work=used * 32 * 576)
+    stale.observe_step(5.5e-3)
+    stale.update(576)
+    assert stale.measured == 1 and stale.guard == 8
+    for _ in range(IDLE_HOLD):
+        stale.idle_step()
+    assert stale.probes == 1 and stale.measured == 8
     calm = RowLimit(width=8, num_layers=32, adaptive=True)
     for _ in range(2 * IDLE_HOLD):
         calm.idle_step()
@@ -481,9 +499,9 @@ def test_an_empty_pipeline_probes_its_rows_again_after_a_hold():
 
 def test_auto_refills_a_pipeline_its_ceiling_emptied_after_the_probe(monkeypatch):
     """offload="auto" end to end: rows collapsed to 1 (which does not pay), so the ceiling is 0, the pipeline
-    empties and its requests are parked; once it has been empty for the hold, the probe restores the guard, the
-    model (here: pays from 2 rows) raises the ceiling, and requests arriving later decode staggered again. Every
-    request gets HF's tokens."""
+    empties and its requests are parked; once it has been empty for the hold, the probe drops the rows' stale
+    evidence, the model (here: pays from 2 rows) raises the ceiling, and requests arriving later decode staggered
+    again. Every request gets HF's tokens."""
     from apex_compile.runtime import engine as engine_module
 
     torch.manual_seed(12)
