@@ -364,6 +364,10 @@ def main():
                              "inputs arrive (apex_compile.runtime.stagger.GATE_JOBS on: an A/B of the gate)")
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="cpu_attention_threads of the staggered plan's CPU worker (default: all cores but one)")
+    parser.add_argument("--hf-tokens", type=int, default=64,
+                        help="new tokens of the HF baseline's longest generate (its decode step is the difference of "
+                             "this and half of it; an offloaded cache reads every layer's KV from the host each step, "
+                             "so the whole --new-tokens would take minutes)")
     parser.add_argument("--hf-batch", type=int, default=0,
                         help="HF generate with its offloaded cache over this many requests (0: as many as the "
                              "device pool holds; -1: skip)")
@@ -443,7 +447,7 @@ def main():
                 write_json(args.out, dict(result, rows=result["rows"] + [partial]))
             hf = None
             if args.hf_batch >= 0:
-                hf = hf_generate(model, prompts, args.new_tokens, args.hf_batch or count)
+                hf = hf_generate(model, prompts, min(args.new_tokens, args.hf_tokens), args.hf_batch or count)
                 print(f"   {shape_name} {gib:g} GiB HF generate, offloaded cache, batch {hf['batch']}: "
                       + (hf["error"] if "error" in hf else f"{hf['tokens_per_s']:.0f} tokens/s, decode step "
                          f"{hf['decode_step_s'] * 1e3:.1f} ms ({hf['decode_tokens_per_s']:.0f} tokens/s)"),

@@ -177,3 +177,41 @@ def test_modes_without_host_tokens_are_named():
     assert e2e_hybrid.without_host_tokens(runs) == ["auto"]
     assert e2e_hybrid.without_host_tokens({"never": {"host_tokens": 0}}) == []
 
+
+
+def _plot_row(shape, gib, never, auto, host_tokens, partial=False):
+    modes = {"never": {"tokens_per_s": never, "host_tokens": 0}, "auto": {"tokens_per_s": auto,
+                                                                         "host_tokens": host_tokens}}
+    row = {"shape": shape, "device_gib": gib, "modes": modes}
+    if partial:
+        row["partial"] = True
+    else:
+        row.update(ideal_gain=500.0, staggered_bound_1lane={"gain": 300.0}, hf_offloaded={"decode_tokens_per_s": 90.0})
+    return row
+
+
+def test_plot_rows_take_each_pools_last_row_partial_ones_included():
+    """plot_hybrid plots from several results (each call may hold one pool size), the last row per (shape,
+    pool): a run cut short after its modes (partial) still counts, a later finished row replaces it."""
+    import plot_hybrid
+
+    first = {"rows": [_plot_row("a", 1.0, 100, 150, 40, partial=True), {"shape": "a", "device_gib": 4.0,
+                                                                       "partial": True, "modes": {}}]}
+    second = {"rows": [_plot_row("a", 2.0, 200, 210, 0, partial=True), _plot_row("a", 1.0, 110, 160, 45)]}
+    rows = plot_hybrid.rows_of([first, second])
+    assert sorted((r["device_gib"], r["modes"]["never"]["tokens_per_s"]) for r in rows) == [(1.0, 110), (2.0, 200)]
+
+
+def test_plot_hybrid_draws_a_png_per_shape(tmp_path):
+    pytest.importorskip("matplotlib")
+    import subprocess
+
+    paths = []
+    for i, rows in enumerate([[_plot_row("a", 1.0, 100, 150, 40), _plot_row("b", 1.0, 50, 50, 0)],
+                              [_plot_row("a", 2.0, 200, 210, 0, partial=True)]]):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps({"rows": rows, "machine": {"gpu": "x"}, "date": "2026-12-03T00:00:00"}))
+    script = os.path.join(os.path.dirname(e2e_hybrid.__file__), "plot_hybrid.py")
+    done = subprocess.run([sys.executable, script, *map(str, paths)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "r0_a.png").stat().st_size > 0 and (tmp_path / "r0_b.png").stat().st_size > 0
