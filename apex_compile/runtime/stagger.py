@@ -56,8 +56,8 @@ REGROW_STEPS = 16  # steps without waiting for the CPU before a row taken away c
 # and the rows collapsed for good; a flat noisy fit read as a nearly free CPU whose fixed part took the step.
 # A CPU really slower than the profile's (another process) is caught by the waits (the guard).
 PRIOR_SPREAD = 1.5
-# Steps an empty pipeline waits before it drops its measured rows' evidence (a probe: every row again, auto's
-# model decides); the wait doubles after each probe, up to MAX_IDLE_HOLD. Without jobs nothing else moves the
+# Steps an empty pipeline waits before it drops its measured rows' evidence (a probe: one row more, auto's model
+# decides); the wait doubles after each probe, up to MAX_IDLE_HOLD. Without jobs nothing else moves the
 # limits, so one bad stretch (a fill's contention) would otherwise stop the host rows for good.
 IDLE_HOLD = 256
 MAX_IDLE_HOLD = 16384
@@ -151,8 +151,10 @@ class RowLimit:
 
     def idle_step(self) -> None:
         """A step with no request in the pipeline: after `idle_hold` of them, if the measured rows are below the
-        width, the evidence behind them (the job fit, the guard) is dropped as stale: every row again until new
-        jobs are measured, and auto's model decides whether rows pay. Measured rows at the width are no probe."""
+        width, the evidence behind them (the job fit, the guard) is dropped as stale and one row more than measured
+        is allowed (the guard; auto's model decides whether they pay). One row a probe bounds what a failed probe
+        costs: the host prompts of the requests it admits, parked again. Measured rows at the width are no
+        probe."""
         if not self.adaptive or self.measured >= self.width:
             return
         self.idle_steps += 1
@@ -160,7 +162,7 @@ class RowLimit:
             self.idle_steps = 0
             self.idle_hold = min(2 * self.idle_hold, MAX_IDLE_HOLD)
             self.probes += 1
-            self.guard = self.measured = self.width
+            self.guard = self.measured = min(self.width, self.measured + 1)
             self.rate, self.fixed, self._moments = None, 0.0, None
             self._calm_steps = 0
             self.update(0.0)

@@ -447,10 +447,9 @@ def test_the_engine_tells_the_pipeline_which_steps_carry_prompts(monkeypatch):
 def test_an_empty_pipeline_probes_its_rows_again_after_a_hold():
     """Rows that collapsed (the guard at 1, auto's ceiling then 0, the pipeline emptied) would never come back:
     with no job, nothing updates the limits. After IDLE_HOLD steps without a member the evidence behind the
-    measured rows (guard, job fit) is dropped: every row again until new jobs are measured (auto's model then
-    decides). The hold doubles after each probe, up to MAX_IDLE_HOLD; a fit that alone holds the rows down (a
+    measured rows (guard, job fit) is dropped and one row more is allowed (auto's model then decides). The hold doubles after each probe, up to MAX_IDLE_HOLD; a fit that alone holds the rows down (a
     fill's contention in its jobs) is dropped too; measured rows at the width are no probe."""
-    from apex_compile.runtime.stagger import IDLE_HOLD, JOB_SHARE, MAX_IDLE_HOLD, RowLimit
+    from apex_compile.runtime.stagger import IDLE_HOLD, JOB_SHARE, MAX_IDLE_HOLD, REGROW_STEPS, RowLimit
 
     rows = RowLimit(width=8, num_layers=32, adaptive=True)
     rows.observe_job(3.8e-3, work=32 * 4 * 576)  # 0.95 ms a row: 5 rows fit a 6 ms step
@@ -464,17 +463,25 @@ def test_an_empty_pipeline_probes_its_rows_again_after_a_hold():
         rows.idle_step()
     assert rows.guard == 1 and rows.update(0) == 0 and rows.measured == 1
     rows.idle_step()
-    assert rows.probes == 1 and rows.guard == rows.measured == 8 and rows.rate is None
+    assert rows.probes == 1 and rows.guard == rows.measured == 2 and rows.rate is None
     assert rows.idle_hold == 2 * IDLE_HOLD and rows.limit == 0  # the ceiling is the model's to raise
-    rows.observe_job(3.8e-3, work=32 * 4 * 576)  # the probe's jobs: the rows follow them again
+    rows.observe_job(3.8e-3, work=32 * 4 * 576)  # the probe's jobs: the rows follow them, within the guard
     rows.observe_step(6.0e-3)
     rows.update(576)
-    assert rows.measured == int(JOB_SHARE * 6.0 / 0.95) == 5
+    assert rows.measured == 2 < int(JOB_SHARE * 6.0 / 0.95) == 5
+    for _ in range(3 * REGROW_STEPS):  # calm decode steps: the guard regrows to what the fit allows
+        rows.observe_step(6.0e-3)
+    rows.update(576)
+    assert rows.measured == 5
+    for _ in range(8):  # the job slows down: the guard takes the rows back to 1
+        rows.observe_step(6.0e-3, waited=3e-3)
+    rows.update(576)
+    assert rows.measured == 1
     for _ in range(2 * IDLE_HOLD - 1):  # emptied again: the next probe waits twice as long
         rows.idle_step()
     assert rows.probes == 1
     rows.idle_step()
-    assert rows.probes == 2 and rows.idle_hold == 4 * IDLE_HOLD and rows.measured == 8
+    assert rows.probes == 2 and rows.idle_hold == 4 * IDLE_HOLD and rows.measured == 2
     rows.observe_job(3.8e-3, work=32 * 4 * 576)
     rows.observe_step(6.0e-3)
     rows.update(576)
@@ -490,7 +497,7 @@ def test_an_empty_pipeline_probes_its_rows_again_after_a_hold():
     assert stale.measured == 1 and stale.guard == 8
     for _ in range(IDLE_HOLD):
         stale.idle_step()
-    assert stale.probes == 1 and stale.measured == 8
+    assert stale.probes == 1 and stale.measured == 2 and stale.rate is None
     calm = RowLimit(width=8, num_layers=32, adaptive=True)
     for _ in range(2 * IDLE_HOLD):
         calm.idle_step()
@@ -500,7 +507,7 @@ def test_an_empty_pipeline_probes_its_rows_again_after_a_hold():
 def test_auto_refills_a_pipeline_its_ceiling_emptied_after_the_probe(monkeypatch):
     """offload="auto" end to end: rows collapsed to 1 (which does not pay), so the ceiling is 0, the pipeline
     empties and its requests are parked; once it has been empty for the hold, the probe drops the rows' stale
-    evidence, the model (here: pays from 2 rows) raises the ceiling, and requests arriving later decode staggered
+    evidence and allows one row more, the model (here: pays from 2 rows) raises the ceiling, and requests arriving later decode staggered
     again. Every request gets HF's tokens."""
     from apex_compile.runtime import engine as engine_module
 
