@@ -445,10 +445,11 @@ def test_the_engine_tells_the_pipeline_which_steps_carry_prompts(monkeypatch):
 
 
 def test_an_empty_pipeline_probes_its_rows_again_after_a_hold():
-    """Rows that collapsed (the guard at 1, auto's ceiling then 0, the pipeline emptied) would never come back:
-    with no job, nothing updates the limits. After IDLE_HOLD steps without a member the evidence behind the
-    measured rows (guard, job fit) is dropped and one row more is allowed (auto's model then decides). The hold doubles after each probe, up to MAX_IDLE_HOLD; a fit that alone holds the rows down (a
-    fill's contention in its jobs) is dropped too; measured rows at the width are no probe."""
+    """Rows that collapsed (the guard at 1, auto's ceiling then 0, the pipeline emptied) would never come back: with no
+    job, nothing updates the limits. After IDLE_HOLD steps without a member the evidence behind the measured rows
+    (guard, job fit) is dropped and one row more is allowed (auto's model then decides). The hold doubles after each
+    probe, up to MAX_IDLE_HOLD; a fit that alone holds the rows down (a fill's contention in its jobs) is dropped
+    too; measured rows at the width are no probe."""
     from apex_compile.runtime.stagger import IDLE_HOLD, JOB_SHARE, MAX_IDLE_HOLD, REGROW_STEPS, RowLimit
 
     rows = RowLimit(width=8, num_layers=32, adaptive=True)
@@ -505,10 +506,10 @@ def test_an_empty_pipeline_probes_its_rows_again_after_a_hold():
 
 
 def test_auto_refills_a_pipeline_its_ceiling_emptied_after_the_probe(monkeypatch):
-    """offload="auto" end to end: rows collapsed to 1 (which does not pay), so the ceiling is 0, the pipeline
-    empties and its requests are parked; once it has been empty for the hold, the probe drops the rows' stale
-    evidence and allows one row more, the model (here: pays from 2 rows) raises the ceiling, and requests arriving later decode staggered
-    again. Every request gets HF's tokens."""
+    """offload="auto" end to end: rows collapsed to 1 (which does not pay), so the ceiling is 0, the pipeline empties
+    and its requests are parked; once it has been empty for the hold, the probe drops the rows' stale evidence and
+    allows one row more, the model (here: pays from 2 rows) raises the ceiling, and requests arriving later decode
+    staggered again. Every request gets HF's tokens."""
     from apex_compile.runtime import engine as engine_module
 
     torch.manual_seed(12)
