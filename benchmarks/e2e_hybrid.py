@@ -60,7 +60,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
 
     def recording_schedule():
         chunks = schedule()
-        scheduled.append(sum(c.num_tokens for c in chunks if not (c.num_tokens == 1 and c.start)))
+        scheduled.append(sum(c.num_tokens for c in chunks if not c.decodes))
         return chunks
 
     engine._schedule = recording_schedule

@@ -541,7 +541,7 @@ class Engine:
 
     def _graph_size(self, chunks: List[ScheduledChunk]) -> Optional[int]:
         """The capture size whose graph runs this step, or None (not a decode-only step of the device pool)."""
-        if self.graphs is None or any(c.pool != DEVICE_POOL or c.num_tokens != 1 or c.start == 0 for c in chunks):
+        if self.graphs is None or any(c.pool != DEVICE_POOL or not c.decodes for c in chunks):
             return None
         return self.graphs.size_for(len(chunks))
 
@@ -670,8 +670,7 @@ class Engine:
         width = stagger.width
         num_tokens = width + sum(c.num_tokens for c in chunks)
         size = None
-        if self.stagger_graphs is not None and all(c.pool == DEVICE_POOL and c.num_tokens == 1 and c.start
-                                                   for c in chunks):
+        if self.stagger_graphs is not None and all(c.pool == DEVICE_POOL and c.decodes for c in chunks):
             size = self.stagger_graphs.size_for(max(len(chunks), 1))
             if size is not None and not self.stagger_graphs.ready:
                 self.capture_stagger_graphs()
@@ -733,7 +732,7 @@ class Engine:
         decode graph, a whole mixed graph (prompt chunks, every row in the device pool), piecewise graphs (host
         rows), or (without CUDA graphs) the compiled step itself. device_ids: input ids already on the device
         (a step queued before the host has them)."""
-        if self.stagger is not None and any(not (c.num_tokens == 1 and c.start) for c in chunks):
+        if self.stagger is not None and any(not c.decodes for c in chunks):
             self.stagger.note_prompt_step()  # the row limit leaves this step out of its decode-step measures
         if self.stagger is not None and self.stagger.active:
             return self._forward_staggered(chunks, logit_rows, device_ids)
@@ -817,7 +816,7 @@ class Engine:
         if chunks is None or policy is None:
             return sampled
         capture_free = self._captured_seconds() == captured
-        if capture_free and all(c.num_tokens == 1 and c.start for c in chunks):
+        if capture_free and all(c.decodes for c in chunks):
             # a decode step's wall time (the sampled ids' copy waits for the GPU) corrects auto's model
             on_host = sum(1 for c in chunks if c.pool == HOST_POOL)
             context = sum(c.start + 1 for c in chunks) / len(chunks)

@@ -28,6 +28,11 @@ class ScheduledChunk:
     pool: int
 
     @property
+    def decodes(self) -> bool:
+        """Whether the chunk is one token after the first (a decode row), not a prompt chunk."""
+        return self.num_tokens == 1 and self.start > 0
+
+    @property
     def samples(self) -> bool:
         """Whether the chunk reaches the request's last token, so its logits give the next token."""
         return self.start + self.num_tokens == self.request.num_tokens
