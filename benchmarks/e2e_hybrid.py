@@ -31,6 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_throughput import SHAPES, kv_bytes_per_token, random_llama, timed_generate, write_json  # noqa: E402
 
 from apex_compile import ApexConfig, SamplingParams, optimize  # noqa: E402
+from apex_compile.ops import cpu_attention_work_split  # noqa: E402
+from apex_compile.runtime import attention_runner  # noqa: E402
 from apex_compile.runtime import stagger as stagger_module  # noqa: E402
 from apex_compile.runtime.kv_manager import HOST_POOL  # noqa: E402
 from apex_compile.runtime.perf_model import PerfModel, StepCalibration, online_predictions  # noqa: E402
@@ -219,6 +221,11 @@ PIECEWISE_SUFFIX = "/pw"  # a mode run with its mixed steps piecewise (mixed_gra
 LANE_SUFFIXES = {"/1lane": 1, "/2lane": 2}  # a mode run with that many staggered lanes (else the engine's default)
 PIN_SUFFIX = "/pin"  # a mode run with the launching thread pinned off the worker's cores (pin_launcher=True)
 THREADS_SUFFIX = re.compile(r"/t(\d+)\b")  # "/t14": a mode run with that many CPU attention threads
+# "/split=4-32768-65536": a mode run with the CPU attention's work split set so (items_per_thread, min_item_bytes,
+# min_thread_bytes; torch.ops.apex.cpu_attention_work_split), the op's own split restored after it
+SPLIT_SUFFIX = re.compile(r"/split=(\d+)-(\d+)-(\d+)")
+INLINE_SUFFIX = "/inline"  # a mode run with the layered exchange on the compute stream (EXCHANGE_BESIDE off)
+BLOCK_SUFFIX = re.compile(r"/bs(\d+)\b")  # "/bs64": a mode run with KV blocks of that many tokens (block_size)
 
 
 def parse_mode(mode: str):
@@ -236,19 +243,37 @@ def hybrid_config(mode, device_bytes, host_bytes, max_seqs, max_tokens, prefill_
     offload, width = parse_mode(mode)
     threads = THREADS_SUFFIX.search(mode)
     cpu_threads = int(threads.group(1)) if threads else cpu_threads
+    block = {"block_size": int(BLOCK_SUFFIX.search(mode).group(1))} if BLOCK_SUFFIX.search(mode) else {}
     return ApexConfig(offload=offload, stagger_width=width, gpu_cache_size=device_bytes,
                       mixed_graphs=PIECEWISE_SUFFIX not in mode,
                       stagger_lanes=next((n for s, n in LANE_SUFFIXES.items() if s in mode), None),
                       cpu_attention_threads=cpu_threads, pin_launcher=True if PIN_SUFFIX in mode else None,
                       cpu_cache_size=host_bytes, max_num_seqs=max_seqs,
                       max_num_batched_tokens=2048, prefill_tokens_while_decoding=prefill_while_decoding,
-                      max_model_len=max_tokens + 64)
+                      max_model_len=max_tokens + 64, **block)
 
 
 def run_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seqs, args, start_step=0):
     """{tokens_per_s, decode_step_s, host_requests, steps: [(gpu rows, cpu rows, mean context, seconds)]} at
     steady state (a first, shorter run captures the graphs its step shapes need), its window from step
     `start_step` on at the earliest."""
+    if INLINE_SUFFIX in mode:
+        beside = attention_runner.EXCHANGE_BESIDE
+        attention_runner.EXCHANGE_BESIDE = False
+        try:
+            return run_mode(model, mode.replace(INLINE_SUFFIX, ""), device_bytes, host_bytes, prompts, new_tokens,
+                            max_seqs, args, start_step)
+        finally:
+            attention_runner.EXCHANGE_BESIDE = beside
+    split = SPLIT_SUFFIX.search(mode)
+    if split:
+        default_split = list(cpu_attention_work_split().values())
+        cpu_attention_work_split(*(int(v) for v in split.groups()))
+        try:
+            return run_mode(model, SPLIT_SUFFIX.sub("", mode), device_bytes, host_bytes, prompts, new_tokens,
+                            max_seqs, args, start_step)
+        finally:
+            cpu_attention_work_split(*default_split)
     apex = optimize(model, hybrid_config(mode, device_bytes, host_bytes, max_seqs, len(prompts[0]) + new_tokens,
                                          args.prefill_while_decoding, args.cpu_threads))
     engine = apex.engine
@@ -351,7 +376,9 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--modes", default="never,auto,0.25,0.5",
                         help="offload modes (never, auto, all, a fraction, staggered[:width]); a mode + \"/pw\" runs "
-                             "its mixed steps piecewise (mixed_graphs=False), the A/B of whole mixed graphs")
+                             "its mixed steps piecewise (mixed_graphs=False), the A/B of whole mixed graphs; "
+                             "'/split=a-b-c' sets the CPU attention's work split, '/bs64' the KV block size, '/inline' "
+                             "runs the layered exchange on the compute stream, for that mode")
     parser.add_argument("--fill-steps", type=int, default=600,
                         help="at most this many steps to fill the staggered pipeline before --warm-steps")
     parser.add_argument("--warm-steps", type=int, default=100, help="steps before the measured window")

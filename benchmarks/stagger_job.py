@@ -46,6 +46,7 @@ def main():
     parser.add_argument("--context", type=int, default=576)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--pool-gib", type=float, default=8.0, help="K+V of the pool (blocks scattered over it)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the engine's block_size)")
     parser.add_argument("--threads", type=int, default=None, help="worker threads (default: the engine's)")
     parser.add_argument("--gap-ms", type=float, default=4.0)
     parser.add_argument("--repeats", type=int, default=15)
@@ -60,7 +61,7 @@ def main():
                              "advised, which the engine registers with CUDA: same CPU access)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    layers, hk, hq, dim, bs, width = args.layers, 8, 32, 128, 16, args.width
+    layers, hk, hq, dim, bs, width = args.layers, 8, 32, 128, args.block_size, args.width
     block_bytes = 2 * hk * bs * dim * 2
     blocks = max(int(args.pool_gib * (1 << 30) / (block_bytes * layers)), 64)
     per_row = -(-(args.context + 1) // bs)
@@ -89,7 +90,7 @@ def main():
     cores = worker_cores(args.threads)
     pool = concurrent.futures.ThreadPoolExecutor(1, initializer=_pin_worker, initargs=(cores,))
     print(f"{os.cpu_count()} CPUs, worker on {len(cores)} cores, {layers} layers x {hk} kv heads x {dim}, context "
-          f"{args.context}, pool {blocks} blocks per layer, pinned={pin}, work split {list(split)}", flush=True)
+          f"{args.context}, pool {blocks} blocks of {bs} tokens per layer, pinned={pin}, work split {list(split)}", flush=True)
     results = []
     modes = args.modes.split(",")
     for rows in [int(r) for r in args.rows.split(",")]:

@@ -32,6 +32,12 @@ from apex_compile.runtime.scheduler import ScheduledChunk
 from apex_compile.runtime.step_buffers import PoolPart
 
 
+# The one-lane staggered block's exchange (the device wait for the CPU job, the host reads and writes, the
+# ready flag) runs on a side stream beside the device rows' attention, which needs none of it; the step joins
+# it before the layer's output is read. False: both on the compute stream, one after the other (an A/B).
+EXCHANGE_BESIDE = True
+
+
 def order_chunks(chunks: Sequence[ScheduledChunk]) -> List[ScheduledChunk]:
     """The step's token order: device pool then host pool; inside each, decode rows, then chunks that continue
     a prompt, then fresh ones (a mixed step's decode rows then run the decode kernel apart from its chunks)."""
@@ -94,6 +100,8 @@ class PagedAttentionRunner:
         self.stagger = None  # the staggered plan's StaggerPipeline (its block: the step's first stagger_rows rows)
         self.stagger_rows = 0
         self.stagger_scale = 1.0
+        # the layered exchange's stream (EXCHANGE_BESIDE), made here: a CUDA graph capture may not create one
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def close(self) -> None:
         """Stops the runner's worker threads (exports land first)."""
@@ -234,12 +242,35 @@ class PagedAttentionRunner:
             return out
         if out is None:
             out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        if self.stagger_rows:
-            # the staggered block's rows: their q/k/v staged for the CPU job, the outputs of the requests
-            # arriving (the CPU attended them since the lane's last turn) into the block's output rows
-            block = slice(0, self.stagger_rows)
-            self.stagger_scale = scale  # the CPU job attends with it after the step
+        if not self.stagger_rows:
+            return self._attend_parts(layer_idx, query, key, value, scale, out)
+        # the staggered block's rows: their q/k/v staged for the CPU job, the outputs of the requests arriving
+        # (the CPU attended them since the lane's last turn) into the block's output rows
+        block = slice(0, self.stagger_rows)
+        self.stagger_scale = scale  # the CPU job attends with it after the step
+        side = self._exchange_stream(query)
+        if side is None:
             self.stagger.exchange(layer_idx, query[block], key[block], value[block], out[block])
+            return self._attend_parts(layer_idx, query, key, value, scale, out)
+        main = torch.cuda.current_stream(query.device)
+        side.wait_stream(main)  # q/k/v of the layer written
+        with torch.cuda.stream(side):
+            self.stagger.exchange(layer_idx, query[block], key[block], value[block], out[block])
+        try:
+            return self._attend_parts(layer_idx, query, key, value, scale, out)
+        finally:
+            main.wait_stream(side)  # the block's output rows written (also when a part failed to launch)
+
+    def _exchange_stream(self, query: torch.Tensor) -> Optional[torch.cuda.Stream]:
+        """The side stream of a layered exchange on a GPU (None: run it on the compute stream)."""
+        if EXCHANGE_BESIDE and query.is_cuda and self.stagger.layered and self._side is not None:
+            return self._side
+        return None
+
+    def _attend_parts(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      scale: float, out: torch.Tensor) -> torch.Tensor:
+        """The rows after the staggered block (all rows without one): each pool part's attention into `out`."""
+        if self.stagger_rows:
             part = self.parts[0] if len(self.parts) == 1 else None
             if part is not None and (part.start, part.end) == (self.stagger_rows, query.shape[0]) and (
                     part.pool.device == query.device):  # a decode step: the pool's rows written in place

@@ -3,6 +3,7 @@ bookkeeping, and a cache that cannot run here reported as an error instead of st
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -106,6 +107,28 @@ def test_a_piecewise_mode_differs_from_its_mode_only_in_its_mixed_steps():
         assert dict(vars(whole), stagger_lanes=1, mixed_graphs=False) == vars(both)
         pinned = e2e_hybrid.hybrid_config(mode + "/1lane/pin/t14", 1 << 30, 1 << 31, 64, 640, 256)
         assert dict(vars(whole), stagger_lanes=1, pin_launcher=True, cpu_attention_threads=14) == vars(pinned)
+
+
+def test_a_mode_can_name_its_block_size_its_cpu_work_split_and_an_inline_exchange(monkeypatch):
+    """"/bs64" sets the KV block size; "/split=a-b-c" and "/inline" run the mode under that CPU attention work
+    split and with the layered exchange on the compute stream, and restore both after it, also when it fails."""
+    from apex_compile.ops import cpu_attention_work_split
+    whole = e2e_hybrid.hybrid_config("auto", 1 << 30, 1 << 31, 64, 640, 256)
+    blocks = e2e_hybrid.hybrid_config("auto/bs64", 1 << 30, 1 << 31, 64, 640, 256)
+    assert dict(vars(whole), block_size=64) == vars(blocks) and whole.block_size == 16
+    before = cpu_attention_work_split()
+    seen = []
+
+    def fake_run(model, mode, *args, **kwargs):
+        seen.append((mode, cpu_attention_work_split(), e2e_hybrid.attention_runner.EXCHANGE_BESIDE))
+        raise RuntimeError("run failed")
+
+    monkeypatch.setattr(e2e_hybrid, "optimize", lambda model, config: fake_run(model, config.offload))
+    with pytest.raises(RuntimeError, match="run failed"):
+        e2e_hybrid.run_mode(None, "auto/inline/split=4-32768-65536", 1 << 30, 1 << 31, [[1, 2]], 2, 64, SimpleNamespace(
+            prefill_while_decoding=256, cpu_threads=None), start_step=0)
+    assert seen == [("auto", {"items_per_thread": 4, "min_item_bytes": 32768, "min_thread_bytes": 65536}, False)]
+    assert cpu_attention_work_split() == before and e2e_hybrid.attention_runner.EXCHANGE_BESIDE
 
 
 def test_host_contention_times_each_kind_of_work_under_each_worker_load(tmp_path):

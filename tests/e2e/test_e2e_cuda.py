@@ -218,6 +218,22 @@ def test_staggered_equals_hf_generate_fp32(width, lanes, pin):
     assert os.sched_getaffinity(0) == before
 
 
+@pytest.mark.parametrize("beside", [True, False])
+def test_the_layered_exchange_beside_or_inline_equals_hf_generate_fp32(beside, monkeypatch):
+    """One lane's exchange (device wait, host reads and writes, ready flag) on its side stream beside the device
+    rows' attention, or on the compute stream after it (attention_runner.EXCHANGE_BESIDE): HF's tokens."""
+    from apex_compile.runtime import attention_runner
+    monkeypatch.setattr(attention_runner, "EXCHANGE_BESIDE", beside)
+    ids, mask, ref, block, model = sharp_small_pool_case()
+    apex = optimize(model, ApexConfig(offload="staggered", stagger_width=3, gpu_cache_size=8 * block,
+                                      cpu_cache_size=32 * MB, stagger_lanes=1))
+    out = apex.generate(ids, attention_mask=mask, **GREEDY_20)
+    assert torch.equal(out, ref)
+    assert apex.engine.stagger.layered and apex.engine.stats.requests_per_pool[1] >= 2
+    assert int(apex.engine.stagger.executor.status[0]) == 0  # no device wait timed out
+    apex.close()
+
+
 @pytest.mark.parametrize("lanes", [2, 1])
 def test_staggered_mixed_steps_replay_whole_graphs_and_equal_hf_generate_fp32(lanes):
     """Three times the small-pool requests for one staggered row (6 requests in the pipeline): device-pool

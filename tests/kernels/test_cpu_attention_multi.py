@@ -423,12 +423,13 @@ def test_the_stagger_job_benchmark_runs_on_a_small_pool(tmp_path):
     result = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "stagger_job.py"), "--rows", "1,2",
                              "--layers", "2", "--width", "2", "--context", "40", "--pool-gib", "0.01", "--repeats", "1",
                              "--gap-ms", "1", "--threads", "1", "--layer-us", "50", "--split", "2,32768,65536",
-                             "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=300)
+                             "--block-size", "32", "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     written = json.loads(out.read_text())
     rows = written["rows"]
     assert [(r["rows"], r["how"]) for r in rows] == [(n, how) for n in (1, 2)
                                                      for how in ("hot", "gap", "flag", "layer")]
     assert all(r["run_s"] > 0 for r in rows) and written["work_split"] == [2, 32768, 65536]
+    assert written["args"]["block_size"] == 32 and "blocks of 32 tokens" in result.stdout
     assert all(r["parts_s"]["attention"] > 0 for r in rows if r["how"] != "layer")
     assert "fit flag" in result.stdout and "fit layer" in result.stdout
