@@ -224,7 +224,9 @@ THREADS_SUFFIX = re.compile(r"/t(\d+)\b")  # "/t14": a mode run with that many C
 # "/split=4-32768-65536": a mode run with the CPU attention's work split set so (items_per_thread, min_item_bytes,
 # min_thread_bytes; torch.ops.apex.cpu_attention_work_split), the op's own split restored after it
 SPLIT_SUFFIX = re.compile(r"/split=(\d+)-(\d+)-(\d+)")
-INLINE_SUFFIX = "/inline"  # a mode run with the layered exchange on the compute stream (EXCHANGE_BESIDE off)
+# a mode run with the layered exchange on a side stream ("/beside") or on the compute stream ("/inline"):
+# attention_runner.EXCHANGE_BESIDE for that run
+EXCHANGE_SUFFIXES = {"/beside": True, "/inline": False}
 BLOCK_SUFFIX = re.compile(r"/bs(\d+)\b")  # "/bs64": a mode run with KV blocks of that many tokens (block_size)
 
 
@@ -257,11 +259,12 @@ def run_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seq
     """{tokens_per_s, decode_step_s, host_requests, steps: [(gpu rows, cpu rows, mean context, seconds)]} at
     steady state (a first, shorter run captures the graphs its step shapes need), its window from step
     `start_step` on at the earliest."""
-    if INLINE_SUFFIX in mode:
+    exchange = next((s for s in EXCHANGE_SUFFIXES if s in mode), None)
+    if exchange:
         beside = attention_runner.EXCHANGE_BESIDE
-        attention_runner.EXCHANGE_BESIDE = False
+        attention_runner.EXCHANGE_BESIDE = EXCHANGE_SUFFIXES[exchange]
         try:
-            return run_mode(model, mode.replace(INLINE_SUFFIX, ""), device_bytes, host_bytes, prompts, new_tokens,
+            return run_mode(model, mode.replace(exchange, ""), device_bytes, host_bytes, prompts, new_tokens,
                             max_seqs, args, start_step)
         finally:
             attention_runner.EXCHANGE_BESIDE = beside
@@ -377,8 +380,8 @@ def main():
     parser.add_argument("--modes", default="never,auto,0.25,0.5",
                         help="offload modes (never, auto, all, a fraction, staggered[:width]); a mode + \"/pw\" runs "
                              "its mixed steps piecewise (mixed_graphs=False), the A/B of whole mixed graphs; "
-                             "'/split=a-b-c' sets the CPU attention's work split, '/bs64' the KV block size, '/inline' "
-                             "runs the layered exchange on the compute stream, for that mode")
+                             "'/split=a-b-c' sets the CPU attention's work split, '/bs64' the KV block size, '/beside' "
+                             "or '/inline' runs the layered exchange on a side or the compute stream, for that mode")
     parser.add_argument("--fill-steps", type=int, default=600,
                         help="at most this many steps to fill the staggered pipeline before --warm-steps")
     parser.add_argument("--warm-steps", type=int, default=100, help="steps before the measured window")

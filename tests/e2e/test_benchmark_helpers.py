@@ -111,7 +111,8 @@ def test_a_piecewise_mode_differs_from_its_mode_only_in_its_mixed_steps():
 
 def test_a_mode_can_name_its_block_size_its_cpu_work_split_and_an_inline_exchange(monkeypatch):
     """"/bs64" sets the KV block size; "/split=a-b-c" and "/inline" run the mode under that CPU attention work
-    split and with the layered exchange on the compute stream, and restore both after it, also when it fails."""
+    split and with the layered exchange on the compute stream ("/beside": on its side stream), and restore both
+    after it, also when it fails."""
     from apex_compile.ops import cpu_attention_work_split
     whole = e2e_hybrid.hybrid_config("auto", 1 << 30, 1 << 31, 64, 640, 256)
     blocks = e2e_hybrid.hybrid_config("auto/bs64", 1 << 30, 1 << 31, 64, 640, 256)
@@ -128,7 +129,13 @@ def test_a_mode_can_name_its_block_size_its_cpu_work_split_and_an_inline_exchang
         e2e_hybrid.run_mode(None, "auto/inline/split=4-32768-65536", 1 << 30, 1 << 31, [[1, 2]], 2, 64, SimpleNamespace(
             prefill_while_decoding=256, cpu_threads=None), start_step=0)
     assert seen == [("auto", {"items_per_thread": 4, "min_item_bytes": 32768, "min_thread_bytes": 65536}, False)]
-    assert cpu_attention_work_split() == before and e2e_hybrid.attention_runner.EXCHANGE_BESIDE
+    assert cpu_attention_work_split() == before
+    default = e2e_hybrid.attention_runner.EXCHANGE_BESIDE
+    with pytest.raises(RuntimeError, match="run failed"):
+        e2e_hybrid.run_mode(None, "staggered:2/beside", 1 << 30, 1 << 31, [[1, 2]], 2, 64, SimpleNamespace(
+            prefill_while_decoding=256, cpu_threads=None), start_step=0)
+    assert seen[-1][0] == "staggered" and seen[-1][2] is True
+    assert e2e_hybrid.attention_runner.EXCHANGE_BESIDE == default
 
 
 def test_host_contention_times_each_kind_of_work_under_each_worker_load(tmp_path):
