@@ -290,8 +290,9 @@ class ApexModel:
         if mode == "staggered":
             width = engine.stagger.width if engine.stagger is not None else 0
             capacity = engine.stagger.capacity if engine.stagger is not None else 0
+            lanes = engine.stagger.num_lanes if engine.stagger is not None else 0
             return (f"staggered: requests the device pool cannot take decode from the host pool, {width} row(s) per "
-                    f"step, their tokens one layer further on per turn of two lanes ({capacity} in flight)")
+                    f"step, their tokens one layer further on per turn of {lanes} lane(s) ({capacity} in flight)")
         if mode == "all":
             return "all: every running request keeps its KV in the host pool and attends on the CPU"
         return (f"fraction {float(mode):g}: about that share of running requests in the host pool (CPU attention), "

@@ -32,10 +32,11 @@ from apex_compile.runtime.scheduler import ScheduledChunk
 from apex_compile.runtime.step_buffers import PoolPart
 
 
-# The one-lane staggered block's exchange (the device wait for the CPU job, the host reads and writes, the
-# ready flag) runs on a side stream beside the device rows' attention, which needs none of it; the step joins
-# it before the layer's output is read. False: both on the compute stream, one after the other (an A/B).
-EXCHANGE_BESIDE = True
+# True: the one-lane staggered block's exchange (the device wait for the CPU job, the host reads and writes, the
+# ready flag) runs on a side stream beside the device rows' attention, which needs none of it, and the step
+# joins it before the layer's output is read. Off until measured on the GPU (notes item 42): both then run on
+# the compute stream, one after the other.
+EXCHANGE_BESIDE = False
 
 
 def order_chunks(chunks: Sequence[ScheduledChunk]) -> List[ScheduledChunk]:

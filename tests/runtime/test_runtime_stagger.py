@@ -59,6 +59,7 @@ def test_staggered_tokens_equal_hf_generate(kind, width, lanes):
     reference = hf_tokens(model, prompts, 10)
     apex = staggered(model, width, lanes=lanes)
     assert apex.engine.stagger.capacity == lanes * (LAYERS + 1) * width
+    assert f"per turn of {lanes} lane(s) ({apex.engine.stagger.capacity} in flight)" in apex.offload_decision()
     done = apex.engine.generate(prompts, SamplingParams(max_new_tokens=10))
     assert [c.token_ids for c in done] == reference
     on_host = [c for c in done if c.steps_per_pool["host"]]
