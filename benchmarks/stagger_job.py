@@ -90,7 +90,8 @@ def main():
     cores = worker_cores(args.threads)
     pool = concurrent.futures.ThreadPoolExecutor(1, initializer=_pin_worker, initargs=(cores,))
     print(f"{os.cpu_count()} CPUs, worker on {len(cores)} cores, {layers} layers x {hk} kv heads x {dim}, context "
-          f"{args.context}, pool {blocks} blocks of {bs} tokens per layer, pinned={pin}, work split {list(split)}", flush=True)
+          f"{args.context}, pool {blocks} blocks of {bs} tokens per layer, pinned={pin}, work split {list(split)}",
+          flush=True)
     results = []
     modes = args.modes.split(",")
     for rows in [int(r) for r in args.rows.split(",")]:
