@@ -15,6 +15,7 @@ HF generate with its offloaded cache (KV in host memory) over as many requests a
     python benchmarks/e2e_hybrid.py --out benchmarks/results/e2e_hybrid_<date>_h200.json
 """
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -259,24 +260,33 @@ def run_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seq
     """{tokens_per_s, decode_step_s, host_requests, steps: [(gpu rows, cpu rows, mean context, seconds)]} at
     steady state (a first, shorter run captures the graphs its step shapes need), its window from step
     `start_step` on at the earliest."""
-    exchange = next((s for s in EXCHANGE_SUFFIXES if s in mode), None)
-    if exchange:
-        beside = attention_runner.EXCHANGE_BESIDE
-        attention_runner.EXCHANGE_BESIDE = EXCHANGE_SUFFIXES[exchange]
-        try:
-            return run_mode(model, mode.replace(exchange, ""), device_bytes, host_bytes, prompts, new_tokens,
-                            max_seqs, args, start_step)
-        finally:
-            attention_runner.EXCHANGE_BESIDE = beside
-    split = SPLIT_SUFFIX.search(mode)
-    if split:
-        default_split = list(cpu_attention_work_split().values())
-        cpu_attention_work_split(*(int(v) for v in split.groups()))
-        try:
-            return run_mode(model, SPLIT_SUFFIX.sub("", mode), device_bytes, host_bytes, prompts, new_tokens,
-                            max_seqs, args, start_step)
-        finally:
-            cpu_attention_work_split(*default_split)
+    with process_settings(mode) as mode:
+        return _run_engine_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seqs, args,
+                                start_step)
+
+
+@contextlib.contextmanager
+def process_settings(mode):
+    """The process-wide settings a mode's suffixes name (the exchange's stream, the CPU attention's work split)
+    in effect; yields the mode without those suffixes and restores the settings after it."""
+    beside, split = attention_runner.EXCHANGE_BESIDE, list(cpu_attention_work_split().values())
+    try:
+        exchange = next((s for s in EXCHANGE_SUFFIXES if s in mode), None)
+        if exchange:
+            attention_runner.EXCHANGE_BESIDE = EXCHANGE_SUFFIXES[exchange]
+            mode = mode.replace(exchange, "")
+        named = SPLIT_SUFFIX.search(mode)
+        if named:
+            cpu_attention_work_split(*(int(v) for v in named.groups()))
+            mode = SPLIT_SUFFIX.sub("", mode)
+        yield mode
+    finally:
+        attention_runner.EXCHANGE_BESIDE = beside
+        cpu_attention_work_split(*split)
+
+
+def _run_engine_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seqs, args, start_step):
+    """`run_mode` once the mode's process-wide settings are in effect."""
     apex = optimize(model, hybrid_config(mode, device_bytes, host_bytes, max_seqs, len(prompts[0]) + new_tokens,
                                          args.prefill_while_decoding, args.cpu_threads))
     engine = apex.engine
