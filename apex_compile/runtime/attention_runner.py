@@ -34,8 +34,9 @@ from apex_compile.runtime.step_buffers import PoolPart
 
 # True: the one-lane staggered block's exchange (the device wait for the CPU job, the host reads and writes, the
 # ready flag) runs on a side stream beside the device rows' attention, which needs none of it, and the step
-# joins it before the layer's output is read. Off until measured on the GPU (notes item 42): both then run on
-# the compute stream, one after the other.
+# joins it before the layer's output is read. Off (both then run on the compute stream, one after the other):
+# on the GPU it gives HF's tokens and a shorter median step, but no more tokens/s at 4 host rows, where the CPU
+# job is the step's critical path (notes item 43).
 EXCHANGE_BESIDE = False
 
 

@@ -39,6 +39,10 @@ DEFAULT_STAGGER_WIDTH = 4  # offload="staggered" without a width
 # pipeline's first requests are prefilled in the host pool, costly; a verdict flickering at the margin would pay
 # that and park them again: notes item 41)
 STAGGER_RISE_STEPS = 64
+# and steps in a row it must find none paying before the ceiling of a pipeline with members falls to 0 (which
+# empties it: its requests are parked, and refilling it takes a rise and a lane's cycle; a dip of the measured
+# rows, the job fit's noise, read as a verdict of 0 for one step)
+STAGGER_FALL_STEPS = 32
 AUTO_STAGGER_WIDTH = 8  # stagger_width="auto": the block's rows, of which the measured CPU job decides the used
 
 
@@ -266,6 +270,7 @@ class Engine:
         self._ceiling_key = None  # (device rows, context bucket, calibration state) of the last auto ceiling
         self._model_rows = 0  # the model's host rows at that key
         self._rise_steps = 0  # steps in a row the model's rows were > 0 while the ceiling stayed 0
+        self._fall_steps = 0  # steps in a row the model's rows were 0 while the ceiling of a used pipeline was not
         self.scheduler = Scheduler(self.config, self.kv, self.max_model_len, self._auto_host_policy(), self.stagger)
         self.runner = PagedAttentionRunner(self.kv, self.device)
         self.runner.stagger = self.stagger
@@ -335,7 +340,7 @@ class Engine:
         sample, parked to resume in the device pool: `_park_idle_pipeline`): a plan whose job fits fewer rows
         than its overhead needs to pay stops taking requests. Recomputed when the composition or the measured
         rows change; a ceiling of 0 rises only after the model has found rows paying STAGGER_RISE_STEPS steps in
-        a row."""
+        a row, and that of a pipeline with members falls to 0 only after STAGGER_FALL_STEPS steps of none."""
         running = self.scheduler.running
         if not running:
             return
@@ -352,7 +357,11 @@ class Engine:
             self._rise_steps += 1
             if self._rise_steps < STAGGER_RISE_STEPS:
                 return
-        self._rise_steps = 0
+        if not rows and stagger.rows.ceiling and stagger.num_members:  # and falling, STAGGER_FALL_STEPS
+            self._fall_steps += 1
+            if self._fall_steps < STAGGER_FALL_STEPS:
+                return
+        self._rise_steps = self._fall_steps = 0
         stagger.rows.set_ceiling(rows)
 
     def _park_idle_pipeline(self) -> None:
@@ -797,6 +806,7 @@ class Engine:
             if self.config.offload == "auto":
                 self._update_stagger_ceiling()
             self._park_idle_pipeline()
+            self.scheduler.parked_to_pipeline()
             if not self.stagger.num_members:
                 self.stagger.idle_step()
         launched, self._ahead = self._ahead, None

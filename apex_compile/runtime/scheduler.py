@@ -5,9 +5,9 @@ to the token budget when prefilling), oldest first. When a request's pool has no
 the newest running request of that pool is evicted: moved to the other pool when that pool also runs
 requests (offload fraction) and has room, else parked in the other pool (swap preemption), else its blocks
 are freed and it is prefilled again later (recompute preemption). Parked requests resume before waiting
-requests are admitted (with the staggered plan, waiting requests may meanwhile start in its pipeline: the parked
-wait for the device pool only); waiting requests are admitted in arrival order while their first chunk fits in
-the pool the offload policy picks for them.
+requests are admitted (with the staggered plan, waiting requests may meanwhile start in its pipeline, and parked
+ones join it while it takes them: `parked_to_pipeline`); waiting requests are admitted in arrival order while
+their first chunk fits in the pool the offload policy picks for them.
 """
 import collections
 import dataclasses
@@ -181,6 +181,27 @@ class Scheduler:
         requests still prefilling, which join it next)."""
         prefilling = sum(1 for r in self.running if self.kv.pool_of(r.request_id) == HOST_POOL)
         return self.stagger.num_members + prefilling >= self.stagger.capacity
+
+    def parked_to_pipeline(self) -> List[Request]:
+        """The staggered plan, before a step: parked requests (their KV in the host pool, their last token
+        sampled) join its pipeline while it takes them, the latest parked first (the earliest resume first in the
+        device pool); returns them. Else the parked wait for the device pool while the pipeline starves once the
+        waiting queue is empty (a pipeline emptied by auto's ceiling would refill only from new arrivals)."""
+        joined: List[Request] = []
+        index = len(self.parked) - 1
+        while index >= 0 and not self._pipeline_full():
+            request = self.parked[index]
+            index -= 1
+            if request.num_tokens - request.num_computed != 1:
+                continue  # parked mid-prompt: its prefill resumes in the device pool
+            if not (self._pipeline_takes(request)
+                    and self.kv.grow(request.request_id, HOST_POOL, self.max_tokens(request))):
+                break  # the host pool has no room for its whole length (nor, mostly, for the earlier parked)
+            del self.parked[index + 1]
+            request.status = RequestStatus.RUNNING
+            self.stagger.join(request)
+            joined.append(request)
+        return joined
 
     def to_pipeline(self, request: Request) -> None:
         """A host-pool request finished its prefill: it decodes in the staggered pipeline from now on."""

@@ -71,15 +71,20 @@ class RowLimit:
     (measured without the launching thread's wait for the job, so a CPU that falls behind does not loosen its own
     limit). A guard against a fit that flatters the CPU (a slower host than the fit's jobs showed): each step in
     which the launching thread waits for the job more than WAIT_SHARE of the step, as it has on average lately,
-    takes a row away; one comes back after REGROW_STEPS steps without such a wait. With the performance model's CPU
-    rate (`prior_rate`) the fit's rate is kept within PRIOR_SPREAD of it. The step average takes decode steps only
-    (a step with prompt chunks, hundreds of them while a pipeline fills, would widen the budget of the decode
-    steps that follow). An empty pipeline drops that evidence after `IDLE_HOLD` steps (`idle_step`). A fixed pipeline
-    keeps every row."""
+    takes a row away, then lets the waits of one `cycle` pass (a row taken away shortens the job only as the
+    lanes' groups re-enter under the new limit, `cycle` steps; one per waiting step would take every row before
+    the first cut acts); one comes back after REGROW_STEPS steps without such a wait. With the performance
+    model's CPU rate (`prior_rate`) the fit's rate is kept within PRIOR_SPREAD of it. The step average takes
+    decode steps only (a step with prompt chunks, hundreds of them while a pipeline fills, would widen the budget
+    of the decode steps that follow). An empty pipeline drops that evidence after `IDLE_HOLD` steps
+    (`idle_step`). A fixed pipeline keeps every row."""
 
-    def __init__(self, width: int, num_layers: int, adaptive: bool, prior_rate: Optional[float] = None):
-        """prior_rate: the profiled seconds per (layer, context token) of the CPU attention, or None."""
+    def __init__(self, width: int, num_layers: int, adaptive: bool, prior_rate: Optional[float] = None,
+                 cycle: Optional[int] = None):
+        """prior_rate: the profiled seconds per (layer, context token) of the CPU attention, or None. cycle: steps
+        until every group re-entered under a new limit (lanes x (num_layers + 1); default one lane's)."""
         self.width = width
+        self.cycle = num_layers + 1 if cycle is None else cycle
         self.prior_rate = prior_rate
         self.num_layers = num_layers
         self.adaptive = adaptive
@@ -92,6 +97,7 @@ class RowLimit:
         self.wait_share: Optional[float] = None  # running share of a step the launching thread waited for the job
         self.guard = width  # rows allowed by the waits for the CPU job (the guard in the class docstring)
         self._calm_steps = 0  # steps since the last one that waited too long
+        self._cooldown = 0  # steps left before the guard may take another row (its last cut is taking effect)
         self._moments: Optional[List[float]] = None  # weighted sums of 1, work, seconds, work^2, work x seconds
         self._context = 0.0  # the last mean context `update` saw (an empty pipeline keeps it)
         self.idle_steps = 0  # steps with an empty pipeline since it emptied or last probed
@@ -102,9 +108,11 @@ class RowLimit:
     def _average(old: Optional[float], new: float) -> float:
         return new if old is None else (1 - EMA) * old + EMA * new
 
-    def observe_job(self, seconds: float, work: int) -> None:
-        """A job's run time and its work: the context tokens it attended, summed over its rows (one layer each)."""
-        if work <= 0:
+    def observe_job(self, seconds: float, work: int, decode: bool = True) -> None:
+        """A job's run time and its work: the context tokens it attended, summed over its rows (one layer each).
+        decode: False for a job of a turn with prompt chunks, left out like its step (`observe_step`): it ran
+        beside the prompts' K/V export into the host cache, so its time tells nothing of its rows' cost."""
+        if work <= 0 or not decode:
             return
         x = float(work)
         values = (1.0, x, seconds, x * x, x * seconds)  # exponentially weighted sums (the first: the weights)
@@ -135,8 +143,11 @@ class RowLimit:
             self.step = self._average(self.step, seconds)
             share = waited / (seconds + waited)
             self.wait_share = self._average(self.wait_share, share)
+            self._cooldown = max(self._cooldown - 1, 0)
             if share > WAIT_SHARE and self.wait_share > WAIT_SHARE:  # this step waited, and it is no one-off
-                self.guard = max(1, min(self.guard, self.limit) - 1)
+                if not self._cooldown:
+                    self.guard = max(1, min(self.guard, self.limit) - 1)
+                    self._cooldown = self.cycle
                 self._calm_steps = 0
             else:
                 self._calm_steps += 1
@@ -164,7 +175,7 @@ class RowLimit:
             self.probes += 1
             self.guard = self.measured = min(self.width, self.measured + 1)
             self.rate, self.fixed, self._moments = None, 0.0, None
-            self._calm_steps = 0
+            self._calm_steps = self._cooldown = 0
             self.update(0.0)
 
     def update(self, mean_context: float) -> int:
@@ -281,7 +292,7 @@ class StaggerPipeline:
         self.rope = rope
         self.steps = 0
         self.begun = False  # begin_step ran for a step whose end_step has not
-        self.rows = RowLimit(width, self.num_layers, adaptive, prior_rate)
+        self.rows = RowLimit(width, self.num_layers, adaptive, prior_rate, cycle=lanes * (self.num_layers + 1))
         self._last_begin: Optional[float] = None
         # turns whose step time and wait are not a decode step's: a step with prompt chunks was queued in them or in
         # the two turns before (steps are queued ahead; a prompt's export can delay the jobs after it)
@@ -505,10 +516,10 @@ class StaggerPipeline:
                 waits = getattr(self.executor, "collect_seconds", None)
                 waited = waits[-1] if waits else 0.0
                 rows.observe_step(now - self._last_begin - waited, waited, decode=not self._prompt_turns)
-            self._prompt_turns = max(self._prompt_turns - 1, 0)
             self._last_begin = now
             lens = [g.context_lens for g in lane if g.size]
             rows.update(float(np.concatenate(lens).mean()) if lens else 0.0)
+        self._prompt_turns = max(self._prompt_turns - 1, 0)
         # admitted requests (inside, or waiting to join) keep at least one row, so they all finish; unless the
         # model's ceiling is 0 (auto: host rows no longer pay): then the pipeline empties as its requests sample,
         # and the engine parks them (`Engine._park_idle_pipeline`)
@@ -541,6 +552,7 @@ class StaggerPipeline:
         plan = HostJob.of(lane[:self.num_layers], self.width)
         exports = runner.exports.queued()  # prompt K/V still on their way into the host cache
         work = int(plan.context_lens.sum())
+        decode = not self._prompt_turns  # a job beside prompt steps tells nothing of its rows' cost
         num_heads = self.heads[0]
 
         if self.layered:
@@ -552,7 +564,7 @@ class StaggerPipeline:
                 seconds = stagger_layer_job(staged, pool.key_caches, pool.value_caches, plan.cache_index,
                                             plan.block_tables, plan.context_lens, plan.slots, plan.rows, num_heads,
                                             runner.stagger_scale, out, ready, done, turn)
-                self.rows.observe_job(seconds[1], work)
+                self.rows.observe_job(seconds[1], work, decode)
                 return seconds
 
             self.executor.launch(turn, layer_job, [self.staged], self.outputs)
@@ -563,7 +575,7 @@ class StaggerPipeline:
                 export.result()
             seconds = host_attention(plan, staged, num_heads, pool.key_caches, pool.value_caches,
                                      runner.stagger_scale, out, ready_flags, ready_values)
-            self.rows.observe_job(seconds[1], work)
+            self.rows.observe_job(seconds[1], work, decode)
             return seconds
 
         self.executor.launch(index, job, [self.staged], self.outputs)

@@ -272,6 +272,31 @@ def test_a_fallen_row_limit_on_the_gpu_equals_hf_generate_fp32(lanes):
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 
+def test_parked_requests_join_the_pipeline_on_the_gpu_equal_hf_generate_fp32(monkeypatch):
+    """Requests parked from the device pool while the pipeline took nothing (its ceiling 0) join it once it
+    takes them again (one lane: layered jobs, async scheduling, captured graphs): HF's tokens, no block lost."""
+    from apex_compile.runtime.scheduler import Scheduler
+    ids, mask, ref, block, model = sharp_small_pool_case()
+    apex = optimize(model, ApexConfig(offload="staggered", stagger_width=3, gpu_cache_size=8 * block,
+                                      cpu_cache_size=32 * MB, stagger_lanes=1))
+    stagger = apex.engine.stagger
+    stagger.rows.set_ceiling(0)
+    joined = []
+    join = Scheduler.parked_to_pipeline
+
+    def open_and_join(self):
+        if self.parked and not stagger.rows.ceiling and not joined:
+            stagger.rows.set_ceiling(3)
+        joined.extend(join(self))
+        return joined
+
+    monkeypatch.setattr(Scheduler, "parked_to_pipeline", open_and_join)
+    out = apex.generate(ids, attention_mask=mask, **GREEDY_20)
+    assert torch.equal(out, ref) and joined
+    assert int(stagger.executor.status[0]) == 0 and apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+    apex.close()
+
+
 def test_auto_that_chooses_the_staggered_plan_equals_hf_generate_fp32(tmp_path, monkeypatch):
     """offload="auto" whose model predicts the staggered plan pays (a profile with a fast CPU, the model's
     rows per step pinned to the block's width so the choice does not hang on this tiny model's timings):

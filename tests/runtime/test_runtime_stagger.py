@@ -1,6 +1,7 @@
 """The staggered plan on a CPU: end to end against HF generate, the pipeline's rotation, the stagger pass, and
 the asynchronous job executor's ordering with fake streams (a slow copy back must never see its buffer
 rewritten)."""
+import collections
 import concurrent.futures
 import os
 import time
@@ -63,7 +64,9 @@ def test_staggered_tokens_equal_hf_generate(kind, width, lanes):
     done = apex.engine.generate(prompts, SamplingParams(max_new_tokens=10))
     assert [c.token_ids for c in done] == reference
     on_host = [c for c in done if c.steps_per_pool["host"]]
-    assert len(on_host) >= 3 and all(c.steps_per_pool["host"] == 10 for c in on_host)  # every decode staggered
+    # every decode of a host-prefilled request staggered (a parked one joins the pipeline after device steps)
+    assert len(on_host) >= 3 and all(c.steps_per_pool["host"] == 10 for c in on_host if not c.num_preemptions)
+    assert all(sum(c.steps_per_pool.values()) >= 10 for c in on_host)
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
     assert not apex.engine.stagger.members()
 
@@ -203,6 +206,7 @@ def test_aborting_one_pipeline_request_writes_nothing_into_its_freed_blocks(monk
     """A request cancelled halfway through the layers: its blocks go back to the pool, no later CPU job appends
     into them (its group's metadata is rebuilt), and the others' tokens stay HF's."""
     from apex_compile.runtime import stagger as stagger_module
+    from apex_compile.runtime.kv_manager import HOST_POOL
 
     torch.manual_seed(4)
     model = sharp_model()
@@ -229,11 +233,14 @@ def test_aborting_one_pipeline_request_writes_nothing_into_its_freed_blocks(monk
     assert victim is not None and not engine.scheduler.waiting
     bs = engine.kv.block_size
     freed = set(engine.kv.tables[victim.request_id].block_ids)
-    written = []
+    written, unowned = [], []
     original = stagger_module.stagger_cpu_job
 
     def recording(staged, key_caches, value_caches, cache_index, block_tables, context_lens, slots, *args):
+        # a freed block may go to another request (a parked one joining the pipeline): writes into it are its own
+        owned = {b for t in engine.kv.tables.values() if t.pool == HOST_POOL for b in t.block_ids}
         written.extend(int(s) // bs for s in slots)
+        unowned.extend(int(s) // bs for s in slots if int(s) // bs not in owned)
         return original(staged, key_caches, value_caches, cache_index, block_tables, context_lens, slots, *args)
 
     monkeypatch.setattr(stagger_module, "stagger_cpu_job", recording)
@@ -241,7 +248,7 @@ def test_aborting_one_pipeline_request_writes_nothing_into_its_freed_blocks(monk
     assert stagger.num_members == len(stagger.members())
     while engine.has_unfinished():
         engine.step()
-    assert written and not freed & set(written)
+    assert written and not freed & set(unowned)
     kept = [(r, ref) for r, ref in zip(requests, reference) if r is not victim]
     assert [r.output_token_ids for r, _ in kept] == [ref for _, ref in kept]
     assert victim.finish_reason == "abort" and engine.blocks_in_use() == {"device": 0, "host": 0}
@@ -377,27 +384,37 @@ def test_auto_gives_its_pipeline_the_profiled_cpu_rate():
 
 def test_rows_are_taken_away_while_the_gpu_waits_for_the_cpu_job():
     """A fit that flatters the CPU (its jobs ran faster than the jobs now do): the steps show the launching
-    thread waiting for the job, so a row goes per step until the waits stop, and comes back only after
-    REGROW_STEPS calm steps."""
+    thread waiting for the job, so the guard takes a row, then lets one cycle of waits pass (the job shrinks only
+    as the groups re-enter under the new limit), until the waits stop; a row comes back only after REGROW_STEPS
+    calm steps. Taking a row per waiting step collapsed the rows to 1 before the first cut took effect."""
     from apex_compile.runtime.stagger import REGROW_STEPS, RowLimit
 
     work_per_row = 32 * 576
     rows = RowLimit(width=8, num_layers=32, adaptive=True)
+    assert rows.cycle == 33
     for used in (2, 4, 6, 8):
         rows.observe_job(0.5e-3 * used, work=used * work_per_row)  # 0.5 ms a row: 8 rows fit a 6 ms step
     rows.observe_step(6e-3)
     assert rows.update(576) == 8
+    entered = collections.deque([8] * rows.cycle, maxlen=rows.cycle)  # each group's rows, set as it entered
     seen = []
-    for _ in range(6):  # the job now takes 1.2 ms a row: the GPU waits for it
-        waited = max(1.2e-3 * rows.limit - 6e-3, 0.0)
+    for _ in range(12 * rows.cycle):  # the job now takes 1.2 ms a row: the GPU waits while it holds > 5 rows
+        waited = max(1.2e-3 * sum(entered) / len(entered) - 6e-3, 0.0)
         rows.observe_step(6e-3, waited)
         seen.append(rows.update(576))
-    assert seen == [7, 6, 5, 5, 5, 5]  # 5 rows of 1.2 ms fit the step: no wait, no further loss
-    for _ in range(REGROW_STEPS - 4):  # with the 3 calm steps above: one short of REGROW_STEPS
-        rows.observe_step(6e-3, 0.0)
-    assert rows.update(576) == 5
-    rows.observe_step(6e-3, 0.0)
-    assert rows.update(576) == 6  # a row comes back to try again
+        entered.append(seen[-1])
+    assert seen[:rows.cycle] == [7] * rows.cycle  # one row, then a cycle for it to take effect
+    assert min(seen) == 5 and set(seen[-4 * rows.cycle:]) <= {5, 6}  # 5 rows of 1.2 ms fit; 6 is a retry
+    calm = RowLimit(width=8, num_layers=32, adaptive=True)
+    calm.observe_job(0.5e-3 * 8, work=8 * work_per_row)
+    calm.observe_step(6e-3)
+    calm.observe_step(6e-3, 3e-3)
+    assert calm.update(576) == 7
+    for _ in range(REGROW_STEPS - 1):
+        calm.observe_step(6e-3, 0.0)
+    assert calm.update(576) == 7
+    calm.observe_step(6e-3, 0.0)
+    assert calm.update(576) == 8  # a row comes back to try again
 
 
 def test_steps_with_prompt_chunks_do_not_widen_the_decode_steps_budget():
@@ -424,6 +441,32 @@ def test_steps_with_prompt_chunks_do_not_widen_the_decode_steps_budget():
     for _ in range(3):  # decode steps that wait: it does not
         rows.observe_step(6e-3, waited=3e-3)
     assert rows.guard < 8
+
+
+def test_jobs_beside_prompt_steps_stay_out_of_the_job_fit(monkeypatch):
+    """A job of a turn with prompt chunks (its step's, or one of the two before) ran beside their K/V export
+    into the host cache: the fit leaves it out, as the step average leaves out its step; decode turns' jobs go
+    in. Read as the CPU's rate, such jobs collapsed the rows as a pipeline filled."""
+    from apex_compile.runtime.stagger import RowLimit
+
+    rows = RowLimit(width=8, num_layers=32, adaptive=True)
+    rows.observe_job(3.8e-3, work=32 * 4 * 576, decode=False)
+    assert rows.rate is None and rows._moments is None
+    rows.observe_job(3.8e-3, work=32 * 4 * 576)
+    assert rows.rate == pytest.approx(3.8e-3 / (32 * 4 * 576))
+    seen = []
+    observe = RowLimit.observe_job
+    monkeypatch.setattr(RowLimit, "observe_job",
+                        lambda self, seconds, work, decode=True: seen.append(decode) or observe(self, seconds, work,
+                                                                                               decode))
+    torch.manual_seed(3)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (6, 11, 4, 9, 13, 5, 7, 8, 10, 12)]
+    apex = staggered(model, width=2)
+    done = apex.engine.generate(prompts, SamplingParams(max_new_tokens=16))
+    assert [c.token_ids for c in done] == hf_tokens(model, prompts, 16)
+    assert True in seen and False in seen  # prompts were admitted while the pipeline ran, and it decoded alone
+    apex.close()
 
 
 def test_the_engine_tells_the_pipeline_which_steps_carry_prompts(monkeypatch):
@@ -457,7 +500,7 @@ def test_an_empty_pipeline_probes_its_rows_again_after_a_hold():
     rows.observe_job(3.8e-3, work=32 * 4 * 576)  # 0.95 ms a row: 5 rows fit a 6 ms step
     rows.observe_step(6.0e-3)
     assert rows.update(576) == 5
-    for _ in range(8):  # the launching thread waits for the job: the guard falls to one row
+    for _ in range(8 * rows.cycle):  # the launching thread waits for the job: the guard falls to one row
         rows.observe_step(6.0e-3, waited=3e-3)
     assert rows.update(576) == 1 and rows.guard == 1
     rows.set_ceiling(0)  # auto: one row does not pay
@@ -475,7 +518,7 @@ def test_an_empty_pipeline_probes_its_rows_again_after_a_hold():
         rows.observe_step(6.0e-3)
     rows.update(576)
     assert rows.measured == 5
-    for _ in range(8):  # the job slows down: the guard takes the rows back to 1
+    for _ in range(8 * rows.cycle):  # the job slows down: the guard takes the rows back to 1
         rows.observe_step(6.0e-3, waited=3e-3)
     rows.update(576)
     assert rows.measured == 1
@@ -529,6 +572,7 @@ def test_auto_refills_a_pipeline_its_ceiling_emptied_after_the_probe(monkeypatch
     stagger.rows.guard = stagger.rows.measured = 1  # collapsed
     stagger.rows.idle_hold = 6
     monkeypatch.setattr(engine_module, "STAGGER_RISE_STEPS", 4)
+    monkeypatch.setattr(engine_module, "STAGGER_FALL_STEPS", 4)
     sampling = SamplingParams(max_new_tokens=24)
     requests = [engine.add_request(p, sampling) for p in prompts[:8]]
     seen = []
@@ -590,6 +634,36 @@ def test_a_ceiling_of_zero_admits_nothing_and_parks_the_pipelines_requests(monke
     assert not stagger.members() and apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 
+def test_parked_requests_join_the_pipeline_when_it_takes_them(monkeypatch):
+    """Requests parked from the device pool (their KV in the host pool, their last token sampled) join the
+    staggered pipeline once it has rows for them, rather than only waiting for the device pool: a pipeline
+    emptied by auto's ceiling refills once every request was admitted. Tokens are HF's, no block is lost."""
+    from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL
+    from apex_compile.runtime.scheduler import Scheduler
+
+    torch.manual_seed(10)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (6, 11, 4, 9, 13, 5, 7, 8)]
+    reference = hf_tokens(model, prompts, 12)
+    joined = []
+    join = Scheduler.parked_to_pipeline
+    monkeypatch.setattr(Scheduler, "parked_to_pipeline", lambda self: joined.extend(join(self)) or joined)
+    apex = staggered(model, width=2)
+    engine, stagger = apex.engine, apex.engine.stagger
+    stagger.rows.set_ceiling(0)  # nothing enters the pipeline: the device pool's evictions are parked
+    tokens, opened = [[] for _ in prompts], False
+    for event in engine.stream(prompts, SamplingParams(max_new_tokens=12)):
+        tokens[event.index].append(event.token_id)
+        if not opened and engine.scheduler.parked:
+            assert not joined
+            stagger.rows.set_ceiling(2)
+            opened = True
+    assert opened and joined and tokens == reference
+    assert all(r.num_preemptions and r.steps_per_pool[DEVICE_POOL] and r.steps_per_pool[HOST_POOL] for r in joined)
+    assert not stagger.members() and engine.blocks_in_use() == {"device": 0, "host": 0}
+    apex.close()
+
+
 def test_a_fallen_row_limit_sends_requests_beyond_it_back_to_wait():
     """When the limit falls below the rows in use (the CPU job fell behind, or the model's ceiling dropped to 1),
     the requests beyond it leave the pipeline at their next turn and wait first in line to rejoin (their blocks
@@ -615,12 +689,12 @@ def test_a_fallen_row_limit_sends_requests_beyond_it_back_to_wait():
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 
-def test_auto_ceiling_is_chosen_among_the_rows_the_cpu_job_fits():
+def test_auto_ceiling_is_chosen_among_the_rows_the_cpu_job_fits(monkeypatch):
     """offload="auto": the model's rows are chosen among those the measured job fits, so a plan whose job fits
     fewer rows than its overhead needs to pay gets a ceiling of 0 (no request enters the pipeline), where the
     model alone would have asked for more rows than the CPU can serve. From 0 the ceiling rises only after the
     verdict held STAGGER_RISE_STEPS steps (a flickering verdict paid host prefills only to park them again)."""
-    from apex_compile.runtime.engine import STAGGER_RISE_STEPS
+    from apex_compile.runtime.engine import STAGGER_FALL_STEPS, STAGGER_RISE_STEPS
 
     apex = staggered(sharp_model(), width="auto")
     engine, stagger = apex.engine, apex.engine.stagger
@@ -657,6 +731,25 @@ def test_auto_ceiling_is_chosen_among_the_rows_the_cpu_job_fits():
     for _ in range(STAGGER_RISE_STEPS // 2 + 1):
         engine._update_stagger_ceiling()
     assert stagger.rows.ceiling == 0
+    for _ in range(STAGGER_RISE_STEPS // 2):
+        engine._update_stagger_ceiling()
+    assert stagger.rows.ceiling == 5
+    # a pipeline with members: its ceiling falls to 0 (which empties it) only after STAGGER_FALL_STEPS of none,
+    # so a dip of the measured rows shorter than that keeps it
+    monkeypatch.setattr(type(stagger), "num_members", property(lambda self: 3))
+    stagger.rows.measured = 2
+    for _ in range(STAGGER_FALL_STEPS - 1):
+        engine._update_stagger_ceiling()
+    assert stagger.rows.ceiling == 5
+    stagger.rows.measured = 5
+    engine._update_stagger_ceiling()
+    stagger.rows.measured = 2
+    for _ in range(STAGGER_FALL_STEPS - 1):
+        engine._update_stagger_ceiling()
+    assert stagger.rows.ceiling == 5
+    engine._update_stagger_ceiling()
+    assert stagger.rows.ceiling == 0
+    monkeypatch.undo()
     apex.close()
 
 
