@@ -97,3 +97,24 @@ def test_sweep_dry_run(tmp_path):
 def test_unknown_section_is_refused(tmp_path):
     result = run_python(FAKE_CUDA, "triton_rms_norm", "--sections", "mlp")
     assert result.returncode != 0 and "unknown sections: ['mlp']" in result.stderr
+
+
+def test_kv_move_dry_run(tmp_path):
+    """benchmarks/kv_move.py on the CPU (both pools in host memory): each variant's request makes the round trip,
+    its host blocks are one run in a fresh pool and one run a block in the scattered one; a bad variant is
+    refused."""
+    out = tmp_path / "kv_move.json"
+    script = os.path.join(BENCHMARKS, "kv_move.py")
+    result = run_python(script, "--shape", "tiny", "--tokens", "40,100", "--host-gib", "0.001", "--repeat", "2",
+                        "--device", "cpu", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {(r["variant"], r["tokens"]): r for r in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == [(v, t) for v in ("busy", "contiguous", "scattered") for t in (40, 100)]
+    for tokens, blocks in ((40, 3), (100, 7)):
+        assert rows["contiguous", tokens]["host_runs"] == 1 and rows["contiguous", tokens]["blocks"] == blocks
+        assert rows["scattered", tokens]["host_runs"] == blocks
+        assert rows["scattered", tokens]["copies"] == blocks * 2 * 2  # runs x (K, V) x layers
+        assert all(rows[v, tokens]["park_ms"] > 0 and rows[v, tokens]["resume_ms"] > 0 for v in ("contiguous",
+                                                                                                  "scattered"))
+    bad = run_python(script, "--variants", "sideways", "--device", "cpu")
+    assert bad.returncode != 0 and "unknown variants" in bad.stderr
