@@ -3,6 +3,7 @@
 A request's KV lives in exactly one pool at a time. The cache layout is the same in both pools (see
 notes/CONVENTIONS.md), so moving a request between pools is a plain copy of its blocks, layer by layer.
 """
+import bisect
 import ctypes
 import dataclasses
 import warnings
@@ -16,30 +17,99 @@ POOL_NAMES = ("device", "host")
 
 
 class BlockAllocator:
-    """Free list of block ids 0..num_blocks-1 of one pool."""
+    """Free block ids 0..num_blocks-1 of one pool, kept as sorted runs of consecutive ids. A request takes the
+    first run that holds all its blocks, else the longest runs first: few runs per request, so its move between
+    pools crosses in few copies (the host side copies once per run and cache, `kv_layout._copy_across`; a stack
+    of freed ids left a request's host blocks in ~9 runs after churn, and a move's time grows with its runs:
+    notes item 43)."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
+        self._starts: List[int] = [0] if num_blocks else []  # sorted first ids of the free runs
+        self._lengths: Dict[int, int] = {0: num_blocks} if num_blocks else {}  # run start -> its length
+        self._num_free = num_blocks
 
     @property
     def num_free(self) -> int:
         """Blocks not held by any request."""
-        return len(self._free)
+        return self._num_free
+
+    @property
+    def num_runs(self) -> int:
+        """Runs of consecutive free ids (1 for an empty pool: how fragmented the free ids are)."""
+        return len(self._starts)
 
     def allocate(self, count: int) -> List[int]:
-        """Takes `count` free blocks; raises if fewer are free (callers check `num_free` first)."""
-        if count > len(self._free):
-            raise RuntimeError(f"block allocator: asked for {count} blocks, {len(self._free)} free")
-        taken = self._free[len(self._free) - count:]
-        del self._free[len(self._free) - count:]
-        return taken[::-1]
+        """Takes `count` free blocks, ascending within each run; raises if fewer are free (callers check
+        `num_free` first)."""
+        if count > self._num_free:
+            raise RuntimeError(f"block allocator: asked for {count} blocks, {self._num_free} free")
+        if count <= 0:
+            return []
+        start = next((s for s in self._starts if self._lengths[s] >= count), None)
+        if start is not None:
+            return self._take(start, count)
+        taken: List[int] = []
+        for start in sorted(self._starts, key=lambda s: -self._lengths[s]):
+            taken += self._take(start, min(self._lengths[start], count - len(taken)))
+            if len(taken) == count:
+                return taken
+        raise AssertionError("free runs and the free count disagree")
+
+    def _take(self, start: int, count: int) -> List[int]:
+        """The first `count` ids of the free run at `start`."""
+        length = self._lengths.pop(start)
+        index = bisect.bisect_left(self._starts, start)
+        if count < length:
+            self._starts[index] = start + count  # still before the next run
+            self._lengths[start + count] = length - count
+        else:
+            del self._starts[index]
+        self._num_free -= count
+        return list(range(start, start + count))
 
     def free(self, block_ids: List[int]) -> None:
-        """Returns blocks to the free list."""
-        self._free.extend(reversed(block_ids))
-        if len(self._free) > self.num_blocks:
+        """Returns blocks to the free runs (merged with their neighbours); raises, changing nothing, on a block
+        already free or out of range."""
+        if self._num_free + len(block_ids) > self.num_blocks:
             raise RuntimeError("block allocator: more blocks freed than allocated (double free)")
+        ids = sorted(block_ids)
+        runs, first = [], 0
+        for i in range(1, len(ids) + 1):
+            if i == len(ids) or ids[i] != ids[i - 1] + 1:
+                runs.append((ids[first], i - first))
+                first = i
+        for (start, count), (after, _) in zip(runs, runs[1:] + [(None, 0)]):
+            if after is not None and after < start + count or not self._is_held(start, count):
+                raise RuntimeError(f"block allocator: blocks {start}..{start + count - 1} are free already or "
+                                   f"out of range (double free)")
+        for start, count in runs:
+            self._insert(start, count)
+
+    def _is_held(self, start: int, count: int) -> bool:
+        """Whether ids start..start+count-1 are in range and in no free run."""
+        if start < 0 or start + count > self.num_blocks:
+            return False
+        index = bisect.bisect_right(self._starts, start + count - 1)  # runs starting at or before the last id
+        if not index:
+            return True
+        before = self._starts[index - 1]
+        return before + self._lengths[before] <= start
+
+    def _insert(self, start: int, count: int) -> None:
+        """Adds the held run start..start+count-1 to the free runs, merged with adjacent ones."""
+        index = bisect.bisect_left(self._starts, start)
+        before = self._starts[index - 1] if index else None
+        after = self._starts[index] if index < len(self._starts) else None
+        self._num_free += count
+        if after == start + count:  # merge with the run after
+            count += self._lengths.pop(after)
+            del self._starts[index]
+        if before is not None and before + self._lengths[before] == start:  # and with the run before
+            self._lengths[before] += count
+        else:
+            self._starts.insert(index, start)
+            self._lengths[start] = count
 
 
 @dataclasses.dataclass

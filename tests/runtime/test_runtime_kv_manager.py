@@ -26,6 +26,44 @@ def test_allocator_hands_out_each_block_once_and_takes_all_back():
         alloc.free([0])
 
 
+def test_allocator_keeps_a_request_in_one_run_after_churn():
+    """Freed ids merge back into runs, and a request takes the first run that holds it whole: after requests
+    of many sizes come and go in any order, a request that fits in a free run gets consecutive ids (a move
+    between pools then crosses in one copy per cache). With no such run it takes the longest runs first."""
+    import random
+
+    rng = random.Random(0)
+    alloc = BlockAllocator(400)
+    held = []
+    for _ in range(2000):
+        if held and rng.random() < 0.5:
+            alloc.free(held.pop(rng.randrange(len(held))))
+        elif alloc.num_free:
+            held.append(alloc.allocate(rng.randint(1, min(40, alloc.num_free))))
+        in_use = sorted(b for ids in held for b in ids)
+        assert len(set(in_use)) == len(in_use) and alloc.num_free == 400 - len(in_use)
+        longest = max((alloc._lengths[s] for s in alloc._starts), default=0)
+        if 0 < longest:
+            probe = alloc.allocate(longest)
+            assert probe == list(range(probe[0], probe[0] + longest))  # one run
+            alloc.free(probe)
+    for ids in held:
+        alloc.free(ids)
+    assert alloc.num_free == 400 and alloc.num_runs == 1  # every freed run merged back
+    split = BlockAllocator(10)
+    a, b, c, d = split.allocate(2), split.allocate(3), split.allocate(1), split.allocate(4)
+    split.free(a)
+    split.free(d)  # free runs: 0-1 and 6-9
+    assert split.allocate(5) == [6, 7, 8, 9, 0]  # no run holds 5: the longest first
+    with pytest.raises(RuntimeError, match="double free"):
+        split.free([2, 2])
+    split.free(b)
+    with pytest.raises(RuntimeError, match="double free"):
+        split.free([3])  # already free, inside a run
+    with pytest.raises(RuntimeError, match="out of range"):
+        split.free([10])
+
+
 def test_block_bytes_counts_k_and_v_of_every_layer():
     shape = CacheShape(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
     assert shape.block_bytes == 2 * 30 * 3 * 16 * 64 * 2
