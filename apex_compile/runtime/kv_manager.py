@@ -19,9 +19,8 @@ POOL_NAMES = ("device", "host")
 class BlockAllocator:
     """Free block ids 0..num_blocks-1 of one pool, kept as sorted runs of consecutive ids. A request takes the
     first run that holds all its blocks, else the longest runs first: few runs per request, so its move between
-    pools crosses in few copies (the host side copies once per run and cache, `kv_layout._copy_across`; a stack
-    of freed ids left a request's host blocks in ~9 runs after churn, and a move's time grows with its runs:
-    notes item 43)."""
+    pools crosses in few copies (the host side copies once per run and cache, `kv_layout._copy_across`, and a
+    move's time grows with its runs: notes item 43)."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
