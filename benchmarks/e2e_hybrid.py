@@ -246,7 +246,8 @@ def hybrid_config(mode, device_bytes, host_bytes, max_seqs, max_tokens, prefill_
     offload, width = parse_mode(mode)
     threads = THREADS_SUFFIX.search(mode)
     cpu_threads = int(threads.group(1)) if threads else cpu_threads
-    block = {"block_size": int(BLOCK_SUFFIX.search(mode).group(1))} if BLOCK_SUFFIX.search(mode) else {}
+    block_size = BLOCK_SUFFIX.search(mode)
+    block = {"block_size": int(block_size.group(1))} if block_size else {}
     return ApexConfig(offload=offload, stagger_width=width, gpu_cache_size=device_bytes,
                       mixed_graphs=PIECEWISE_SUFFIX not in mode,
                       stagger_lanes=next((n for s, n in LANE_SUFFIXES.items() if s in mode), None),

@@ -27,6 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from apex_compile.ops.kv_layout import id_runs  # noqa: E402
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, CacheShape, KVManager  # noqa: E402
 
 SHAPES = {  # (layers, KV heads, head dim): the KV-relevant part of benchmarks/e2e_throughput.py's SHAPES
@@ -40,7 +41,7 @@ GiB = 1 << 30
 
 def host_runs(ids):
     """Runs of consecutive ids (the host side's copies per cache)."""
-    return sum(1 for i, b in enumerate(ids) if i == 0 or b != ids[i - 1] + 1)
+    return len(id_runs(ids))
 
 
 def kv_blocks(tokens: int, shape: CacheShape) -> int:

@@ -84,8 +84,8 @@ def to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
-def _runs(ids: list) -> list:
-    """(position, first id, length) of each run of consecutive ids."""
+def id_runs(ids: list) -> list:
+    """(position, first id, length) of each run of consecutive ids (in the given order)."""
     runs, start = [], 0
     for i in range(1, len(ids) + 1):
         if i == len(ids) or ids[i] != ids[i - 1] + 1:
@@ -99,7 +99,7 @@ def _copy_across(src_caches, dst_caches, src_list: list, dst_list: list, host_is
     tensor of the blocks in order on the accelerator, filled or emptied there by one gather / scatter per cache,
     crossing in one copy per run of host ids. Works on any pair of devices (tested with both on the CPU)."""
     host_ids, device_ids = (dst_list, src_list) if host_is_dst else (src_list, dst_list)
-    runs = _runs(host_ids)
+    runs = id_runs(host_ids)
     device = (src_caches if host_is_dst else dst_caches)[0].device
     index = to_device(device_ids, torch.int64, device)
     for src, dst in zip(src_caches, dst_caches):

@@ -11,6 +11,8 @@ from typing import Dict, List, Optional
 
 import torch
 
+from apex_compile.ops.kv_layout import id_runs
+
 DEVICE_POOL = 0
 HOST_POOL = 1
 POOL_NAMES = ("device", "host")
@@ -72,12 +74,8 @@ class BlockAllocator:
         already free or out of range."""
         if self._num_free + len(block_ids) > self.num_blocks:
             raise RuntimeError("block allocator: more blocks freed than allocated (double free)")
-        ids = sorted(block_ids)
-        runs, first = [], 0
-        for i in range(1, len(ids) + 1):
-            if i == len(ids) or ids[i] != ids[i - 1] + 1:
-                runs.append((ids[first], i - first))
-                first = i
+        runs = [(start, count) for _, start, count in id_runs(sorted(block_ids))]
+        # a repeated id makes the next run start inside this one
         for (start, count), (after, _) in zip(runs, runs[1:] + [(None, 0)]):
             if after is not None and after < start + count or not self._is_held(start, count):
                 raise RuntimeError(f"block allocator: blocks {start}..{start + count - 1} are free already or "

@@ -435,7 +435,7 @@ def test_blocks_cross_in_one_gather_and_a_copy_per_host_run(host_is_dst, monkeyp
     kv_layout._copy_across(src, dst, src_ids, dst_ids, host_is_dst=host_is_dst)
     assert all(torch.equal(d, w) for d, w in zip(dst, want))
     assert len(copies) == 3 * len(src)
-    assert kv_layout._runs([3, 4, 5, 0, 8, 9, 1]) == [(0, 3, 3), (3, 0, 1), (4, 8, 2), (6, 1, 1)]
+    assert kv_layout.id_runs([3, 4, 5, 0, 8, 9, 1]) == [(0, 3, 3), (3, 0, 1), (4, 8, 2), (6, 1, 1)]
 
 
 def test_copy_blocks_layers_checks_every_pair():
