@@ -33,7 +33,7 @@ from e2e_throughput import SHAPES, kv_bytes_per_token, random_llama, timed_gener
 
 from apex_compile import ApexConfig, SamplingParams, optimize  # noqa: E402
 from apex_compile.ops import cpu_attention_work_split  # noqa: E402
-from apex_compile.runtime import attention_runner  # noqa: E402
+from apex_compile.runtime import attention_runner, kv_manager  # noqa: E402
 from apex_compile.runtime import stagger as stagger_module  # noqa: E402
 from apex_compile.runtime.kv_manager import HOST_POOL  # noqa: E402
 from apex_compile.runtime.perf_model import PerfModel, StepCalibration, online_predictions  # noqa: E402
@@ -229,6 +229,9 @@ SPLIT_SUFFIX = re.compile(r"/split=(\d+)-(\d+)-(\d+)")
 # attention_runner.EXCHANGE_BESIDE for that run
 EXCHANGE_SUFFIXES = {"/beside": True, "/inline": False}
 BLOCK_SUFFIX = re.compile(r"/bs(\d+)\b")  # "/bs64": a mode run with KV blocks of that many tokens (block_size)
+# a mode run with block moves overlapped ("/overlapmoves") or waited for on the host ("/syncmoves"):
+# kv_manager.OVERLAP_MOVES for that run
+MOVE_SUFFIXES = {"/overlapmoves": True, "/syncmoves": False}
 
 
 def parse_mode(mode: str):
@@ -268,14 +271,19 @@ def run_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seq
 
 @contextlib.contextmanager
 def process_settings(mode):
-    """The process-wide settings a mode's suffixes name (the exchange's stream, the CPU attention's work split)
-    in effect; yields the mode without those suffixes and restores the settings after it."""
+    """The process-wide settings a mode's suffixes name (the exchange's stream, the block moves, the CPU
+    attention's work split) in effect; yields the mode without those suffixes and restores the settings after it."""
     beside, split = attention_runner.EXCHANGE_BESIDE, list(cpu_attention_work_split().values())
+    overlap = kv_manager.OVERLAP_MOVES
     try:
         exchange = next((s for s in EXCHANGE_SUFFIXES if s in mode), None)
         if exchange:
             attention_runner.EXCHANGE_BESIDE = EXCHANGE_SUFFIXES[exchange]
             mode = mode.replace(exchange, "")
+        moves = next((s for s in MOVE_SUFFIXES if s in mode), None)
+        if moves:
+            kv_manager.OVERLAP_MOVES = MOVE_SUFFIXES[moves]
+            mode = mode.replace(moves, "")
         named = SPLIT_SUFFIX.search(mode)
         if named:
             cpu_attention_work_split(*(int(v) for v in named.groups()))
@@ -283,6 +291,7 @@ def process_settings(mode):
         yield mode
     finally:
         attention_runner.EXCHANGE_BESIDE = beside
+        kv_manager.OVERLAP_MOVES = overlap
         cpu_attention_work_split(*split)
 
 
@@ -392,7 +401,8 @@ def main():
                         help="offload modes (never, auto, all, a fraction, staggered[:width]); a mode + \"/pw\" runs "
                              "its mixed steps piecewise (mixed_graphs=False), the A/B of whole mixed graphs; "
                              "'/split=a-b-c' sets the CPU attention's work split, '/bs64' the KV block size, '/beside' "
-                             "or '/inline' runs the layered exchange on a side or the compute stream, for that mode")
+                             "or '/inline' runs the layered exchange on a side or the compute stream, '/overlapmoves' "
+                             "or '/syncmoves' overlaps the block moves or waits for them on the host, for that mode")
     parser.add_argument("--fill-steps", type=int, default=600,
                         help="at most this many steps to fill the staggered pipeline before --warm-steps")
     parser.add_argument("--warm-steps", type=int, default=100, help="steps before the measured window")

@@ -1,5 +1,6 @@
 """Swap preemption's block moves alone: one request's KV moved device -> host (a park) and back (a resume) with
-`KVManager.move` then `wait_for_moves`, as the scheduler and the engine do, timed to the host's return.
+`KVManager.move` then `sync_moves` (the host waits for the copy, as every move did before overlapped moves),
+timed to the host's return.
 
 Why: in the e2e windows every step above 7 ms coincides with a park or a resume, and each costs 10-34 ms
 (notes item 43) where the copy's bytes alone would take ~2 ms over PCIe. This separates the move from the rest
@@ -80,7 +81,7 @@ def time_moves(kv: KVManager, request_id: int, repeat: int, busy_ms: float, devi
             busy(cycles_per_ms, busy_ms)
             start = time.perf_counter()
             kv.move(request_id, dst)
-            kv.wait_for_moves()
+            kv.sync_moves()
             out.append((time.perf_counter() - start) * 1e3)
     return statistics.median(park), statistics.median(resume)
 
@@ -99,7 +100,7 @@ def run_variant(variant: str, shape: CacheShape, tokens: int, host_blocks: int, 
         kv.move(0, HOST_POOL)
         runs = host_runs(kv.tables[0].block_ids)
         kv.move(0, DEVICE_POOL)
-        kv.wait_for_moves()
+        kv.sync_moves()
         park_ms, resume_ms = time_moves(kv, 0, repeat, busy_ms if variant == "busy" else 0.0, device)
         moved = blocks * shape.block_bytes
         return {"variant": variant, "tokens": tokens, "blocks": blocks, "host_runs": runs,

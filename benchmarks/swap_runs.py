@@ -34,9 +34,9 @@ def simulate(device_blocks, host_blocks, steps, prompt, new_tokens, window_from)
     moves, step = [], 0
     move = kv.move
 
-    def recording_move(request_id, dst):
+    def recording_move(request_id, dst, hold=False):
         source = kv.tables[request_id].block_ids
-        move(request_id, dst)
+        move(request_id, dst, hold)
         host = kv.tables[request_id].block_ids if dst == HOST_POOL else source
         moves.append({"step": step, "to": "host" if dst == HOST_POOL else "device", "blocks": len(host),
                       "runs": host_runs(host)})

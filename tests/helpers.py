@@ -164,3 +164,51 @@ class DenseCausalRunner:
         out = device_out.clone()
         out[:host_out.shape[0]] = host_out
         return out
+
+
+class DeferredSwap:
+    """A CPU stand-in for the KV manager's swap stream (`KVManager._swap`) under overlapped moves: a move's copy
+    runs only when its event lands (in issue order, as on a stream): when the manager waits for it on the host
+    (`synchronize`) or orders the compute after it (`order_compute`), or after `delay` queries of it. A block
+    reused before its move landed would change what the copy reads, or be read before it is written, so a test's
+    tokens show a missing wait or hold."""
+
+    class Event:
+        def __init__(self, swap, delay):
+            self.swap, self.left, self.done = swap, delay, False
+
+        def query(self):
+            self.left -= 1
+            if not self.done and self.left < 0:
+                self.swap.land(self)
+            return self.done
+
+        def synchronize(self):
+            self.swap.land(self)
+
+    def __init__(self, delay: int = 3):
+        self.delay = delay
+        self.pending = []  # (event, copy) in issue order
+        self.issued = 0
+        self.ordered = 0  # order_compute calls
+        self.stream = self  # KVManager.sync_moves calls _swap.stream.synchronize()
+
+    def run(self, copy):
+        event = DeferredSwap.Event(self, self.delay)
+        self.pending.append((event, copy))
+        self.issued += 1
+        return event
+
+    def land(self, event=None):
+        """Runs the copies up to `event` (all with None)."""
+        while self.pending and not (event is not None and event.done):
+            first, copy = self.pending.pop(0)
+            copy()
+            first.done = True
+
+    def order_compute(self, event):
+        self.ordered += 1
+        self.land(event)
+
+    def synchronize(self):
+        self.land()

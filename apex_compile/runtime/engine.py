@@ -340,7 +340,8 @@ class Engine:
         sample, parked to resume in the device pool: `_park_idle_pipeline`): a plan whose job fits fewer rows
         than its overhead needs to pay stops taking requests. Recomputed when the composition or the measured
         rows change; a ceiling of 0 rises only after the model has found rows paying STAGGER_RISE_STEPS steps in
-        a row, and that of a pipeline with members falls to 0 only after STAGGER_FALL_STEPS steps of none."""
+        a row, and that of a pipeline with members falls to 0 only after STAGGER_FALL_STEPS steps of none, its
+        verdict taken with the model's lower keep margin (`AutoOffload.stagger_rows(keep=True)`)."""
         running = self.scheduler.running
         if not running:
             return
@@ -348,10 +349,12 @@ class Engine:
         device = [r for r in running if self.kv.pool_of(r.request_id) == DEVICE_POOL]
         context = sum(r.num_tokens for r in running) / len(running)
         fits = min(stagger.width, stagger.rows.measured)
-        key = (len(device), int(context) // 32, len(self.calibration.rows), self.calibration.stagger_width, fits)
+        keep = bool(stagger.rows.ceiling and stagger.num_members)  # a running pipeline: the lower keep margin
+        key = (len(device), int(context) // 32, len(self.calibration.rows), self.calibration.stagger_width, fits,
+               keep)
         if key != self._ceiling_key:
             self._ceiling_key = key
-            self._model_rows = self.auto_policy.stagger_rows(len(device), context, fits)
+            self._model_rows = self.auto_policy.stagger_rows(len(device), context, fits, keep=keep)
         rows = self._model_rows
         if rows and not stagger.rows.ceiling:  # rising from 0: only once the verdict has held STAGGER_RISE_STEPS
             self._rise_steps += 1
@@ -819,6 +822,7 @@ class Engine:
             captured = self._captured_seconds()
             start = self._tick("schedule")
             launched = self._launch(chunks)
+            self.stats.parked += len(self.scheduler.park_launched())  # parks ahead, their copies behind this step
         self._ahead = self._launch_ahead(launched)  # while this step runs on the GPU
         sampled = self._resolve(launched)
         self._drop_finished_ahead()
@@ -884,7 +888,8 @@ class Engine:
                 else:
                     self.scheduler.finish(request, reason)
                 self.sampler.forget(request.request_id)
-            elif self.stagger is not None and not in_pipeline and self.kv.pool_of(request.request_id) == HOST_POOL:
+            elif (self.stagger is not None and not in_pipeline and request.status is RequestStatus.RUNNING
+                  and self.kv.pool_of(request.request_id) == HOST_POOL):
                 self.scheduler.to_pipeline(request)  # prefilled in the host pool: decodes staggered
         return got
 
@@ -915,6 +920,8 @@ class Engine:
             return None  # nothing to run, or a step that would capture or run uncaptured
         if sum(self.kv.extra_blocks(r.request_id, r.num_computed + 1) for r in kept) > self.kv.num_free(DEVICE_POOL):
             return None  # someone must be evicted: the scheduler's call
+        if scheduler.wants_park_ahead({r.request_id: 1 for r in kept}):
+            return None  # and, with overlapped moves, parked ahead
         ids = self._ahead_ids(launched, kept)
         if ids is None:
             return None
@@ -964,6 +971,7 @@ class Engine:
                 chunks = self._schedule()
                 logit_rows = list(range(sum(c.num_tokens for c in chunks)))
                 logits = self._forward_chunks(chunks, logit_rows)
+                self.stats.parked += len(self.scheduler.park_launched())
                 self._advance_pipeline()
                 row = 0
                 for chunk in chunks:

@@ -311,6 +311,13 @@ STAGGER_ROWS = 8  # the most host rows per step explain() considers (the engine'
 # (notes item 35): at 2 GiB a predicted +8-11% measured -16% to +2%, at 4 GiB +4.5% measured -2.6%, at 1 GiB
 # +19-23% measured +14-26%. An 8% margin was tried and lost 16% at 2 GiB.
 STAGGER_MARGIN = 0.15
+# The gain a running pipeline (one with members) needs to keep its rows: the margin above is paid for at the
+# rise (the first members' host prompts); a verdict that dips under it with the pipeline full would park every
+# member and refill it later through that cost again. At 2 GiB the prediction moved between +12.8% and +17.8%
+# with the device rows, and auto emptied a 231-member pipeline in the window while the fixed 4-row plan measured
+# +14% (exchange inline) and +22% (beside) in the same run (notes item 44); the calibrated error of the
+# staggered modes was 1.3-6.3% there, so a kept pipeline predicted at +8% still gains.
+STAGGER_KEEP_MARGIN = 0.08
 RUNNABLE_PLANS = ("never", "overlap", "staggered")  # the plans the engine executes ("staggered" when asked for)
 
 
@@ -321,12 +328,14 @@ class AutoOffload:
     admitting host requests after a few steps."""
 
     def __init__(self, model: PerfModel, margin: float = 0.02, stagger_groups: int = 1,
-                 stagger_margin: float = STAGGER_MARGIN):
+                 stagger_margin: float = STAGGER_MARGIN, stagger_keep_margin: float = STAGGER_KEEP_MARGIN):
         """stagger_groups: host requests per staggered row (2 x the model's layers + 1); stagger_margin: the
-        predicted gain over GPU-only the staggered plan needs (`STAGGER_MARGIN`)."""
+        predicted gain over GPU-only the staggered plan needs (`STAGGER_MARGIN`); stagger_keep_margin: the gain a
+        running pipeline needs to keep its rows (`STAGGER_KEEP_MARGIN`)."""
         self.model = model
         self.margin = margin
         self.stagger_margin = stagger_margin
+        self.stagger_keep_margin = stagger_keep_margin
         self.stagger_groups = stagger_groups
         # measured / predicted decode-step time (running means) of steps with host rows and of GPU-only steps
         self.correction = 1.0
@@ -357,13 +366,15 @@ class AutoOffload:
         else:
             self.never_correction += weight * (ratio - self.never_correction)
 
-    def stagger_rows(self, gpu_requests: int, context: float, width: int) -> int:
+    def stagger_rows(self, gpu_requests: int, context: float, width: int, keep: bool = False) -> int:
         """Host rows per step (0..width) for the staggered plan beside `gpu_requests` device rows of
         `context`-token requests: the count with the most predicted tokens/s, 0 unless it beats GPU-only by
-        `stagger_margin` (then no request enters the pipeline)."""
+        `stagger_margin` (then no request enters the pipeline); keep: for a running pipeline, by
+        `stagger_keep_margin` instead."""
         never = self.model.predict("never", gpu_requests, 0, context).tokens_per_s
         best = self._best_staggered(gpu_requests, context, width)
-        return best.cpu_requests if best and best.tokens_per_s > never * (1 + self.stagger_margin) else 0
+        margin = self.stagger_keep_margin if keep else self.stagger_margin
+        return best.cpu_requests if best and best.tokens_per_s > never * (1 + margin) else 0
 
     def _best_staggered(self, gpu_requests: int, context: float, width: int) -> Optional[Prediction]:
         """The staggered plan's prediction at its best host row count in 1..width (None when width < 1)."""

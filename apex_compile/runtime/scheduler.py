@@ -4,10 +4,13 @@ Each step every running request gets its next chunk of not-yet-computed tokens (
 to the token budget when prefilling), oldest first. When a request's pool has no block left for its chunk,
 the newest running request of that pool is evicted: moved to the other pool when that pool also runs
 requests (offload fraction) and has room, else parked in the other pool (swap preemption), else its blocks
-are freed and it is prefilled again later (recompute preemption). Parked requests resume before waiting
-requests are admitted (with the staggered plan, waiting requests may meanwhile start in its pipeline, and parked
-ones join it while it takes them: `parked_to_pipeline`); waiting requests are admitted in arrival order while
-their first chunk fits in the pool the offload policy picks for them.
+are freed and it is prefilled again later (recompute preemption). With overlapped moves
+(kv_manager.OVERLAP_MOVES) the device pool parks ahead: once its free blocks fall short of its requests' next
+tokens, the newest is parked after its step is queued, so the copy runs beside the next step (`park_launched`).
+Parked requests resume before waiting requests are admitted (with the staggered plan, waiting requests may
+meanwhile start in its pipeline, and parked ones join it while it takes them: `parked_to_pipeline`); waiting
+requests are admitted in arrival order while their first chunk fits in the pool the offload policy picks for
+them.
 """
 import collections
 import dataclasses
@@ -16,6 +19,10 @@ from typing import Deque, List, Optional, Tuple
 from apex_compile.config import ApexConfig
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, POOL_NAMES, KVManager
 from apex_compile.runtime.request import Request, RequestStatus
+
+# overlapped moves (kv_manager.OVERLAP_MOVES): the device pool's running requests keep blocks for this many tokens
+# beyond the step's own; a shortfall parks the newest ahead, its copy beside the next step (it lands within one)
+LOOKAHEAD_TOKENS = 2
 
 
 @dataclasses.dataclass
@@ -87,6 +94,7 @@ class Scheduler:
         self.waiting: Deque[Request] = collections.deque()
         self.running: List[Request] = []
         self.parked: Deque[Request] = collections.deque()
+        self._park_after: List[Request] = []  # parks ahead chosen by `schedule`, issued by `park_launched`
 
     def capacity_tokens(self) -> int:
         """Tokens the largest pool that runs requests can hold (the longest request that can ever run)."""
@@ -151,7 +159,68 @@ class Scheduler:
         num_tokens = min(request.num_tokens - request.num_computed, budget)
         blocks = len(self.kv.tables[request.request_id].block_ids)
         need = blocks + self.kv.extra_blocks(request.request_id, request.num_computed + num_tokens)
+        if self._parks_ahead():  # and the running requests' look-ahead, else it would be parked again at once
+            need += self._lookahead_need({})
         return num_tokens if self.kv.num_free(self.run_pools[0]) >= need else None
+
+    def _parks_ahead(self) -> bool:
+        """Whether the device pool's evictions are parks ahead (overlapped moves, parked in the host pool, which
+        runs no request beside the device pool's except in the staggered pipeline)."""
+        return (self.kv.overlaps_moves and self.park_pool == HOST_POOL and self.run_pools[0] == DEVICE_POOL
+                and (HOST_POOL not in self.run_pools or self.stagger is not None))
+
+    def _lookahead_need(self, step_tokens: dict) -> int:
+        """Blocks the device pool's running requests need for LOOKAHEAD_TOKENS tokens beyond `step_tokens`
+        (request id -> tokens this step computes)."""
+        return sum(self.kv.extra_blocks(r.request_id, r.num_computed + step_tokens.get(r.request_id, 0)
+                                        + LOOKAHEAD_TOKENS)
+                   for r in self.running if self.kv.pool_of(r.request_id) == DEVICE_POOL)
+
+    def _device_shortfall(self, step_tokens: dict) -> int:
+        """`_lookahead_need` less the device pool's free blocks and those of moves landing."""
+        return self._lookahead_need(step_tokens) - self.kv.num_free(DEVICE_POOL) - self.kv.num_held(DEVICE_POOL)
+
+    def wants_park_ahead(self, step_tokens: dict) -> bool:
+        """Whether a step computing `step_tokens` would leave the device pool short of its look-ahead (the
+        engine then schedules it rather than queue it ahead, so that `schedule` parks ahead)."""
+        return self._parks_ahead() and self._device_shortfall(step_tokens) > 0
+
+    def _plan_parks(self, out: SchedulerOutput) -> None:
+        """Overlapped moves: while the device pool's free blocks (and those of moves landing) fall short of its
+        running requests' look-ahead, the newest of them are parked once this step is queued (`park_launched`),
+        so each park's copy runs beside the next step, instead of a park at the step that needs its blocks,
+        which waits for the copy. Not a request that stops by length within two tokens (its blocks come back
+        anyway), nor the last one."""
+        step_tokens = {c.request.request_id: c.num_tokens for c in out.chunks}
+        short = self._device_shortfall(step_tokens)
+        device = [r for r in self.running if self.kv.pool_of(r.request_id) == DEVICE_POOL]
+        room = self.kv.num_free(HOST_POOL)
+        for request in reversed(device):
+            if short <= 0 or len(device) - len(self._park_after) <= 1:
+                break
+            end = request.num_computed + step_tokens.get(request.request_id, 0)
+            blocks = len(self.kv.tables[request.request_id].block_ids)
+            if end + LOOKAHEAD_TOKENS >= self.max_tokens(request) or blocks > room:
+                continue
+            self._park_after.append(request)
+            room -= blocks
+            short -= blocks + self.kv.extra_blocks(request.request_id, end + LOOKAHEAD_TOKENS)
+
+    def park_launched(self) -> List[Request]:
+        """Parks the requests `schedule` chose to park ahead, now that this step is queued (their copy follows it
+        on the device; their device blocks return once it has landed: `KVManager.move(hold=True)`)."""
+        parked = []
+        for request in self._park_after:
+            if request.status is not RequestStatus.RUNNING or not self.kv.can_move(request.request_id, HOST_POOL):
+                continue
+            self.running.remove(request)
+            request.num_preemptions += 1
+            self.kv.move(request.request_id, HOST_POOL, hold=True)
+            request.status = RequestStatus.PARKED
+            self.parked.append(request)
+            parked.append(request)
+        self._park_after = []
+        return parked
 
     def _prefill_room(self) -> Optional[int]:
         """Prompt tokens the device pool may take this step (`prefill_tokens_while_decoding`) while a running
@@ -199,6 +268,7 @@ class Scheduler:
                 break  # the host pool has no room for its whole length (nor, mostly, for the earlier parked)
             del self.parked[index + 1]
             request.status = RequestStatus.RUNNING
+            self.kv.host_ready(request.request_id)  # its park's copy has landed before a CPU job reads it
             self.stagger.join(request)
             joined.append(request)
         return joined
@@ -224,10 +294,14 @@ class Scheduler:
         self.kv.free(request.request_id)
 
     def finish(self, request: Request, reason: str) -> None:
-        """Marks a running request finished and returns its blocks."""
+        """Marks a running request finished and returns its blocks (one parked ahead after its last step was
+        queued is parked by then)."""
+        if request.status is RequestStatus.PARKED:
+            self.parked.remove(request)
+        else:
+            self.running.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self.running.remove(request)
         self.kv.free(request.request_id)
 
     def abort_all(self) -> None:
@@ -255,6 +329,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Picks this step's chunks, evicting requests where pools are full."""
         out = SchedulerOutput()
+        self._park_after = []
         budget = self.config.max_num_batched_tokens
         room = self._prefill_room()  # None: no cap on the device pool's prompt tokens this step
         index = 0
@@ -313,6 +388,8 @@ class Scheduler:
             budget -= num_tokens
         for chunk in out.chunks:
             chunk.request.steps_per_pool[chunk.pool] += 1
+        if self._parks_ahead():
+            self._plan_parks(out)
         return out
 
     def _grow_evicting(self, request: Request, index: int, num_tokens: int, out: SchedulerOutput) -> bool:
@@ -340,6 +417,8 @@ class Scheduler:
                 and self.kv.pools[other].num_blocks * self.kv.block_size >= total
                 and (self.host_policy is None or other != HOST_POOL or self._host_pays(request))):
             self.kv.move(request.request_id, other)
+            if other == HOST_POOL:
+                self.kv.host_ready(request.request_id)  # its rows attend on the CPU this step
             out.moved.append((request, other))
             return True
         request.num_preemptions += 1

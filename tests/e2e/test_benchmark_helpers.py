@@ -136,6 +136,15 @@ def test_a_mode_can_name_its_block_size_its_cpu_work_split_and_an_inline_exchang
             prefill_while_decoding=256, cpu_threads=None), start_step=0)
     assert seen[-1][0] == "staggered" and seen[-1][2] is True
     assert e2e_hybrid.attention_runner.EXCHANGE_BESIDE == default
+    overlap = e2e_hybrid.kv_manager.OVERLAP_MOVES
+    moves = []
+    monkeypatch.setattr(e2e_hybrid, "optimize", lambda model, config: (
+        moves.append((config.offload, e2e_hybrid.kv_manager.OVERLAP_MOVES)), fake_run(model, config.offload)))
+    for mode, expected in (("never/overlapmoves", True), ("never/syncmoves", False)):
+        with pytest.raises(RuntimeError, match="run failed"):
+            e2e_hybrid.run_mode(None, mode, 1 << 30, 1 << 31, [[1, 2]], 2, 64, SimpleNamespace(
+                prefill_while_decoding=256, cpu_threads=None), start_step=0)
+        assert moves[-1] == ("never", expected) and e2e_hybrid.kv_manager.OVERLAP_MOVES == overlap
 
 
 def test_host_contention_times_each_kind_of_work_under_each_worker_load(tmp_path):

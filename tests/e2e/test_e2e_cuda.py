@@ -88,6 +88,34 @@ def test_steps_run_ahead_equal_hf_and_the_synchronous_engine(fp32_model):
     sync.close()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_swaps_with_overlapped_moves_equal_hf_generate_fp32(fp32_model, monkeypatch, overlap):
+    """A device pool too small for the batch (requests parked to the host pool and resumed), steps queued
+    ahead and captured graphs, with moves waited for on the host or overlapped (kv_manager.OVERLAP_MOVES:
+    parks ahead, device-side ordering): HF's tokens, every block back."""
+    from apex_compile.runtime import kv_manager
+
+    monkeypatch.setattr(kv_manager, "OVERLAP_MOVES", overlap)
+    ids, mask = left_padded_batch([30, 12, 50, 41, 7, 26, 60, 33])
+    with torch.no_grad():
+        ref = fp32_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)
+    block_bytes = 2 * SMALL["num_hidden_layers"] * SMALL["num_key_value_heads"] * 16 * 32 * 4
+    apex = optimize(fp32_model, ApexConfig(offload="never", gpu_cache_size=14 * block_bytes,
+                                           cpu_cache_size=64 * block_bytes, async_scheduling=True,
+                                           capture_sizes=(2, 4, 8)))
+    holds = []
+    move = apex.engine.kv.move
+    apex.engine.kv.move = lambda request_id, dst, hold=False: (holds.append(hold), move(request_id, dst, hold))
+    out = apex.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)
+    assert torch.equal(out, ref)
+    assert apex.engine.stats.parked > 0 and any(holds) == overlap
+    apex.engine.kv.sync_moves()
+    assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+    apex.close()
+
+
 def test_full_pools_on_cuda_keep_tokens_identical(fp32_model):
     ids, mask = left_padded_batch([30, 12, 50, 41, 7, 26, 60, 33])
     with torch.no_grad():

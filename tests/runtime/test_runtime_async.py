@@ -248,3 +248,29 @@ def test_the_pipeline_leaves_the_host_pool_room_to_park_the_device_pools_request
     out = sched.schedule()
     assert [c.request.request_id for c in out.chunks] == [0, 2] and kv.num_free(HOST_POOL) == 4
     assert sched.admits_nothing() and [c.request.request_id for c in sched.schedule().chunks] == [0, 2]
+
+
+@pytest.mark.parametrize("delay", [0, 3, 10 ** 6])
+def test_overlapped_moves_park_ahead_and_lose_nothing(tiny_llama, monkeypatch, delay):
+    """kv_manager.OVERLAP_MOVES on a CPU stand-in for the swap stream whose copies run only when they land
+    (`DeferredSwap`: at once, after a few queries, or only when waited for): the scheduler parks ahead (the
+    newest device request, after its step is queued, its blocks held until its copy lands), resumes wait on
+    the compute side, and the tokens are the synchronous engine's with every block back."""
+    from apex_compile.runtime import kv_manager
+    from tests.helpers import DeferredSwap
+
+    sampling = [SamplingParams(max_new_tokens=n) for n in LENGTHS]
+    block_bytes = 2 * 2 * 2 * 16 * 16 * 4
+    config = dict(offload="never", gpu_cache_size=4 * block_bytes, cpu_cache_size=4 * MB)
+    expected, sync_stats, _ = run(tiny_llama, False, sampling, **config)
+    monkeypatch.setattr(kv_manager, "OVERLAP_MOVES", True)
+    engine = optimize(tiny_llama, ApexConfig(async_scheduling=True, **config)).engine
+    engine.kv._swap = swap = DeferredSwap(delay)
+    holds = []
+    move = engine.kv.move
+    engine.kv.move = lambda request_id, dst, hold=False: (holds.append(hold), move(request_id, dst, hold))
+    completions = engine.generate(PROMPTS, sampling)
+    assert [(c.token_ids, c.finish_reason) for c in completions] == expected
+    assert any(holds) and swap.issued == len(holds) > 0 and engine.stats.parked > 0
+    engine.kv.sync_moves()
+    assert engine.blocks_in_use() == {"device": 0, "host": 0}

@@ -180,3 +180,98 @@ def test_shrink_returns_the_blocks_past_the_tokens_kept_in_a_new_table():
     assert kv.num_free(HOST_POOL) == 2 and len(kv.tables[0].block_ids) == 3
     kv.free(0)
     assert kv.num_free(HOST_POOL) == 5
+
+
+@pytest.fixture
+def overlapped(monkeypatch):
+    """A CPU manager with overlapped moves over a swap stream whose copies land late (`DeferredSwap`)."""
+    from apex_compile.runtime import kv_manager
+    from tests.helpers import DeferredSwap
+
+    monkeypatch.setattr(kv_manager, "OVERLAP_MOVES", True)
+    kv = make_manager(device_blocks=6, host_blocks=8)
+    kv._swap = DeferredSwap(delay=10 ** 6)  # lands only when waited for
+    return kv
+
+
+def fill(kv, request_id, pool, tokens):
+    assert kv.grow(request_id, pool, tokens)
+    for layer in range(kv.shape.num_layers):
+        for cache in (kv.pools[pool].key_caches[layer], kv.pools[pool].value_caches[layer]):
+            cache[kv.tables[request_id].block_ids] = torch.randn_like(cache[kv.tables[request_id].block_ids])
+    return [gather_kv(kv.pools[pool].key_caches[layer], kv.pools[pool].value_caches[layer],
+                      kv.tables[request_id].block_ids, tokens) for layer in range(kv.shape.num_layers)]
+
+
+def assert_holds(kv, request_id, expected, tokens):
+    table = kv.tables[request_id]
+    pool = kv.pools[table.pool]
+    for layer, (k_ref, v_ref) in enumerate(expected):
+        k, v = gather_kv(pool.key_caches[layer], pool.value_caches[layer], table.block_ids, tokens)
+        assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
+
+
+def test_a_park_ahead_holds_its_device_blocks_until_its_copy_lands(overlapped):
+    """move(hold=True): the device blocks stay out of every allocation until the copy has read them, and the
+    compute stream is not ordered after it; a grow that needs them waits for the copy instead of failing."""
+    kv = overlapped
+    expected = fill(kv, 1, DEVICE_POOL, 40)  # 3 blocks
+    old = set(kv.tables[1].block_ids)
+    kv.move(1, HOST_POOL, hold=True)
+    kv.wait_for_moves()
+    assert kv._swap.ordered == 0 and kv.num_free(DEVICE_POOL) == 3 and kv.num_held(DEVICE_POOL) == 3
+    assert kv.grow(2, DEVICE_POOL, 48) and not old & set(kv.tables[2].block_ids)  # the 3 truly free ones
+    assert kv._swap.pending  # not landed yet
+    assert kv.grow(3, DEVICE_POOL, 16)  # needs a held block: waits for the copy
+    assert not kv._swap.pending and kv.num_held(DEVICE_POOL) == 0
+    kv.host_ready(1)
+    assert_holds(kv, 1, expected, 40)
+
+
+def test_a_resume_orders_the_compute_and_holds_its_host_blocks(overlapped):
+    """A move into the device pool: the compute stream waits for it (on the device, the host goes on); its
+    source host blocks return only once the copy has read them."""
+    kv = overlapped
+    expected = fill(kv, 1, HOST_POOL, 40)
+    old = set(kv.tables[1].block_ids)
+    kv.move(1, DEVICE_POOL)
+    assert kv.num_free(HOST_POOL) == 5 and kv.num_held(HOST_POOL) == 3
+    assert kv.grow(2, HOST_POOL, 16 * 5) and not old & set(kv.tables[2].block_ids)
+    kv.wait_for_moves()
+    assert kv._swap.ordered == 1 and not kv._swap.pending
+    assert_holds(kv, 1, expected, 40)
+    assert kv.num_free(HOST_POOL) == 3 and kv.num_held(HOST_POOL) == 0
+
+
+def test_a_park_landing_is_waited_for_by_host_readers_and_its_free(overlapped):
+    """A park's destination host blocks: `host_ready` waits for the copy; freeing the request before it landed
+    keeps them until it has; `sync_moves` lands everything."""
+    kv = overlapped
+    expected = fill(kv, 1, DEVICE_POOL, 40)
+    kv.move(1, HOST_POOL)
+    kv.host_ready(1)
+    assert not kv._swap.pending
+    assert_holds(kv, 1, expected, 40)
+    fill(kv, 2, DEVICE_POOL, 40)
+    kv.move(2, HOST_POOL)
+    kv.free(2)
+    assert kv.num_held(HOST_POOL) == 3 and kv._swap.pending
+    kv.sync_moves()
+    assert kv.num_held(HOST_POOL) == 0 and not kv._swap.pending
+    kv.free(1)
+    assert kv.num_used(DEVICE_POOL) == kv.num_used(HOST_POOL) == 0
+
+
+def test_without_overlap_every_move_is_waited_for_on_the_host(monkeypatch):
+    from apex_compile.runtime import kv_manager
+    from tests.helpers import DeferredSwap
+
+    monkeypatch.setattr(kv_manager, "OVERLAP_MOVES", False)
+    kv = make_manager(device_blocks=6, host_blocks=8)
+    kv._swap = DeferredSwap(delay=10 ** 6)
+    expected = fill(kv, 1, HOST_POOL, 40)
+    kv.move(1, DEVICE_POOL, hold=True)
+    assert kv.num_free(HOST_POOL) == 8 and kv.num_held(HOST_POOL) == 0  # freed at once, as before
+    kv.wait_for_moves()
+    assert kv._swap.ordered == 0 and not kv._swap.pending
+    assert_holds(kv, 1, expected, 40)

@@ -3,7 +3,8 @@ CPU is too slow, hybrid when the bound is large, never a plan predicted slower t
 APEX's inequality, explain(), and the on-disk profile cache."""
 import pytest
 
-from apex_compile.runtime.perf_model import (PLANS, STAGGER_MARGIN, AutoOffload, PerfModel, Profile, StepCalibration,
+from apex_compile.runtime.perf_model import (PLANS, STAGGER_KEEP_MARGIN, STAGGER_MARGIN, AutoOffload, PerfModel,
+                                             Profile, StepCalibration,
                                              apex_pipeline_inequality,
                                              cached_profile, interpolate, profile_path)
 
@@ -194,6 +195,19 @@ def test_the_staggered_plan_needs_its_margin_over_gpu_only():
     text = AutoOffload(model, stagger_groups=GROUPS, stagger_margin=gain * 1.01).explain(
         12 * 576, 10 ** 7, 64, 576)[-1]
     assert f"{gain:+.1%}" in text and text.endswith(": 0 row(s)")
+
+
+def test_a_running_pipeline_needs_only_the_keep_margin():
+    """`stagger_rows(keep=True)` (a pipeline with members) compares the best prediction with the lower
+    `stagger_keep_margin`: a gain between the two margins keeps rows but does not start them."""
+    model = calibrated(cpu_gbps=90)
+    never = model.predict("never", 12, 0, 576).tokens_per_s
+    gain = max(model.predict("staggered", 12, r, 576).tokens_per_s for r in range(1, 9)) / never - 1
+    policy = AutoOffload(model, stagger_groups=GROUPS, stagger_margin=gain * 1.01, stagger_keep_margin=gain * 0.99)
+    assert policy.stagger_rows(12, 576, 8) == 0 and policy.stagger_rows(12, 576, 8, keep=True) > 0
+    policy.stagger_keep_margin = gain * 1.01
+    assert policy.stagger_rows(12, 576, 8, keep=True) == 0
+    assert AutoOffload(model).stagger_keep_margin == STAGGER_KEEP_MARGIN < STAGGER_MARGIN
 
 
 def test_auto_builds_the_staggered_plan_only_where_a_typical_load_gains():

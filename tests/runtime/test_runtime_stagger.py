@@ -564,7 +564,7 @@ def test_auto_refills_a_pipeline_its_ceiling_emptied_after_the_probe(monkeypatch
     engine, stagger = apex.engine, apex.engine.stagger
 
     class Policy:
-        def stagger_rows(self, gpu_requests, context, width):
+        def stagger_rows(self, gpu_requests, context, width, keep=False):
             return width if width >= 2 else 0
 
     engine.auto_policy = Policy()
@@ -634,12 +634,19 @@ def test_a_ceiling_of_zero_admits_nothing_and_parks_the_pipelines_requests(monke
     assert not stagger.members() and apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 
-def test_parked_requests_join_the_pipeline_when_it_takes_them(monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_parked_requests_join_the_pipeline_when_it_takes_them(monkeypatch, overlap):
     """Requests parked from the device pool (their KV in the host pool, their last token sampled) join the
     staggered pipeline once it has rows for them, rather than only waiting for the device pool: a pipeline
-    emptied by auto's ceiling refills once every request was admitted. Tokens are HF's, no block is lost."""
+    emptied by auto's ceiling refills once every request was admitted. Tokens are HF's, no block is lost. With
+    overlapped moves (a stand-in swap stream whose copies land only when waited for) every joining request is
+    first waited for with `KVManager.host_ready` (its park landed before a CPU job reads its host blocks)."""
+    from apex_compile.runtime import kv_manager
     from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL
     from apex_compile.runtime.scheduler import Scheduler
+    from tests.helpers import DeferredSwap
+
+    monkeypatch.setattr(kv_manager, "OVERLAP_MOVES", overlap)
 
     torch.manual_seed(10)
     model = sharp_model()
@@ -650,6 +657,11 @@ def test_parked_requests_join_the_pipeline_when_it_takes_them(monkeypatch):
     monkeypatch.setattr(Scheduler, "parked_to_pipeline", lambda self: joined.extend(join(self)) or joined)
     apex = staggered(model, width=2)
     engine, stagger = apex.engine, apex.engine.stagger
+    ready = []
+    if overlap:
+        engine.kv._swap = DeferredSwap(delay=10 ** 6)
+        host_ready = engine.kv.host_ready
+        engine.kv.host_ready = lambda request_id: (ready.append(request_id), host_ready(request_id))
     stagger.rows.set_ceiling(0)  # nothing enters the pipeline: the device pool's evictions are parked
     tokens, opened = [[] for _ in prompts], False
     for event in engine.stream(prompts, SamplingParams(max_new_tokens=12)):
@@ -660,6 +672,8 @@ def test_parked_requests_join_the_pipeline_when_it_takes_them(monkeypatch):
             opened = True
     assert opened and joined and tokens == reference
     assert all(r.num_preemptions and r.steps_per_pool[DEVICE_POOL] and r.steps_per_pool[HOST_POOL] for r in joined)
+    assert not overlap or {r.request_id for r in joined} <= set(ready)  # (here the parks land sooner: the
+    # tiny device pool's next grow needs their held blocks)
     assert not stagger.members() and engine.blocks_in_use() == {"device": 0, "host": 0}
     apex.close()
 
@@ -701,7 +715,7 @@ def test_auto_ceiling_is_chosen_among_the_rows_the_cpu_job_fits(monkeypatch):
     asked = []
 
     class Policy:  # pays from 3 rows on (the plan's overhead needs them)
-        def stagger_rows(self, gpu_requests, context, width):
+        def stagger_rows(self, gpu_requests, context, width, keep=False):
             asked.append(width)
             return width if width >= 3 else 0
 
@@ -749,6 +763,40 @@ def test_auto_ceiling_is_chosen_among_the_rows_the_cpu_job_fits(monkeypatch):
     assert stagger.rows.ceiling == 5
     engine._update_stagger_ceiling()
     assert stagger.rows.ceiling == 0
+    monkeypatch.undo()
+    apex.close()
+
+
+def test_a_running_pipeline_is_kept_by_the_lower_margin(monkeypatch):
+    """auto asks the model with `keep=True` (the lower keep margin) only for a pipeline with members and a
+    ceiling: a verdict that pays only under the keep margin keeps such a pipeline's rows, and does not raise
+    an empty pipeline's ceiling from 0."""
+    from apex_compile.runtime.engine import STAGGER_FALL_STEPS, STAGGER_RISE_STEPS
+
+    apex = staggered(sharp_model(), width="auto")
+    engine, stagger = apex.engine, apex.engine.stagger
+    asked = []
+
+    class Policy:  # a gain between the two margins: rows only when keeping
+        def stagger_rows(self, gpu_requests, context, width, keep=False):
+            asked.append(keep)
+            return width if keep else 0
+
+    engine.auto_policy = Policy()
+    engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=2))
+    engine.scheduler.schedule()
+    stagger.rows.set_ceiling(0)
+    for _ in range(STAGGER_RISE_STEPS + 1):  # empty: the start margin, never met
+        engine._update_stagger_ceiling()
+    assert stagger.rows.ceiling == 0 and not any(asked)
+    stagger.rows.set_ceiling(4)
+    engine._update_stagger_ceiling()  # a ceiling without members: still the start margin, so it falls
+    assert asked[-1] is False and stagger.rows.ceiling == 0
+    stagger.rows.set_ceiling(4)
+    monkeypatch.setattr(type(stagger), "num_members", property(lambda self: 3))
+    for _ in range(STAGGER_FALL_STEPS + 1):  # members: kept, whatever the start margin says
+        engine._update_stagger_ceiling()
+        assert asked[-1] is True and stagger.rows.ceiling == stagger.rows.measured
     monkeypatch.undo()
     apex.close()
 
