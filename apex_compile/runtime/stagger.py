@@ -297,6 +297,10 @@ class StaggerPipeline:
         # turns whose step time and wait are not a decode step's: a step with prompt chunks was queued in them or in
         # the two turns before (steps are queued ahead; a prompt's export can delay the jobs after it)
         self._prompt_turns = 0
+        # whether the last launched job ran beside prompt K/V still on their way into the host cache: a fill's
+        # exports (64 MiB a 512-token Llama-3-8B prompt) lag its prompt steps by many turns, and its jobs and step
+        # then measure the exports' contention, not the rows' cost
+        self._beside_exports = False
         on_cuda = device.type == "cuda"
         layers = self.num_layers
 
@@ -515,7 +519,8 @@ class StaggerPipeline:
             if self._last_begin is not None:
                 waits = getattr(self.executor, "collect_seconds", None)
                 waited = waits[-1] if waits else 0.0
-                rows.observe_step(now - self._last_begin - waited, waited, decode=not self._prompt_turns)
+                rows.observe_step(now - self._last_begin - waited, waited,
+                                  decode=not (self._prompt_turns or self._beside_exports))
             self._last_begin = now
             lens = [g.context_lens for g in lane if g.size]
             rows.update(float(np.concatenate(lens).mean()) if lens else 0.0)
@@ -545,14 +550,16 @@ class StaggerPipeline:
         lane = list(self.lanes[index])
         if self.layered:
             self._launched = self.steps
+        exports = runner.exports.queued()  # prompt K/V still on their way into the host cache
+        self._beside_exports = bool(exports)
         if not any(g.size for g in lane[:self.num_layers]):
             self.executor.launch(index if not self.layered else self.steps, None, [self.staged], self.outputs)
             return
         pool = self.kv.pools[HOST_POOL]
         plan = HostJob.of(lane[:self.num_layers], self.width)
-        exports = runner.exports.queued()  # prompt K/V still on their way into the host cache
         work = int(plan.context_lens.sum())
-        decode = not self._prompt_turns  # a job beside prompt steps tells nothing of its rows' cost
+        # a job beside prompt steps or their exports tells nothing of its rows' cost
+        decode = not (self._prompt_turns or exports)
         num_heads = self.heads[0]
 
         if self.layered:

@@ -469,6 +469,50 @@ def test_jobs_beside_prompt_steps_stay_out_of_the_job_fit(monkeypatch):
     apex.close()
 
 
+def test_jobs_and_steps_beside_lagging_exports_stay_out_of_the_fit(monkeypatch):
+    """A fill's prompt K/V reach the host cache in the background, many turns after their prompt steps: a job
+    launched while exports are still queued, and the step it ran beside, measure the exports' contention, so
+    the job fit and the step average leave them out (on a CPU the exports land at once: here they are reported
+    still queued for a stretch of decode turns)."""
+    import concurrent.futures
+
+    from apex_compile.runtime.stagger import RowLimit
+
+    jobs, steps = [], []
+    observe_job, observe_step = RowLimit.observe_job, RowLimit.observe_step
+    monkeypatch.setattr(RowLimit, "observe_job", lambda self, seconds, work, decode=True: jobs.append(decode)
+                        or observe_job(self, seconds, work, decode))
+    monkeypatch.setattr(RowLimit, "observe_step", lambda self, seconds, waited=0.0, decode=True: steps.append(
+        decode) or observe_step(self, seconds, waited, decode))
+    torch.manual_seed(5)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (6, 11, 4, 9)]
+    apex = staggered(model, width="auto")
+    engine = apex.engine
+    landed = concurrent.futures.Future()
+    landed.set_result(None)
+    lagging = {"on": False}
+    queued = engine.runner.exports.queued
+    engine.runner.exports.queued = lambda: [landed] if lagging["on"] else queued()
+    requests = [engine.add_request(p, SamplingParams(max_new_tokens=24)) for p in prompts]
+    while engine.has_unfinished() and not engine.stagger.active:
+        engine.step()
+    for _ in range(6):  # decode turns with no prompt step near: measured
+        engine.step()
+    before = (len(jobs), len(steps))
+    assert all(jobs[-2:]) and all(steps[-2:])
+    lagging["on"] = True
+    for _ in range(6):
+        engine.step()
+    assert jobs[before[0]:] and not any(jobs[before[0]:])
+    assert steps[before[1] + 1:] and not any(steps[before[1] + 1:])  # the step after each such launch
+    lagging["on"] = False
+    while engine.has_unfinished():
+        engine.step()
+    assert [r.output_token_ids for r in requests] == hf_tokens(model, prompts, 24)
+    apex.close()
+
+
 def test_the_engine_tells_the_pipeline_which_steps_carry_prompts(monkeypatch):
     """Every step with a prompt chunk (in either pool, the pipeline active or not) is noted, and no decode-only
     step is: the row limit's decode-step measures depend on it."""
