@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_throughput import SHAPES, kv_bytes_per_token, random_llama, timed_generate, write_json  # noqa: E402
 
 from apex_compile import ApexConfig, SamplingParams, optimize  # noqa: E402
-from apex_compile.ops import cpu_attention_work_split  # noqa: E402
+from apex_compile.ops import cpu_attention_work_split, stagger_layer_schedule  # noqa: E402
 from apex_compile.runtime import attention_runner, kv_manager  # noqa: E402
 from apex_compile.runtime import stagger as stagger_module  # noqa: E402
 from apex_compile.runtime.kv_manager import HOST_POOL  # noqa: E402
@@ -232,6 +232,9 @@ BLOCK_SUFFIX = re.compile(r"/bs(\d+)\b")  # "/bs64": a mode run with KV blocks o
 # a mode run with block moves overlapped ("/overlapmoves") or waited for on the host ("/syncmoves"):
 # kv_manager.OVERLAP_MOVES for that run
 MOVE_SUFFIXES = {"/overlapmoves": True, "/syncmoves": False}
+# a mode run with the layered CPU job's work shared out by layer barriers ("/barrier") or claimed across layers
+# ("/flow"): stagger_layer_schedule for that run
+SCHEDULE_SUFFIXES = {"/barrier": "barrier", "/flow": "flow"}
 
 
 def parse_mode(mode: str):
@@ -272,10 +275,15 @@ def run_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seq
 @contextlib.contextmanager
 def process_settings(mode):
     """The process-wide settings a mode's suffixes name (the exchange's stream, the block moves, the CPU
-    attention's work split) in effect; yields the mode without those suffixes and restores the settings after it."""
+    attention's work split, the layered job's schedule) in effect; yields the mode without those suffixes and
+    restores the settings after it."""
     beside, split = attention_runner.EXCHANGE_BESIDE, list(cpu_attention_work_split().values())
-    overlap = kv_manager.OVERLAP_MOVES
+    overlap, schedule = kv_manager.OVERLAP_MOVES, stagger_layer_schedule()
     try:
+        named_schedule = next((s for s in SCHEDULE_SUFFIXES if s in mode), None)
+        if named_schedule:
+            stagger_layer_schedule(SCHEDULE_SUFFIXES[named_schedule])
+            mode = mode.replace(named_schedule, "")
         exchange = next((s for s in EXCHANGE_SUFFIXES if s in mode), None)
         if exchange:
             attention_runner.EXCHANGE_BESIDE = EXCHANGE_SUFFIXES[exchange]
@@ -293,6 +301,7 @@ def process_settings(mode):
         attention_runner.EXCHANGE_BESIDE = beside
         kv_manager.OVERLAP_MOVES = overlap
         cpu_attention_work_split(*split)
+        stagger_layer_schedule(schedule)
 
 
 def _run_engine_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seqs, args, start_step):
@@ -402,7 +411,8 @@ def main():
                              "its mixed steps piecewise (mixed_graphs=False), the A/B of whole mixed graphs; "
                              "'/split=a-b-c' sets the CPU attention's work split, '/bs64' the KV block size, '/beside' "
                              "or '/inline' runs the layered exchange on a side or the compute stream, '/overlapmoves' "
-                             "or '/syncmoves' overlaps the block moves or waits for them on the host, for that mode")
+                             "or '/syncmoves' overlaps the block moves or waits for them on the host, '/flow' or '/barrier' "
+                             "the layered CPU job's schedule, for that mode")
     parser.add_argument("--fill-steps", type=int, default=600,
                         help="at most this many steps to fill the staggered pipeline before --warm-steps")
     parser.add_argument("--warm-steps", type=int, default=100, help="steps before the measured window")

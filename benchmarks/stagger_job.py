@@ -6,7 +6,9 @@ engine pins it, called three ways:
   flag  as the engine calls it: the job waits in C++ for a flag another thread raises 4 ms after submission;
   layer the one-lane plan's layered job (`apex::stagger_layer_job`): the main thread raises layer l's ready flag
         l x --layer-us after submission (busy-waiting, as the launching thread keeps one core busy), the job
-        appends and attends each layer once its flag is up (its waits are not in its running time).
+        appends and attends each layer once its flag is up (its waits are not in its running time), its team
+        meeting at barriers twice a layer (stagger_layer_schedule "barrier");
+  flow  the same job with its items claimed across layers, no barrier (schedule "flow", the default).
 Each prints the running time's parts (append, attention) and a least-squares fit of fixed + per-row seconds,
 beside the K+V bytes read per row and the bandwidth that implies. (Session 21's "before" results also have
 the gathers and the output scatter the job then did: `stagger_job_*_s21_before_*`.)
@@ -25,7 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from apex_compile.ops import allocate_kv_cache_cpu  # noqa: E402
+from apex_compile.ops import allocate_kv_cache_cpu, stagger_layer_schedule  # noqa: E402
 from apex_compile.runtime.stagger import _pin_worker, worker_cores  # noqa: E402
 
 PARTS = ("append", "attention")
@@ -52,7 +54,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--layer-us", type=float, default=170.0,
                         help="'layer' mode: microseconds between two layers' ready flags (a GPU step / layers)")
-    parser.add_argument("--modes", default="hot,gap,flag,layer")
+    parser.add_argument("--modes", default="hot,gap,flag,layer,flow")
     parser.add_argument("--split", default=None,
                         help="items_per_thread,min_item_bytes,min_thread_bytes of the attention's work split (all "
                              "calls; default: the op's): a layer's few rows split finer over the team")
@@ -105,7 +107,8 @@ def main():
         for how in modes:
             samples = []
             for i in range(args.repeats + 2):
-                flags = torch.zeros(layers if how == "layer" else 1, dtype=torch.int64)
+                layered = how in ("layer", "flow")
+                flags = torch.zeros(layers if layered else 1, dtype=torch.int64)
                 done = torch.zeros(layers, dtype=torch.int64)
                 timings = torch.zeros(2 + len(PARTS), dtype=torch.float64)
                 if how in ("hot", "gap"):
@@ -115,7 +118,7 @@ def main():
                     if how == "gap":
                         time.sleep(args.gap_ms / 1e3)
                     with torch.inference_mode():
-                        if how == "layer":
+                        if layered:
                             torch.ops.apex.stagger_layer_job(staged, keys, values, cache_index, row_tables, lens,
                                                              slots, picked, hq, dim ** -0.5, out, flags, done, 1,
                                                              60.0, timings)
@@ -124,11 +127,13 @@ def main():
                                                            slots, picked, hq, dim ** -0.5, out, flags, [1], 60.0,
                                                            timings)
 
+                if layered:  # "layer": the team meets at barriers twice a layer; "flow": items claimed across layers
+                    stagger_layer_schedule("flow" if how == "flow" else "barrier")
                 future = pool.submit(job)
                 if how == "flag":
                     timer = threading.Timer(args.gap_ms / 1e3, lambda: flags.fill_(1))
                     timer.start()
-                elif how == "layer":  # the GPU's cadence: layer l staged l x layer_us after the submission
+                elif layered:  # the GPU's cadence: layer l staged l x layer_us after the submission
                     begin, view = time.perf_counter(), flags.numpy()
                     for layer in range(layers):
                         while time.perf_counter() - begin < layer * args.layer_us / 1e6:

@@ -22,3 +22,11 @@ def _seeded():
 
     random.seed(0)
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_dynamo():
+    """Each test module starts with an empty dynamo cache: the engines of earlier modules' models (each one more
+    graph of the engine's shared step code object) would otherwise count against that object's recompile limit,
+    which the engine makes a hard error (a fallback would run the unrewritten forward)."""
+    torch._dynamo.reset()

@@ -57,6 +57,7 @@ LIB.define(
 LIB.define("wait_host_flags(Tensor flags, int[] values, float timeout_s) -> ()")
 LIB.define("cpu_isa_code() -> int")
 LIB.define("cpu_attention_work_split(int items_per_thread, int min_item_bytes, int min_thread_bytes) -> int[]")
+LIB.define("stagger_layer_schedule(int mode) -> int")
 
 _ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 _MADV_HUGEPAGE = 14
@@ -271,3 +272,16 @@ def cpu_attention_work_split(items_per_thread: int = 0, min_item_bytes: int = 0,
     value; returns the values now in effect."""
     values = torch.ops.apex.cpu_attention_work_split(items_per_thread, min_item_bytes, min_thread_bytes)
     return dict(zip(("items_per_thread", "min_item_bytes", "min_thread_bytes"), values))
+
+
+STAGGER_LAYER_SCHEDULES = ("barrier", "flow")
+
+
+def stagger_layer_schedule(schedule: Optional[str] = None) -> str:
+    """Process-wide way `stagger_layer_job` shares its work out (results never depend on it): "flow" (default)
+    claims every layer's attention items in layer order from one counter, with no barrier, so threads done with
+    a layer go on to the next; "barrier" meets the team twice a layer. None keeps it; returns the one in effect."""
+    if schedule is not None and schedule not in STAGGER_LAYER_SCHEDULES:
+        raise ValueError(f"stagger_layer_schedule: {schedule!r} is not one of {STAGGER_LAYER_SCHEDULES}")
+    mode = -1 if schedule is None else STAGGER_LAYER_SCHEDULES.index(schedule)
+    return STAGGER_LAYER_SCHEDULES[torch.ops.apex.stagger_layer_schedule(mode)]

@@ -268,6 +268,7 @@ class Engine:
         pin = bool(self.config.pin_launcher)  # off by default (ApexConfig.pin_launcher)
         self._launcher = LauncherPin(cores) if cores and self.device.type == "cuda" and pin else None
         self._ceiling_key = None  # (device rows, context bucket, calibration state) of the last auto ceiling
+        self._decode_only = False  # whether the last step() only decoded (no prompt chunk, no graph captured)
         self._model_rows = 0  # the model's host rows at that key
         self._rise_steps = 0  # steps in a row the model's rows were > 0 while the ceiling stayed 0
         self._fall_steps = 0  # steps in a row the model's rows were 0 while the ceiling of a used pipeline was not
@@ -341,7 +342,8 @@ class Engine:
         than its overhead needs to pay stops taking requests. Recomputed when the composition or the measured
         rows change; a ceiling of 0 rises only after the model has found rows paying STAGGER_RISE_STEPS steps in
         a row, and that of a pipeline with members falls to 0 only after STAGGER_FALL_STEPS steps of none, its
-        verdict taken with the model's lower keep margin (`AutoOffload.stagger_rows(keep=True)`)."""
+        verdict taken with the model's lower keep margin (`AutoOffload.stagger_rows(keep=True)`). The model adds
+        each kind of step's host gap, learned from this engine's decode steps (`step`, `_gap_sample`)."""
         running = self.scheduler.running
         if not running:
             return
@@ -350,8 +352,9 @@ class Engine:
         context = sum(r.num_tokens for r in running) / len(running)
         fits = min(stagger.width, stagger.rows.measured)
         keep = bool(stagger.rows.ceiling and stagger.num_members)  # a running pipeline: the lower keep margin
+        gap = self.auto_policy.gap
         key = (len(device), int(context) // 32, len(self.calibration.rows), self.calibration.stagger_width, fits,
-               keep)
+               keep, round(gap.seconds(False) * 1e4), round(gap.seconds(True) * 1e4))  # gaps in 0.1 ms
         if key != self._ceiling_key:
             self._ceiling_key = key
             self._model_rows = self.auto_policy.stagger_rows(len(device), context, fits, keep=keep)
@@ -797,12 +800,37 @@ class Engine:
         self._check_open()
         if self._launcher is not None:
             self._launcher.ensure()
-        self._last_tick = time.perf_counter()
+        self._last_tick = start = time.perf_counter()
+        gap_sample = self._gap_sample()
+        self._decode_only = False
         try:
-            return self._step()
+            sampled = self._step()
         finally:
             self._tick("finish")
             self._last_tick = None
+        if gap_sample is not None and self._decode_only:
+            device, rows, context, job_s = gap_sample
+            self.auto_policy.observe_staggered(device, rows, context, time.perf_counter() - start, job_s)
+        return sampled
+
+    def _gap_sample(self) -> Optional[Tuple[int, float, float, Optional[float]]]:
+        """offload="auto" with the staggered plan: (device rows, the block's host rows per layer, mean context
+        of every request, the measured job fit's seconds for those rows) of the step about to run, whose wall
+        time (GPU-bound once steps are queued ahead) teaches the model its host gap."""
+        stagger = self.stagger
+        if stagger is None or self.config.offload != "auto" or self.auto_policy is None:
+            return None
+        running = self.scheduler.running
+        members = list(stagger.members())
+        if not (running or members):
+            return None
+        # prompt turns of the pipeline (its own bookkeeping, which idles with it) or prompt K/V still exporting
+        if (stagger.active and not stagger.measures_decode) or self.runner.exports.queued():
+            return None
+        device = sum(1 for r in running if self.kv.pool_of(r.request_id) == DEVICE_POOL)
+        rows = sum(g.size for g in stagger.groups) / len(stagger.groups) if stagger.active else 0.0
+        context = sum(r.num_tokens for r in running + members) / (len(running) + len(members))
+        return device, rows, context, stagger.rows.job_seconds(rows) if rows else None
 
     def _step(self) -> List[Request]:
         if self.stagger is not None:
@@ -814,22 +842,24 @@ class Engine:
                 self.stagger.idle_step()
         launched, self._ahead = self._ahead, None
         chunks = None
+        captured = self._captured_seconds()
         if launched is None:
             stagger = self.stagger
             if stagger is not None and stagger.num_members and not (stagger.begun and stagger.active):
                 stagger.begin_step()  # else begun by the step before, while the GPU ran it
             chunks = self._schedule()
-            captured = self._captured_seconds()
             start = self._tick("schedule")
             launched = self._launch(chunks)
             self.stats.parked += len(self.scheduler.park_launched())  # parks ahead, their copies behind this step
         self._ahead = self._launch_ahead(launched)  # while this step runs on the GPU
         sampled = self._resolve(launched)
         self._drop_finished_ahead()
+        capture_free = self._captured_seconds() == captured
+        # a step with prompt chunks, or one that captured a graph, teaches no decode step's time
+        self._decode_only = capture_free and (chunks is None or all(c.decodes for c in chunks))
         policy = self.scheduler.host_policy
         if chunks is None or policy is None:
             return sampled
-        capture_free = self._captured_seconds() == captured
         if capture_free and all(c.decodes for c in chunks):
             # a decode step's wall time (the sampled ids' copy waits for the GPU) corrects auto's model
             on_host = sum(1 for c in chunks if c.pool == HOST_POOL)

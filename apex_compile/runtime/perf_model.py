@@ -341,6 +341,8 @@ class AutoOffload:
         self.correction = 1.0
         self.never_correction = 1.0
         self.observed = [0, 0]
+        # the staggered plan's host gap per kind of decode step (with host rows or without), learned online
+        self.gap = HostGap()
 
     def step_s(self, gpu_requests: int, cpu_requests: int, context: float) -> float:
         """Predicted decode step with that many requests per pool, corrected by the measurements so far."""
@@ -366,19 +368,36 @@ class AutoOffload:
         else:
             self.never_correction += weight * (ratio - self.never_correction)
 
+    def observe_staggered(self, gpu_requests: int, cpu_rows: float, context: float, measured_s: float,
+                          job_s: Optional[float] = None) -> None:
+        """A decode step of the staggered engine (`cpu_rows` host rows per layer in its block, 0: GPU-only) took
+        `measured_s`: its residual over the model joins its kind's host gap. job_s: the measured CPU job's
+        fitted time for those rows; a step it bounds is predicted by it, so that rows beyond what the job fits
+        (which the measured rows already cap) do not read as a gap of every row count."""
+        predicted = self.model.predict("staggered" if cpu_rows else "never", gpu_requests, cpu_rows, context).step_s
+        if cpu_rows and job_s:
+            predicted = max(predicted, job_s)
+        self.gap.observe(bool(cpu_rows), predicted, measured_s)
+
+    def _staggered_step(self, gpu_requests: int, cpu_rows: int, context: float) -> Prediction:
+        """The model's staggered (or, without host rows, GPU-only) step plus its kind's learned host gap."""
+        p = self.model.predict("staggered" if cpu_rows else "never", gpu_requests, cpu_rows, context)
+        return dataclasses.replace(p, step_s=max(p.step_s + self.gap.seconds(bool(cpu_rows)), 1e-6))
+
     def stagger_rows(self, gpu_requests: int, context: float, width: int, keep: bool = False) -> int:
         """Host rows per step (0..width) for the staggered plan beside `gpu_requests` device rows of
         `context`-token requests: the count with the most predicted tokens/s, 0 unless it beats GPU-only by
         `stagger_margin` (then no request enters the pipeline); keep: for a running pipeline, by
-        `stagger_keep_margin` instead."""
-        never = self.model.predict("never", gpu_requests, 0, context).tokens_per_s
+        `stagger_keep_margin` instead. Each kind of step is predicted with its host gap learned so far
+        (`observe_staggered`): the GPU-only step's, measured beside the same host work, is not flattered."""
+        never = self._staggered_step(gpu_requests, 0, context).tokens_per_s
         best = self._best_staggered(gpu_requests, context, width)
         margin = self.stagger_keep_margin if keep else self.stagger_margin
         return best.cpu_requests if best and best.tokens_per_s > never * (1 + margin) else 0
 
     def _best_staggered(self, gpu_requests: int, context: float, width: int) -> Optional[Prediction]:
         """The staggered plan's prediction at its best host row count in 1..width (None when width < 1)."""
-        return max((self.model.predict("staggered", gpu_requests, rows, context) for rows in range(1, width + 1)),
+        return max((self._staggered_step(gpu_requests, rows, context) for rows in range(1, width + 1)),
                    key=lambda p: p.tokens_per_s, default=None)
 
     def worth_staggering(self, gpu_tokens: int, cpu_tokens: int, max_seqs: int, contexts: Sequence[int],
@@ -411,9 +430,11 @@ class AutoOffload:
         width = min(pool_rows, STAGGER_ROWS)
         lines = self.model.explain(gpu, cpu, context, plans=("never", "overlap"))
         rows = self.stagger_rows(gpu, context, width)
-        never = self.model.predict("never", gpu, 0, context)
+        never = self._staggered_step(gpu, 0, context)
         best = self._best_staggered(gpu, context, width) or never
         calibrated = "calibrated by the captured graphs" if self.model.is_calibrated(True) else "not yet calibrated"
+        calibrated += (f", host gap learned {self.gap.seconds(False) * 1e3:+.2f} ms GPU-only, "
+                       f"{self.gap.seconds(True) * 1e3:+.2f} ms staggered")
         lines.append(f"staggered plan ({calibrated}): at best {best.cpu_requests} host row(s) per step "
                      f"({best.cpu_requests * self.stagger_groups} host requests in flight), model predicts "
                      f"{best.tokens_per_s:.0f} vs {never.tokens_per_s:.0f} tokens/s GPU-only "

@@ -155,6 +155,13 @@ class RowLimit:
                     self.guard += 1
                     self._calm_steps = 0
 
+    def job_seconds(self, rows: float) -> Optional[float]:
+        """The fitted CPU job of a full lane with `rows` rows per layer at the last mean context (None before
+        a fit)."""
+        if self.rate is None or self._context <= 0:
+            return None
+        return self.fixed + rows * self.rate * self.num_layers * self._context
+
     def set_ceiling(self, rows: int) -> None:
         """The performance model's rows (0..width; 0: no request enters the pipeline)."""
         self.ceiling = max(0, min(self.width, rows))
@@ -363,6 +370,12 @@ class StaggerPipeline:
     def join(self, request: Request) -> None:
         """Queues a host-pool request whose prefill is done (its last token not yet computed)."""
         self.joining.append(request)
+
+    @property
+    def measures_decode(self) -> bool:
+        """No prompt step in the last turns and no prompt export beside the last job: a step now measures the
+        rows' decode cost (as `RowLimit.observe_step` reads it)."""
+        return not (self._prompt_turns or self._beside_exports)
 
     def note_prompt_step(self) -> None:
         """The engine queued a step with prompt chunks: this turn's and the next two's step times and waits are no

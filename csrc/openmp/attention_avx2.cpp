@@ -102,6 +102,9 @@ static inline V16 v_exp(V16 x) { return {exp8(x.lo), exp8(x.hi)}; }
 namespace apex_cpu {
 
 void paged_attention_avx2(const PagedAttentionArgs& args, const WorkPlanView& plan) { avx2::run_dtype(args, plan); }
+void paged_attention_item_avx2(const PagedAttentionArgs& args, const WorkPlanView& plan, int64_t item, int thread) {
+  avx2::run_item_dtype(args, plan, item, thread);
+}
 
 }  // namespace apex_cpu
 
@@ -116,6 +119,7 @@ void paged_attention_avx2(const PagedAttentionArgs& args, const WorkPlanView& pl
 namespace apex_cpu {
 
 void paged_attention_avx2(const PagedAttentionArgs&, const WorkPlanView&) { std::abort(); }
+void paged_attention_item_avx2(const PagedAttentionArgs&, const WorkPlanView&, int64_t, int) { std::abort(); }
 
 }  // namespace apex_cpu
 

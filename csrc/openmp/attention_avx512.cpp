@@ -87,6 +87,11 @@ void paged_attention_avx512(const PagedAttentionArgs& args, const WorkPlanView& 
   avx512::run_dtype(args, plan);
 }
 
+void paged_attention_item_avx512(const PagedAttentionArgs& args, const WorkPlanView& plan, int64_t item,
+                                 int thread) {
+  avx512::run_item_dtype(args, plan, item, thread);
+}
+
 }  // namespace apex_cpu
 
 #if defined(__clang__)
@@ -100,6 +105,7 @@ void paged_attention_avx512(const PagedAttentionArgs& args, const WorkPlanView& 
 namespace apex_cpu {
 
 void paged_attention_avx512(const PagedAttentionArgs&, const WorkPlanView&) { std::abort(); }
+void paged_attention_item_avx512(const PagedAttentionArgs&, const WorkPlanView&, int64_t, int) { std::abort(); }
 
 }  // namespace apex_cpu
 

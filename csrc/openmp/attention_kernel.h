@@ -389,19 +389,22 @@ void merge_task(const PagedAttentionArgs& args, const WorkPlanView& plan, const 
 
 // The items shared out over the threads of the enclosing parallel region (an orphaned loop: outside one, the
 // calling thread runs them all).
+// Item i of the plan with `scratch`, then its task's merge if it wrote the task's last partial.
+template <class E>
+void run_item(const PagedAttentionArgs& args, const WorkPlanView& plan, int64_t i, float* scratch) {
+  const WorkItem& item = plan.items[i];
+  process_item<E>(args, plan, item, scratch);
+  // acq_rel: the thread that writes a task's last partial sees the other partials' writes.
+  if (item.merge_index >= 0 && plan.merge_pending[item.merge_index].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    merge_task<E>(args, plan, plan.merges[item.merge_index], scratch);
+  }
+}
+
 template <class E>
 void run_items(const PagedAttentionArgs& args, const WorkPlanView& plan) {
   float* scratch = plan.thread_scratch + int64_t(omp_get_thread_num()) * plan.scratch.total;
 #pragma omp for schedule(dynamic, 1) nowait
-  for (int64_t i = 0; i < plan.num_items; ++i) {
-    const WorkItem& item = plan.items[i];
-    process_item<E>(args, plan, item, scratch);
-    // acq_rel: the thread that writes a task's last partial sees the other partials' writes.
-    if (item.merge_index >= 0 &&
-        plan.merge_pending[item.merge_index].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      merge_task<E>(args, plan, plan.merges[item.merge_index], scratch);
-    }
-  }
+  for (int64_t i = 0; i < plan.num_items; ++i) run_item<E>(args, plan, i, scratch);
 }
 
 template <class E>
@@ -420,6 +423,16 @@ inline void run_dtype(const PagedAttentionArgs& args, const WorkPlanView& plan) 
     case DType::F32: run<float>(args, plan); break;
     case DType::BF16: run<Bf16>(args, plan); break;
     case DType::F16: run<Fp16>(args, plan); break;
+  }
+}
+
+// One item by the calling thread with the scratch of team thread `thread` (a caller sharing items out itself).
+inline void run_item_dtype(const PagedAttentionArgs& args, const WorkPlanView& plan, int64_t i, int thread) {
+  float* scratch = plan.thread_scratch + int64_t(thread) * plan.scratch.total;
+  switch (args.dtype) {
+    case DType::F32: run_item<float>(args, plan, i, scratch); break;
+    case DType::BF16: run_item<Bf16>(args, plan, i, scratch); break;
+    case DType::F16: run_item<Fp16>(args, plan, i, scratch); break;
   }
 }
 

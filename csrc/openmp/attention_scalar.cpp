@@ -97,4 +97,9 @@ void paged_attention_scalar(const PagedAttentionArgs& args, const WorkPlanView& 
   scalar::run_dtype(args, plan);
 }
 
+void paged_attention_item_scalar(const PagedAttentionArgs& args, const WorkPlanView& plan, int64_t item,
+                                 int thread) {
+  scalar::run_item_dtype(args, plan, item, thread);
+}
+
 }  // namespace apex_cpu

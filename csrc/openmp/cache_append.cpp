@@ -74,4 +74,13 @@ void cache_append(const CacheAppendArgs& args) {
   }
 }
 
+void cache_append_row(const CacheAppendArgs& args, int64_t row) {
+  const int64_t slab_elems = int64_t(args.block_size) * args.head_dim;
+  if (args.element_size == 4) {
+    append_row<uint32_t>(args, row, slab_elems);
+  } else {
+    append_row<uint16_t>(args, row, slab_elems);
+  }
+}
+
 }  // namespace apex_cpu

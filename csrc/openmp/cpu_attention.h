@@ -231,6 +231,11 @@ struct WorkPlanView {
 void paged_attention_scalar(const PagedAttentionArgs& args, const WorkPlanView& plan);
 void paged_attention_avx2(const PagedAttentionArgs& args, const WorkPlanView& plan);
 void paged_attention_avx512(const PagedAttentionArgs& args, const WorkPlanView& plan);
+// Item `item` of the plan by the calling thread, with the scratch of thread `thread` of plan.num_threads (a caller
+// that shares the items out itself), and its merge if it wrote the last partial of its (seq, kv_head).
+void paged_attention_item_scalar(const PagedAttentionArgs& args, const WorkPlanView& plan, int64_t item, int thread);
+void paged_attention_item_avx2(const PagedAttentionArgs& args, const WorkPlanView& plan, int64_t item, int thread);
+void paged_attention_item_avx512(const PagedAttentionArgs& args, const WorkPlanView& plan, int64_t item, int thread);
 
 bool isa_compiled(Isa isa);
 bool cpu_supports(Isa isa);
@@ -267,5 +272,7 @@ struct CacheAppendArgs {
 };
 
 void cache_append(const CacheAppendArgs& args);
+// Row `row` (token * num_kv_heads + kv_head) of an append, by the calling thread alone.
+void cache_append_row(const CacheAppendArgs& args, int64_t row);
 
 }  // namespace apex_cpu

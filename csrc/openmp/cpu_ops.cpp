@@ -263,6 +263,15 @@ void run_attention(const AttentionCall& call) {
   }
 }
 
+// Item i of a planned call by the calling thread, with the scratch of team thread `thread`.
+void run_attention_item(const AttentionCall& call, int64_t i, int thread) {
+  switch (call.isa) {
+    case Isa::Avx512: apex_cpu::paged_attention_item_avx512(call.args, call.view, i, thread); break;
+    case Isa::Avx2: apex_cpu::paged_attention_item_avx2(call.args, call.view, i, thread); break;
+    case Isa::Scalar: apex_cpu::paged_attention_item_scalar(call.args, call.view, i, thread); break;
+  }
+}
+
 // Shared body of paged_attention_cpu (one cache pair) and paged_attention_cpu_multi (cache_index defined).
 at::Tensor paged_attention_impl(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                 const at::Tensor& block_tables, const at::Tensor& context_lens,
@@ -606,12 +615,123 @@ class SpinBarrier {
   std::atomic<int64_t> generation_{0};
 };
 
+// How a layered job shares its work out (`stagger_layer_schedule`): 0 "barrier", every layer's appends, a team
+// barrier, its attention, a second barrier; 1 "flow", the layers' attention items claimed in layer order from
+// one counter, each row's append done by the item holding its last token, a layer's done flag raised by the
+// thread finishing its last item: no barrier, and a thread that is done with layer l goes on to layer l + 1.
+std::atomic<int64_t> g_layer_schedule{1};
+
 // One layer's share of a layered job: its rows' append and attention, planned before the job's first wait.
 struct LayerWork {
   AppendCall append;
   AttentionCall attention;
   at::Tensor slots, tables, lens, index;  // this layer's rows of the job's metadata
 };
+
+// The "flow" schedule of a layered job (g_layer_schedule 1). Tasks are every layer's attention items in layer
+// order (a layer without rows is one empty task, so that its flags are still waited for and raised). A thread
+// claims the next task; the first to claim one of layer l waits for ready_flags[l] and opens the layer, the
+// others wait for it to open. An item holding a row's last token first appends that row's K/V (only that item
+// reads it). The thread finishing a layer's last task raises done_flags[l] (acq_rel count: every item's writes
+// are visible before). Timings: the waiting is the time the team had nothing to do (a layer's flag awaited after
+// the layer before was done), the running time the rest of the job's span.
+void run_layer_flow(const std::vector<std::unique_ptr<LayerWork>>& work, int64_t layers,
+                    const at::Tensor& ready_flags, at::Tensor& done_flags, int64_t turn, double timeout_s, int team,
+                    const at::Tensor& timings) {
+  using clock = std::chrono::steady_clock;
+  std::vector<int64_t> task_layer, task_item;  // item -1: an empty layer's task
+  std::vector<int64_t> last_item;              // per row (seq * kv_heads + head) of a layer: the item to append it
+  std::unique_ptr<std::atomic<int64_t>[]> remaining(new std::atomic<int64_t>[layers]);
+  std::unique_ptr<std::atomic<int>[]> opened(new std::atomic<int>[layers]);  // 0 closed, 1 opening, 2 open
+  std::vector<std::vector<int64_t>> appends(layers);  // per layer, per item: the append row it does first, or -1
+  for (int64_t l = 0; l < layers; ++l) {
+    opened[l].store(0, std::memory_order_relaxed);
+    const LayerWork* w = work[l].get();
+    if (w == nullptr) {
+      task_layer.push_back(l);
+      task_item.push_back(-1);
+      remaining[l].store(1, std::memory_order_relaxed);
+      continue;
+    }
+    const apex_cpu::WorkPlanView& view = w->attention.view;
+    const apex_cpu::PagedAttentionArgs& args = w->attention.args;
+    appends[l].assign(view.num_items, -1);
+    for (int64_t i = 0; i < view.num_items; ++i) {
+      const apex_cpu::WorkItem& item = view.items[i];
+      if (item.token_end == args.context_lens[item.seq]) {
+        appends[l][i] = int64_t(item.seq) * args.num_kv_heads + item.kv_head;
+      }
+      task_layer.push_back(l);
+      task_item.push_back(i);
+    }
+    remaining[l].store(view.num_items, std::memory_order_relaxed);
+  }
+  const int64_t num_tasks = int64_t(task_layer.size());
+  const int64_t* ready = ready_flags.data_ptr<int64_t>();
+  int64_t* done = done_flags.data_ptr<int64_t>();
+  std::vector<clock::time_point> wait_begin(layers), ready_at(layers), done_at(layers);
+  std::atomic<int64_t> next{0};
+  std::atomic<bool> failed{false};
+  std::string error;
+  const auto start = clock::now();
+  const auto deadline = start + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(timeout_s));
+#pragma omp parallel num_threads(team) if (team > 1)
+  {
+    const int thread = omp_get_thread_num();
+    for (;;) {
+      const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
+      if (t >= num_tasks || failed.load(std::memory_order_acquire)) break;
+      const int64_t l = task_layer[t];
+      int state = 0;
+      if (opened[l].load(std::memory_order_acquire) != 2 &&
+          opened[l].compare_exchange_strong(state, 1, std::memory_order_acq_rel)) {
+        wait_begin[l] = clock::now();
+        for (int64_t polls = 0; __atomic_load_n(ready + l, __ATOMIC_ACQUIRE) < turn; ++polls) {
+          flag_backoff(polls);
+          if (polls >= kSpinPolls && polls % 256 == 0 && clock::now() > deadline) {
+            if (!failed.exchange(true, std::memory_order_acq_rel)) {  // one message, from the first to fail
+              error = message("waited more than ", int64_t(timeout_s), " s for layer ", l, " of turn ", turn,
+                              " to be staged (its flag is ", __atomic_load_n(ready + l, __ATOMIC_ACQUIRE), ")");
+            }
+            break;
+          }
+        }
+        ready_at[l] = clock::now();
+        opened[l].store(2, std::memory_order_release);
+      } else {
+        for (int64_t polls = 0; opened[l].load(std::memory_order_acquire) != 2; ++polls) {
+          if (failed.load(std::memory_order_acquire)) break;
+          team_backoff(polls);
+        }
+      }
+      if (failed.load(std::memory_order_acquire)) break;
+      const int64_t i = task_item[t];
+      if (i >= 0) {
+        LayerWork& w = *work[l];
+        if (appends[l][i] >= 0) apex_cpu::cache_append_row(w.append.args, appends[l][i]);
+        run_attention_item(w.attention, i, thread);
+      }
+      if (remaining[l].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        done_at[l] = clock::now();
+        __atomic_store_n(done + l, turn, __ATOMIC_RELEASE);
+      }
+    }
+  }
+  APEX_CHECK(error.empty(), error);
+  const auto end = clock::now();
+  double waited = 0.0;
+  for (int64_t l = 0; l < layers; ++l) {  // idle: the flag awaited after the layer before was done
+    const auto from = l == 0 ? wait_begin[0] : std::max(wait_begin[l], done_at[l - 1]);
+    waited += std::max(0.0, std::chrono::duration<double>(ready_at[l] - from).count());
+  }
+  double* seconds = timings.data_ptr<double>();
+  seconds[0] = waited;
+  seconds[1] = std::max(0.0, std::chrono::duration<double>(end - start).count() - waited);
+  if (timings.numel() == 4) {  // the appends run inside the items: all of it counts as attention
+    seconds[2] = 0.0;
+    seconds[3] = seconds[1];
+  }
+}
 
 // The one-lane staggered plan's CPU job: as `stagger_cpu_job`, but layer by layer as the GPU step that stages
 // them runs. Layer l's rows (the rows of [l * width, (l + 1) * width) in use; rows must be sorted by layer and
@@ -667,6 +787,11 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
     w.append.args.team_nowait = true;  // the team meets at a SpinBarrier instead
     prepare_attention(w.attention, in.query, key_caches[0], value_caches[0], w.tables, w.lens, scale, &in.keys,
                       &in.values, &w.index, out.data_ptr(), row_ptr + begin, team);
+  }
+
+  if (g_layer_schedule.load(std::memory_order_relaxed) == 1) {
+    run_layer_flow(work, layers, ready_flags, done_flags, turn, timeout_s, team, timings);
+    return;
   }
 
   // One parallel region: thread 0 waits for each layer's flag while the team polls, then the team appends,
@@ -731,6 +856,13 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
   }
 }
 
+// Sets the layered job's schedule (0 barrier, 1 flow; a negative mode keeps it); returns the one now in effect.
+int64_t stagger_layer_schedule(int64_t mode) {
+  APEX_CHECK(mode <= 1, "stagger_layer_schedule: mode must be 0 (barrier), 1 (flow) or negative (query), got ", mode);
+  if (mode >= 0) g_layer_schedule.store(mode);
+  return g_layer_schedule.load();
+}
+
 // Code of the kernel path the next call will use: 0 scalar, 1 avx2, 2 avx512 (errors like the ops would).
 int64_t cpu_isa_code() { return int64_t(select_isa()); }
 
@@ -761,4 +893,5 @@ TORCH_LIBRARY_IMPL(apex, CPU, m) {
 TORCH_LIBRARY_IMPL(apex, CompositeExplicitAutograd, m) {
   m.impl("cpu_isa_code", &cpu_isa_code);
   m.impl("cpu_attention_work_split", &cpu_attention_work_split);
+  m.impl("stagger_layer_schedule", &stagger_layer_schedule);
 }

@@ -225,6 +225,17 @@ def test_stagger_job_times_out_with_a_clear_error_and_writes_nothing(team, threa
     assert not torch.isnan(out).any()
 
 
+@pytest.fixture(params=["barrier", "flow"])
+def schedule(request):
+    """Each layered-job test under both ways of sharing its work out (restored after)."""
+    from apex_compile.ops import stagger_layer_schedule
+
+    saved = stagger_layer_schedule()
+    stagger_layer_schedule(request.param)
+    yield request.param
+    stagger_layer_schedule(saved)
+
+
 def run_layer_job(caches, staged, meta, picked, ready, done, turn, heads=4, **kwargs):
     """stagger_layer_job over the rows `picked` (None: all) into a NaN-filled output; returns it and the timings."""
     from apex_compile.ops.cpu_attention import stagger_layer_job
@@ -240,7 +251,7 @@ def run_layer_job(caches, staged, meta, picked, ready, done, turn, heads=4, **kw
 
 @pytest.mark.parametrize("picked", [None, [0, 2, 7, 8], [6, 7]])
 @pytest.mark.parametrize("team", [1, 3])
-def test_layer_job_equals_the_whole_job_and_raises_every_layer(picked, team, threads):
+def test_layer_job_equals_the_whole_job_and_raises_every_layer(picked, team, threads, schedule):
     """The one-lane job (layer by layer, each behind its ready flag) writes what the whole-turn job writes, bit
     for bit, into outputs and caches, and raises every layer's done flag to the turn (layers without rows too)."""
     torch.set_num_threads(team)
@@ -259,10 +270,11 @@ def test_layer_job_equals_the_whole_job_and_raises_every_layer(picked, team, thr
     assert done.tolist() == [4, 4, 4] and waited >= 0 and ran >= 0
 
 
-def test_layer_job_in_a_team_is_exact_on_every_call(threads):
-    """The layered job's team meets at its own spinning barriers twice a layer (after the appends, after the
-    attention): 20 calls with a 4-thread team, each equal bit for bit to a 1-thread call (a missing barrier lets
-    an attention read a slot not yet appended, or a done flag rise before its layer's rows are written)."""
+def test_layer_job_in_a_team_is_exact_on_every_call(threads, schedule):
+    """The layered job's team either meets at spinning barriers twice a layer (after the appends, after the
+    attention) or claims items across layers, each row appended by the item holding its last token: 20 calls
+    with a 4-thread team, each equal bit for bit to a 1-thread call (a missing barrier or a misplaced append
+    lets an attention read a slot not yet appended, or a done flag rise before its layer's rows are written)."""
     picked = [0, 1, 3, 4, 5, 7]
     caches, staged, meta = stagger_job_case(29, layers=4, width=2)
     pristine = [(k.clone(), v.clone()) for k, v in caches]
@@ -276,7 +288,7 @@ def test_layer_job_in_a_team_is_exact_on_every_call(threads):
 
 
 @pytest.mark.parametrize("team", [1, 3])
-def test_layer_job_runs_each_layer_behind_its_flag(team, threads):
+def test_layer_job_runs_each_layer_behind_its_flag(team, threads, schedule):
     """Layer l is written only after ready_flags[l] reaches the turn, and its done flag rises right after it,
     before later layers are staged (the GPU's next step waits for it per layer, not for the whole job)."""
     import concurrent.futures
@@ -305,7 +317,7 @@ def test_layer_job_runs_each_layer_behind_its_flag(team, threads):
     assert done.tolist() == [turn] * 3 and not torch.isnan(out).any() and waited >= 0.09
 
 
-def test_layer_job_checks_its_rows_and_times_out_clearly(threads):
+def test_layer_job_checks_its_rows_and_times_out_clearly(threads, schedule):
     """Rows out of layer order or a cache_index that is not each row's layer are refused before any wait; a
     layer never staged raises after the timeout, the done flags of the layers before it raised, none after."""
     torch.set_num_threads(2)
@@ -324,6 +336,64 @@ def test_layer_job_checks_its_rows_and_times_out_clearly(threads):
     with pytest.raises(RuntimeError, match="layer 1 of turn 1"):
         run_layer_job(caches, staged, meta, None, ready, done, 1, timeout_s=0.05)
     assert done.tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("team", [1, 4])
+def test_layer_job_with_split_items_equals_the_whole_job(team, threads, schedule):
+    """Items cut into several pieces of one (row, kv head), merged by the thread writing the last partial: the
+    layered job writes the whole job's caches bit for bit and its outputs to rounding (the pieces depend on the
+    team), the same bits on every call, and the same bits in both schedules (in the flow schedule only the
+    piece holding a row's last token appends it, and later layers' items run beside it)."""
+    from apex_compile.ops import cpu_attention_work_split, stagger_layer_schedule
+
+    saved = cpu_attention_work_split()
+    cpu_attention_work_split(items_per_thread=1 << 20, min_item_bytes=1, min_thread_bytes=1)
+    try:
+        torch.set_num_threads(team)
+        caches, staged, meta = stagger_job_case(31, layers=4, width=3)
+        pristine = [(k.clone(), v.clone()) for k, v in caches]
+        picked = [0, 1, 2, 4, 6, 7, 9, 10, 11]
+        want_caches = [(k.clone(), v.clone()) for k, v in pristine]
+        want, _ = run_stagger_job(want_caches, staged, meta, picked)
+
+        def layered():
+            got_caches = [(k.clone(), v.clone()) for k, v in pristine]
+            done = torch.zeros(4, dtype=torch.int64)
+            got, _ = run_layer_job(got_caches, staged, meta, picked, torch.ones(4, dtype=torch.int64), done, 1)
+            assert done.tolist() == [1] * 4
+            for (k, v), (k1, v1) in zip(got_caches, want_caches):
+                assert torch.equal(k.nan_to_num(-7.0), k1.nan_to_num(-7.0))
+                assert torch.equal(v.nan_to_num(-7.0), v1.nan_to_num(-7.0))
+            return got.nan_to_num(-7.0)
+
+        first = layered()
+        torch.testing.assert_close(first, want.nan_to_num(-7.0), rtol=1e-5, atol=1e-6)
+        for _ in range(10):
+            assert torch.equal(layered(), first)
+        other = "barrier" if schedule == "flow" else "flow"
+        stagger_layer_schedule(other)
+        try:
+            assert torch.equal(layered(), first)
+        finally:
+            stagger_layer_schedule(schedule)
+    finally:
+        cpu_attention_work_split(**saved)
+
+
+def test_layer_schedule_is_set_queried_and_checked():
+    """stagger_layer_schedule names the schedule in effect, sets a known one, and refuses others."""
+    from apex_compile.ops import stagger_layer_schedule
+
+    saved = stagger_layer_schedule()
+    try:
+        assert stagger_layer_schedule("barrier") == "barrier" == stagger_layer_schedule()
+        assert stagger_layer_schedule("flow") == "flow" == stagger_layer_schedule()
+        with pytest.raises(ValueError, match="not one of"):
+            stagger_layer_schedule("fast")
+        with pytest.raises(RuntimeError, match="mode must be"):
+            torch.ops.apex.stagger_layer_schedule(2)
+    finally:
+        stagger_layer_schedule(saved)
 
 
 def written_while_python_holds_the_gil(job, out, flags, window=1.0):
@@ -428,8 +498,8 @@ def test_the_stagger_job_benchmark_runs_on_a_small_pool(tmp_path):
     written = json.loads(out.read_text())
     rows = written["rows"]
     assert [(r["rows"], r["how"]) for r in rows] == [(n, how) for n in (1, 2)
-                                                     for how in ("hot", "gap", "flag", "layer")]
+                                                     for how in ("hot", "gap", "flag", "layer", "flow")]
     assert all(r["run_s"] > 0 for r in rows) and written["work_split"] == [2, 32768, 65536]
     assert written["args"]["block_size"] == 32 and "blocks of 32 tokens" in result.stdout
-    assert all(r["parts_s"]["attention"] > 0 for r in rows if r["how"] != "layer")
-    assert "fit flag" in result.stdout and "fit layer" in result.stdout
+    assert all(r["parts_s"]["attention"] > 0 for r in rows if r["how"] not in ("layer", "flow"))
+    assert "fit flag" in result.stdout and "fit layer" in result.stdout and "fit flow" in result.stdout

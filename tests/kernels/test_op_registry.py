@@ -28,6 +28,7 @@ EXPECTED_KERNELS = {
     "wait_host_flags": {"CPU"},
     "cpu_isa_code": {"CompositeExplicitAutograd"},
     "cpu_attention_work_split": {"CompositeExplicitAutograd"},
+    "stagger_layer_schedule": {"CompositeExplicitAutograd"},
     "cache_append_gpu": {"CPU", "CUDA"},
     "paged_attention_gpu": {"CPU", "CUDA"},
     "paged_decode_append_gpu": {"CPU", "CUDA"},
@@ -43,7 +44,8 @@ EXPECTED_KERNELS = {
     "stagger_residual": {"CompositeExplicitAutograd"},
     "stagger_rope_layers": {"CompositeExplicitAutograd"},
 }
-NO_TENSOR_OPS = {"cpu_isa_code": (), "cpu_attention_work_split": (0, 0, 0)}  # read-only calls, no fake needed
+NO_TENSOR_OPS = {"cpu_isa_code": (), "cpu_attention_work_split": (0, 0, 0),  # read-only calls, no fake needed
+                 "stagger_layer_schedule": (-1,)}
 
 NUM_BLOCKS, KV_HEADS, HEADS, BLOCK, DIM = 4, 2, 4, 16, 16
 

@@ -210,6 +210,34 @@ def test_a_running_pipeline_needs_only_the_keep_margin():
     assert AutoOffload(model).stagger_keep_margin == STAGGER_KEEP_MARGIN < STAGGER_MARGIN
 
 
+def test_the_staggered_verdict_follows_each_kind_of_steps_learned_host_gap():
+    """`observe_staggered` teaches each kind of step its host gap (the time beyond the model's prediction): a
+    GPU-only step measured slower than predicted makes the same host rows worth more (start margin passed),
+    staggered steps measured slower again take them back; the explanation shows both gaps. Until a kind has
+    its minimum of samples its gap is 0 (the plain model)."""
+    model = calibrated(cpu_gbps=90)
+    never = model.predict("never", 12, 0, 576).step_s
+    gain = max(model.predict("staggered", 12, r, 576).tokens_per_s for r in range(1, 9)) / (12 / never) - 1
+    policy = AutoOffload(model, stagger_groups=GROUPS, stagger_margin=gain * 1.05)
+    assert policy.stagger_rows(12, 576, 8) == 0
+    for _ in range(policy.gap.min_steps - 1):  # too few samples: no gap yet
+        policy.observe_staggered(12, 0, 576, never * 1.3)
+    assert policy.gap.seconds(False) == 0.0 and policy.stagger_rows(12, 576, 8) == 0
+    policy.observe_staggered(12, 0, 576, never * 1.3)
+    assert policy.gap.seconds(False) == pytest.approx(never * 0.3)
+    rows = policy.stagger_rows(12, 576, 8)
+    assert rows > 0
+    assert "+%.2f ms GPU-only" % (never * 0.3 * 1e3) in policy.explain(12 * 576, 10 ** 7, 64, 576)[-1]
+    slow = model.predict("staggered", 12, rows, 576).step_s * 1.3
+    # steps the CPU job bounds (its measured fit as long as the step): the job's time, not a gap of every count
+    for _ in range(policy.gap.min_steps):
+        policy.observe_staggered(12, rows, 576, slow, job_s=slow * 0.99)
+    assert policy.gap.seconds(True) == pytest.approx(slow * 0.01) and policy.stagger_rows(12, 576, 8) == rows
+    for _ in range(policy.gap.residuals[True].maxlen):  # steps the job does not bound: a gap of the plan
+        policy.observe_staggered(12, rows, 576, slow, job_s=slow * 0.5)
+    assert policy.gap.seconds(True) > 0 and policy.stagger_rows(12, 576, 8) == 0
+
+
 def test_auto_builds_the_staggered_plan_only_where_a_typical_load_gains():
     contexts = [256, 1024, 4096]
     gib = 1 << 30

@@ -593,6 +593,18 @@ def test_an_empty_pipeline_probes_its_rows_again_after_a_hold():
     assert calm.probes == 0 and calm.idle_hold == IDLE_HOLD
 
 
+class StubPolicy:
+    """The parts of auto's policy a test's stand-in does not replace: a host gap that learns nothing."""
+
+    def __init__(self):
+        from apex_compile.runtime.perf_model import HostGap
+
+        self.gap = HostGap()
+
+    def observe_staggered(self, gpu_requests, cpu_rows, context, measured_s, job_s=None):
+        pass
+
+
 def test_auto_refills_a_pipeline_its_ceiling_emptied_after_the_probe(monkeypatch):
     """offload="auto" end to end: rows collapsed to 1 (which does not pay), so the ceiling is 0, the pipeline empties
     and its requests are parked; once it has been empty for the hold, the probe drops the rows' stale evidence and
@@ -607,7 +619,7 @@ def test_auto_refills_a_pipeline_its_ceiling_emptied_after_the_probe(monkeypatch
     apex = staggered(model, width="auto")
     engine, stagger = apex.engine, apex.engine.stagger
 
-    class Policy:
+    class Policy(StubPolicy):
         def stagger_rows(self, gpu_requests, context, width, keep=False):
             return width if width >= 2 else 0
 
@@ -633,6 +645,72 @@ def test_auto_refills_a_pipeline_its_ceiling_emptied_after_the_probe(monkeypatch
     assert [r.output_token_ids for r in requests] == reference
     assert engine.blocks_in_use() == {"device": 0, "host": 0}
     apex.close()
+
+
+def test_the_row_limit_reads_its_job_fit_as_seconds_for_any_rows():
+    """`RowLimit.job_seconds`: None before a fit; then the fit's fixed part plus the rows' work at the last mean
+    context (what a step the job bounds is predicted by when auto learns its host gap)."""
+    from apex_compile.runtime.stagger import RowLimit
+
+    rows = RowLimit(width=8, num_layers=4, adaptive=True)
+    assert rows.job_seconds(3) is None
+    for n in (1, 2, 3, 4, 2, 3):  # jobs of n rows x 4 layers x 100 tokens: 1 ms + 0.5 ms a row
+        rows.observe_job(1e-3 + n * 0.5e-3, n * 4 * 100)
+    rows.update(100.0)
+    assert rows.job_seconds(3) == pytest.approx(1e-3 + 3 * 0.5e-3, rel=1e-6)
+    assert rows.job_seconds(6) == pytest.approx(1e-3 + 6 * 0.5e-3, rel=1e-6)
+
+
+def test_auto_learns_the_host_gap_from_its_decode_steps_only():
+    """offload="auto" with the staggered plan: every step() that only decodes (no prompt chunk, no graph
+    captured, no prompt turn or export beside the pipeline) reports its device rows, the block's host rows, the
+    mean context and its wall time to the policy's host gap; prompt steps report nothing."""
+    from apex_compile.runtime.perf_model import HostGap
+
+    torch.manual_seed(5)
+    apex = staggered(sharp_model(), width="auto")
+    engine = apex.engine
+    seen, prompt_steps, call = [], set(), [0]
+
+    class Policy:
+        gap = HostGap()
+
+        def stagger_rows(self, gpu_requests, context, width, keep=False):
+            return width
+
+        def observe_staggered(self, gpu_requests, cpu_rows, context, measured_s, job_s=None):
+            seen.append((call[0], gpu_requests, cpu_rows, context, measured_s))
+
+    engine.auto_policy = Policy()
+    engine.config.offload = "auto"
+    schedule = engine._schedule
+
+    def spy():
+        chunks = schedule()
+        if any(not c.decodes for c in chunks):
+            prompt_steps.add(call[0])
+        return chunks
+
+    engine._schedule = spy
+    sampling = SamplingParams(max_new_tokens=12)
+    for n in (6, 9, 4, 7, 5, 8):
+        engine.add_request(torch.randint(3, 96, (n,)).tolist(), sampling)
+    while engine.has_unfinished():
+        call[0] += 1
+        if call[0] in (5, 9):  # prompts arriving while others decode
+            engine.add_request(torch.randint(3, 96, (7,)).tolist(), sampling)
+        engine.step()
+    assert seen and len(prompt_steps) >= 3
+    assert not {step for step, *_ in seen} & set(prompt_steps)
+    assert any(rows for _, _, rows, _, _ in seen)  # steps with host rows in the block were measured
+    assert all(seconds > 0 and context >= 1 and gpu >= 0 for _, gpu, _, context, seconds in seen)
+    # an idle pipeline keeps its last prompt turns (nothing counts them down): GPU-only steps are still measured
+    engine.add_request(torch.randint(3, 96, (5,)).tolist(), sampling)
+    engine.step()
+    engine.stagger._prompt_turns = 3
+    assert not engine.stagger.active and engine._gap_sample() is not None
+    apex.close()
+    torch._dynamo.reset()  # its arrivals compiled many step shapes: later tests keep their share of the limit
 
 
 def test_a_ceiling_of_zero_admits_nothing_and_parks_the_pipelines_requests(monkeypatch):
@@ -758,7 +836,7 @@ def test_auto_ceiling_is_chosen_among_the_rows_the_cpu_job_fits(monkeypatch):
     engine, stagger = apex.engine, apex.engine.stagger
     asked = []
 
-    class Policy:  # pays from 3 rows on (the plan's overhead needs them)
+    class Policy(StubPolicy):  # pays from 3 rows on (the plan's overhead needs them)
         def stagger_rows(self, gpu_requests, context, width, keep=False):
             asked.append(width)
             return width if width >= 3 else 0
@@ -821,7 +899,7 @@ def test_a_running_pipeline_is_kept_by_the_lower_margin(monkeypatch):
     engine, stagger = apex.engine, apex.engine.stagger
     asked = []
 
-    class Policy:  # a gain between the two margins: rows only when keeping
+    class Policy(StubPolicy):  # a gain between the two margins: rows only when keeping
         def stagger_rows(self, gpu_requests, context, width, keep=False):
             asked.append(keep)
             return width if keep else 0
