@@ -26,7 +26,6 @@ def _seeded():
 
 @pytest.fixture(autouse=True, scope="module")
 def _fresh_dynamo():
-    """Each test module starts with an empty dynamo cache: the engines of earlier modules' models (each one more
-    graph of the engine's shared step code object) would otherwise count against that object's recompile limit,
-    which the engine makes a hard error (a fallback would run the unrewritten forward)."""
+    """Each test module starts with an empty dynamo cache: nothing an earlier module compiled (its models' steps,
+    the graphs of helper functions) is kept alive or counted against a recompile limit here."""
     torch._dynamo.reset()

@@ -165,11 +165,14 @@ def _model_step(model: torch.nn.Module) -> Callable:
         out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=logits_indices)
         return out.logits[0]
 
+    # a code object of its own: dynamo keeps its graphs (and counts them against RECOMPILE_LIMIT) per code object,
+    # which every closure of this function would otherwise share across models and engines
+    step.__code__ = step.__code__.replace()
     return step
 
 
 _COMPILED_ATTR = "_apex_compiled_steps"
-RECOMPILE_LIMIT = 64  # graphs per step code object: 0/1-size specialisations x models x backend options
+RECOMPILE_LIMIT = 64  # graphs per step code object (one per model step): 0/1-size specialisations x options
 
 
 def _compiled_step(model: torch.nn.Module, overlap: bool, inner: Optional[str], stagger: bool = False):
@@ -431,8 +434,8 @@ class Engine:
         if not stagger:
             self.reports = reports
         # Past dynamo's recompile limit it would run the unrewritten HF forward, which attends over the step's
-        # tokens only: a silently wrong result. Engines of several models and option sets share the step's code
-        # object (and so its limit), hence a generous limit, and an error instead of the fallback.
+        # tokens only: a silently wrong result. Each model step has its own code object (`_model_step`), so the
+        # limit counts one step's shapes; past it, an error instead of the fallback.
         # specialize_float: the model's float attributes (RMSNorm eps, attention scaling) are constants; as
         # symbolic inputs, SDPA's scale guard made AOT autograd restart dynamo's analysis after its cache lookup,
         # so every fresh process traced the graph twice and its first AOT trace was thrown away, never cached.

@@ -30,3 +30,19 @@ def test_default_limit_serves_prefill_and_decode_shapes():
         expected = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert torch.equal(out, expected)
     torch._dynamo.reset()
+
+
+def test_each_model_step_counts_its_own_graphs(monkeypatch):
+    """The limit is per model step, not shared by every model of the process: with room for two graphs (a
+    prefill and a decode shape) per step, three models in a row each generate; one code object shared by their
+    steps would hit the limit at the second model."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(engine_module, "RECOMPILE_LIMIT", 2)
+    steps = [engine_module._model_step(tiny_model("llama", layers=1)) for _ in range(2)]
+    assert steps[0].__code__ is not steps[1].__code__
+    for _ in range(3):
+        model = tiny_model("llama", layers=1)
+        ids, out = _generate(model, prompt_len=5)
+        with torch.no_grad():
+            assert torch.equal(out, model.generate(ids, max_new_tokens=4, do_sample=False))
+    torch._dynamo.reset()

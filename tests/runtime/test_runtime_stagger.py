@@ -710,7 +710,6 @@ def test_auto_learns_the_host_gap_from_its_decode_steps_only():
     engine.stagger._prompt_turns = 3
     assert not engine.stagger.active and engine._gap_sample() is not None
     apex.close()
-    torch._dynamo.reset()  # its arrivals compiled many step shapes: later tests keep their share of the limit
 
 
 def test_a_ceiling_of_zero_admits_nothing_and_parks_the_pipelines_requests(monkeypatch):
