@@ -272,6 +272,12 @@ def run_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seq
                                 start_step)
 
 
+def _take_suffix(mode, suffixes):
+    """(mode without the first of `suffixes` it holds, that suffix's value or None)."""
+    suffix = next((s for s in suffixes if s in mode), None)
+    return (mode, None) if suffix is None else (mode.replace(suffix, ""), suffixes[suffix])
+
+
 @contextlib.contextmanager
 def process_settings(mode):
     """The process-wide settings a mode's suffixes name (the exchange's stream, the block moves, the CPU
@@ -280,18 +286,15 @@ def process_settings(mode):
     beside, split = attention_runner.EXCHANGE_BESIDE, list(cpu_attention_work_split().values())
     overlap, schedule = kv_manager.OVERLAP_MOVES, stagger_layer_schedule()
     try:
-        named_schedule = next((s for s in SCHEDULE_SUFFIXES if s in mode), None)
-        if named_schedule:
-            stagger_layer_schedule(SCHEDULE_SUFFIXES[named_schedule])
-            mode = mode.replace(named_schedule, "")
-        exchange = next((s for s in EXCHANGE_SUFFIXES if s in mode), None)
-        if exchange:
-            attention_runner.EXCHANGE_BESIDE = EXCHANGE_SUFFIXES[exchange]
-            mode = mode.replace(exchange, "")
-        moves = next((s for s in MOVE_SUFFIXES if s in mode), None)
-        if moves:
-            kv_manager.OVERLAP_MOVES = MOVE_SUFFIXES[moves]
-            mode = mode.replace(moves, "")
+        mode, named_schedule = _take_suffix(mode, SCHEDULE_SUFFIXES)
+        if named_schedule is not None:
+            stagger_layer_schedule(named_schedule)
+        mode, exchange = _take_suffix(mode, EXCHANGE_SUFFIXES)
+        if exchange is not None:
+            attention_runner.EXCHANGE_BESIDE = exchange
+        mode, moves = _take_suffix(mode, MOVE_SUFFIXES)
+        if moves is not None:
+            kv_manager.OVERLAP_MOVES = moves
         named = SPLIT_SUFFIX.search(mode)
         if named:
             cpu_attention_work_split(*(int(v) for v in named.groups()))

@@ -106,8 +106,10 @@ def main():
         kv_bytes = 2 * layers * rows * hk * dim * 2 * (args.context + 1)
         for how in modes:
             samples = []
+            layered = how in ("layer", "flow")
+            if layered:  # "layer": the team meets at barriers twice a layer; "flow": items claimed across layers
+                stagger_layer_schedule("flow" if how == "flow" else "barrier")
             for i in range(args.repeats + 2):
-                layered = how in ("layer", "flow")
                 flags = torch.zeros(layers if layered else 1, dtype=torch.int64)
                 done = torch.zeros(layers, dtype=torch.int64)
                 timings = torch.zeros(2 + len(PARTS), dtype=torch.float64)
@@ -127,8 +129,6 @@ def main():
                                                            slots, picked, hq, dim ** -0.5, out, flags, [1], 60.0,
                                                            timings)
 
-                if layered:  # "layer": the team meets at barriers twice a layer; "flow": items claimed across layers
-                    stagger_layer_schedule("flow" if how == "flow" else "barrier")
                 future = pool.submit(job)
                 if how == "flag":
                     timer = threading.Timer(args.gap_ms / 1e3, lambda: flags.fill_(1))

@@ -824,7 +824,7 @@ class Engine:
         if stagger is None or self.config.offload != "auto" or self.auto_policy is None:
             return None
         running = self.scheduler.running
-        members = list(stagger.members())
+        members = stagger.members()  # a fresh list
         if not (running or members):
             return None
         # prompt turns of the pipeline (its own bookkeeping, which idles with it) or prompt K/V still exporting
@@ -832,7 +832,8 @@ class Engine:
             return None
         device = sum(1 for r in running if self.kv.pool_of(r.request_id) == DEVICE_POOL)
         rows = sum(g.size for g in stagger.groups) / len(stagger.groups) if stagger.active else 0.0
-        context = sum(r.num_tokens for r in running + members) / (len(running) + len(members))
+        context = (sum(r.num_tokens for r in running) + sum(r.num_tokens for r in members)) / (
+            len(running) + len(members))
         return device, rows, context, stagger.rows.job_seconds(rows) if rows else None
 
     def _step(self) -> List[Request]:

@@ -374,14 +374,18 @@ class AutoOffload:
         `measured_s`: its residual over the model joins its kind's host gap. job_s: the measured CPU job's
         fitted time for those rows; a step it bounds is predicted by it, so that rows beyond what the job fits
         (which the measured rows already cap) do not read as a gap of every row count."""
-        predicted = self.model.predict("staggered" if cpu_rows else "never", gpu_requests, cpu_rows, context).step_s
+        predicted = self._model_step(gpu_requests, cpu_rows, context).step_s
         if cpu_rows and job_s:
             predicted = max(predicted, job_s)
         self.gap.observe(bool(cpu_rows), predicted, measured_s)
 
+    def _model_step(self, gpu_requests: int, cpu_rows: float, context: float) -> Prediction:
+        """The model's staggered step, or without host rows its GPU-only step."""
+        return self.model.predict("staggered" if cpu_rows else "never", gpu_requests, cpu_rows, context)
+
     def _staggered_step(self, gpu_requests: int, cpu_rows: int, context: float) -> Prediction:
-        """The model's staggered (or, without host rows, GPU-only) step plus its kind's learned host gap."""
-        p = self.model.predict("staggered" if cpu_rows else "never", gpu_requests, cpu_rows, context)
+        """`_model_step` plus its kind's learned host gap."""
+        p = self._model_step(gpu_requests, cpu_rows, context)
         return dataclasses.replace(p, step_s=max(p.step_s + self.gap.seconds(bool(cpu_rows)), 1e-6))
 
     def stagger_rows(self, gpu_requests: int, context: float, width: int, keep: bool = False) -> int:

@@ -640,7 +640,6 @@ void run_layer_flow(const std::vector<std::unique_ptr<LayerWork>>& work, int64_t
                     const at::Tensor& timings) {
   using clock = std::chrono::steady_clock;
   std::vector<int64_t> task_layer, task_item;  // item -1: an empty layer's task
-  std::vector<int64_t> last_item;              // per row (seq * kv_heads + head) of a layer: the item to append it
   std::unique_ptr<std::atomic<int64_t>[]> remaining(new std::atomic<int64_t>[layers]);
   std::unique_ptr<std::atomic<int>[]> opened(new std::atomic<int>[layers]);  // 0 closed, 1 opening, 2 open
   std::vector<std::vector<int64_t>> appends(layers);  // per layer, per item: the append row it does first, or -1
