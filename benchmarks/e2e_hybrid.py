@@ -12,6 +12,14 @@ bandwidth could add: B_cpu / KV bytes a host request reads per step) with its in
 offload efficiency (auto - never) / ideal_gain, the model's predicted decode step against the measured one, and
 HF generate with its offloaded cache (KV in host memory) over as many requests as the device pool holds.
 
+Steady state: a window's tokens come partly from requests prefilled before it (the staggered pipeline's members,
+parked requests resuming without a prefill), and a mode whose window happens to hold fewer prefill steps reads
+faster than it runs. So each mode also gets `steady_tokens_per_s`: the window's time with its own prefill taken
+out (each prefill step over the decode median) and every window token charged its request's share of a prefill
+(prompt / new_tokens prefill tokens per token; device tokens at never's seconds per prefill token, host tokens at
+the larger of the mode's and never's); the efficiencies are given both ways. The default window is two request
+lifetimes (2 x --new-tokens steps, at least 300), so that it does not sit in one phase of the request waves.
+
     python benchmarks/e2e_hybrid.py --out benchmarks/results/e2e_hybrid_<date>_h200.json
 """
 import argparse
@@ -218,6 +226,23 @@ def amortized(run, prompt_len, new_tokens):
     return run["tokens"] / (run["window_s"] + added), per_token, len(per_step)
 
 
+def steady_tokens_per_s(runs, prompt_len, new_tokens):
+    """Each mode's tokens/s at steady state (module docstring): the window without its own prefill time, plus
+    every window token's share of its request's prefill."""
+    never = runs.get("never")
+    rates = {}
+    for m, run in runs.items():
+        decode = [s[3] for s in run["steps"] if not s[4]] or [s[3] for s in run["steps"]]
+        base = statistics.median(decode)
+        own_prefill = sum(max(s[3] - base, 0.0) for s in run["steps"] if s[4])
+        device_rate = (never or run)["prefill_s_per_token"]
+        host_rate = max(run["prefill_s_per_token"], device_rate)
+        host = run["host_tokens"]
+        charged = prompt_len / new_tokens * ((run["tokens"] - host) * device_rate + host * host_rate)
+        rates[m] = run["tokens"] / (run["window_s"] - own_prefill + charged)
+    return rates
+
+
 PIECEWISE_SUFFIX = "/pw"  # a mode run with its mixed steps piecewise (mixed_graphs=False): the same-run A/B
 LANE_SUFFIXES = {"/1lane": 1, "/2lane": 2}  # a mode run with that many staggered lanes (else the engine's default)
 PIN_SUFFIX = "/pin"  # a mode run with the launching thread pinned off the worker's cores (pin_launcher=True)
@@ -328,6 +353,11 @@ def _run_engine_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens,
         window = list(jobs.job_seconds)[-args.window_steps:]
         result["cpu_job_s"] = statistics.median(run for _, run in window)
         result["cpu_job_ready_wait_s"] = statistics.median(wait for wait, _ in window)
+        # the one-lane job's team: its thread-seconds inside work items over running time x threads
+        busy = list(getattr(jobs, "job_busy", []))[-args.window_steps:]
+        shares = [b / (ran * len(jobs.cores)) for b, (_, ran) in zip(busy, window) if b == b and ran > 0]
+        if shares:
+            result["cpu_job_busy_share"] = statistics.median(shares)
         result["collect_wait_s"] = statistics.median(list(jobs.collect_seconds)[-args.window_steps:])
     if engine.stagger is not None:  # the rows in use per turn at the window's end (below the width when adaptive)
         rows = engine.stagger.rows
@@ -419,7 +449,8 @@ def main():
     parser.add_argument("--fill-steps", type=int, default=600,
                         help="at most this many steps to fill the staggered pipeline before --warm-steps")
     parser.add_argument("--warm-steps", type=int, default=100, help="steps before the measured window")
-    parser.add_argument("--window-steps", type=int, default=300)
+    parser.add_argument("--window-steps", type=int, default=None,
+                        help="steps of the measured window (default: 2 x --new-tokens, at least 300)")
     parser.add_argument("--prefill-while-decoding", type=lambda v: None if v == "none" else int(v), default=256,
                         help="prefill_tokens_while_decoding: prompt tokens a step that decodes takes into the device "
                              "pool ('none': up to the 2048-token step budget, which whole host prompts need)")
@@ -437,6 +468,8 @@ def main():
                              "device pool holds; -1: skip)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.window_steps is None:
+        args.window_steps = max(300, 2 * args.new_tokens)
     if not torch.cuda.is_available():
         sys.exit("e2e_hybrid.py needs a CUDA GPU")
     if args.job_gate:
@@ -467,7 +500,9 @@ def main():
                                    args.max_seqs, args, start_step=args.warm_steps + args.fill_steps)
                 r = runs[m]
                 cpu = (f"; CPU job {r['cpu_job_s'] * 1e3:.2f} ms (+{r['cpu_job_ready_wait_s'] * 1e3:.2f} waiting for "
-                       f"its inputs), collect wait {r['collect_wait_s'] * 1e3:.2f} ms" if "cpu_job_s" in r else "")
+                       f"its inputs"
+                       + (f", team busy {r['cpu_job_busy_share']:.0%}" if "cpu_job_busy_share" in r else "")
+                       + f"), collect wait {r['collect_wait_s'] * 1e3:.2f} ms" if "cpu_job_s" in r else "")
                 if "stagger_rows" in r:
                     cpu += f", rows in use {r['stagger_rows'][0]} of {r['stagger_rows'][1]}"
                     fit = r["row_fit"]
@@ -541,6 +576,8 @@ def main():
             online_errors = {m: prediction_error(calibrated[m], r["steps"], r["plan"], online=True)
                              for m, r in runs.items()}
             best = max(runs, key=lambda m: runs[m]["tokens_per_s"])
+            steady = steady_tokens_per_s(runs, args.prompt, args.new_tokens)
+            steady_eff = {m: (v - steady["never"]) / ideal for m, v in steady.items() if m != "never" and never}
             row = {"shape": shape_name, "device_gib": gib, "requests": count, "context": context,
                    "ideal_gain": ideal, "cpu_attention_GBps": perf.cpu_bandwidth() / 1e9,
                    "gpu_attention_GBps": perf.gpu_bandwidth() / 1e9,
@@ -548,7 +585,7 @@ def main():
                    "auto_efficiency": efficiency, "model_error": errors, "uncalibrated_model_error": raw_errors,
                    "online_model_error": online_errors, "profile": dataclasses.asdict(perf.profile),
                    "staggered_bound": bound, "staggered_bound_1lane": bounds[1][1] if 1 in bounds else None,
-                   "efficiency": efficiencies,
+                   "efficiency": efficiencies, "steady_tokens_per_s": steady, "steady_efficiency": steady_eff,
                    "best_mode": best, "hf_offloaded": hf, "without_host_tokens": without_host_tokens(runs),
                    "best_efficiency": (runs[best]["tokens_per_s"] - never) / ideal if never else None,
                    "modes": {m: {k: v for k, v in r.items() if k != "steps"} for m, r in runs.items()},
@@ -569,6 +606,9 @@ def main():
             if efficiencies:
                 print("   efficiency per mode: " + ", ".join(f"{m} {e:.2f}" for m, e in efficiencies.items()),
                       flush=True)
+            print("   steady state (the window's own prefill out, every token charged its request's prefill): "
+                  + ", ".join(f"{m} {v:.0f}" + (f" ({steady_eff[m]:.2f})" if m in steady_eff else "")
+                              for m, v in steady.items()) + " tokens/s (efficiency)", flush=True)
             if row["without_host_tokens"]:
                 print(f"   {', '.join(row['without_host_tokens'])}: no host token in the window, so the difference "
                       "from never is the window's phase (e.g. parked requests resuming without a prefill) and "

@@ -5,6 +5,8 @@ has it. One PNG per shape; a hollow point: that mode's window decoded no token f
 
     python benchmarks/plot_hybrid.py benchmarks/results/e2e_hybrid_<date>_h200.json [more results of the same run]
 
+--steady plots each mode's steady-state tokens/s (e2e_hybrid.steady_tokens_per_s: every window token charged
+its request's prefill, the window's own prefill taken out), computed from the steps where a result predates it.
 Rows cut short after their modes (partial) are plotted without the bounds they lack; results of different
 machines plotted together compare only loosely (the CPU's bandwidth differs between device hosts).
 """
@@ -25,9 +27,21 @@ def rows_of(results):
     return list(rows.values())
 
 
+def tokens_per_s(row, steady: bool):
+    """Mode -> the row's tokens/s: the window's own, or its steady-state figure."""
+    if not steady:
+        return {m: r["tokens_per_s"] for m, r in row["modes"].items()}
+    if row.get("steady_tokens_per_s"):
+        return row["steady_tokens_per_s"]
+    import e2e_hybrid  # (torch and the engine: only where an older result needs its figures computed)
+    runs = {m: dict(r, steps=row["steps"][m]) for m, r in row["modes"].items()}
+    return e2e_hybrid.steady_tokens_per_s(runs, row["prompt"], row["new_tokens"])
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("result", nargs="+", help="JSON written by benchmarks/e2e_hybrid.py --out")
+    parser.add_argument("--steady", action="store_true", help="plot the steady-state tokens/s (see above)")
     parser.add_argument("--out", default=None, help="PNG path (default: the first result's path, .png, per shape)")
     args = parser.parse_args()
     import matplotlib
@@ -39,6 +53,10 @@ def main():
     for path in args.result:
         with open(path) as f:
             results.append(json.load(f))
+    for result in results:  # the run's prompt and new tokens on each row (the steady figures need them)
+        for row in result["rows"]:
+            for key in ("prompt", "new_tokens"):
+                row.setdefault(key, result.get("args", {}).get(key))
     rows = rows_of(results)
     if not rows:
         raise SystemExit(f"{', '.join(args.result)}: no row with a finished mode")
@@ -50,24 +68,24 @@ def main():
         pools = [r["device_gib"] for r in shape_rows]
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         modes = [m for m in shape_rows[0]["modes"] if all(m in r["modes"] for r in shape_rows)]
+        rates = [tokens_per_s(r, args.steady) for r in shape_rows]
         hollow = False
         for mode in modes:
-            line, = ax.plot(pools, [r["modes"][mode]["tokens_per_s"] for r in shape_rows], marker="o", label=mode)
-            idle = [(r["device_gib"], r["modes"][mode]["tokens_per_s"]) for r in shape_rows
+            line, = ax.plot(pools, [t[mode] for t in rates], marker="o", label=mode)
+            idle = [(r["device_gib"], t[mode]) for r, t in zip(shape_rows, rates)
                     if mode != "never" and not r["modes"][mode].get("host_tokens")]
             if idle:  # no host token in the window: never's plan ran, its gap to never is no host gain
                 ax.plot(*zip(*idle), marker="o", linestyle="none", markerfacecolor="white",
                         markeredgecolor=line.get_color())
                 hollow = True
-        bound = [(r["device_gib"], r["modes"]["never"]["tokens_per_s"] + r["ideal_gain"]) for r in shape_rows
+        bound = [(r["device_gib"], t["never"] + r["ideal_gain"]) for r, t in zip(shape_rows, rates)
                  if "never" in r["modes"] and r.get("ideal_gain")]
         if bound:
             ax.plot(*zip(*bound), linestyle="--", color="gray", label="never + ideal_gain")
         # e2e_hybrid.staggered_bound: what the staggered design can add at most (one lane: the engine's default)
-        reach = [(r["device_gib"], r["modes"]["never"]["tokens_per_s"]
-                  + (r.get("staggered_bound_1lane") or r["staggered_bound"])["gain"])
-                 for r in shape_rows if "never" in r["modes"] and (r.get("staggered_bound_1lane")
-                                                                    or r.get("staggered_bound"))]
+        reach = [(r["device_gib"], t["never"] + (r.get("staggered_bound_1lane") or r["staggered_bound"])["gain"])
+                 for r, t in zip(shape_rows, rates) if "never" in r["modes"] and (r.get("staggered_bound_1lane")
+                                                                                   or r.get("staggered_bound"))]
         if reach:
             ax.plot(*zip(*reach), linestyle="-.", color="gray", label="never + staggered bound")
         # its decode rate (batch / decode step): the baseline runs fewer tokens than the window (--hf-tokens)
@@ -79,7 +97,7 @@ def main():
             ax.plot([], [], marker="o", linestyle="none", markerfacecolor="white", markeredgecolor="gray",
                     label="no host token in the window")
         ax.set_xlabel("device KV pool (GiB)")
-        ax.set_ylabel("tokens/s (steady-state window)")
+        ax.set_ylabel("tokens/s, each token charged its prefill" if args.steady else "tokens/s (steady-state window)")
         machine = results[0].get("machine", {})
         dates = sorted({r.get("date", "")[:10] for r in results})
         ax.set_title(f"{shape}: hybrid decode, {machine.get('gpu', '?')}, {', '.join(dates)}")
@@ -87,7 +105,8 @@ def main():
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        out = args.out or os.path.splitext(args.result[0])[0] + (f"_{shape}.png" if len(by_shape) > 1 else ".png")
+        stem = os.path.splitext(args.out or args.result[0])[0]
+        out = stem + (f"_{shape}.png" if len(by_shape) > 1 else ".png")  # one file per shape
         fig.savefig(out, dpi=120)
         plt.close(fig)
         print(f"wrote {out}")

@@ -8,9 +8,16 @@ engine pins it, called three ways:
         l x --layer-us after submission (busy-waiting, as the launching thread keeps one core busy), the job
         appends and attends each layer once its flag is up (its waits are not in its running time), its team
         meeting at barriers twice a layer (stagger_layer_schedule "barrier");
-  flow  the same job with its items claimed across layers, no barrier (schedule "flow", the default).
+  flow  the same job with its items claimed across layers, no barrier (schedule "flow", the default);
+  multi the same rows' attention (no append) as one `paged_attention_cpu_multi` call over every layer, no flag:
+        the op's own rate on the job's shape, the yardstick for the job's (the op's profile probes read longer
+        contexts).
+--tables picks how a row's blocks lie in the pool: "scattered" (random blocks, the default), "contiguous"
+(consecutive ids, as the performance profile's probes read them) or "runs:N" (random runs of N consecutive ids).
 Each prints the running time's parts (append, attention) and a least-squares fit of fixed + per-row seconds,
-beside the K+V bytes read per row and the bandwidth that implies. (Session 21's "before" results also have
+beside the K+V bytes read per row and the bandwidth that implies; "flow" also the team's busy share (its
+thread-seconds inside work items over the running time x threads: the rest is the team between items, at a
+layer's tail or before its flag) and the bandwidth of a thread while busy. (Session 21's "before" results also have
 the gathers and the output scatter the job then did: `stagger_job_*_s21_before_*`.)
 
     python benchmarks/stagger_job.py --rows 1,2,3,4,6,8 --context 576 --out stagger_job.json
@@ -27,7 +34,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from apex_compile.ops import allocate_kv_cache_cpu, stagger_layer_schedule  # noqa: E402
+from apex_compile.ops import allocate_kv_cache_cpu, paged_attention_cpu_multi, stagger_layer_schedule  # noqa: E402
 from apex_compile.runtime.stagger import _pin_worker, worker_cores  # noqa: E402
 
 PARTS = ("append", "attention")
@@ -39,6 +46,19 @@ def fit(xs, ys):
         return statistics.fmean(ys), 0.0
     slope, fixed = statistics.linear_regression(xs, ys)
     return fixed, slope
+
+
+def block_ids(how: str, blocks: int, count: int, gen: torch.Generator) -> torch.Tensor:
+    """`count` distinct block ids of a pool of `blocks`, laid out as --tables says."""
+    if how == "scattered":
+        return torch.randperm(blocks, generator=gen)[:count]
+    if how == "contiguous":
+        return torch.arange(count)
+    if how.startswith("runs:"):
+        run = int(how.split(":")[1])
+        starts = torch.randperm(blocks // run, generator=gen)[:-(-count // run)] * run
+        return (starts[:, None] + torch.arange(run)).flatten()[:count]
+    sys.exit(f"--tables takes scattered, contiguous or runs:N, got {how!r}")
 
 
 def main():
@@ -54,13 +74,14 @@ def main():
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--layer-us", type=float, default=170.0,
                         help="'layer' mode: microseconds between two layers' ready flags (a GPU step / layers)")
-    parser.add_argument("--modes", default="hot,gap,flag,layer,flow")
+    parser.add_argument("--modes", default="hot,gap,flag,layer,flow,multi")
     parser.add_argument("--split", default=None,
                         help="items_per_thread,min_item_bytes,min_thread_bytes of the attention's work split (all "
                              "calls; default: the op's): a layer's few rows split finer over the team")
     parser.add_argument("--pinned", action="store_true",
                         help="a page-locked pool from torch's pinned allocator (default: plain memory with huge pages "
                              "advised, which the engine registers with CUDA: same CPU access)")
+    parser.add_argument("--tables", default="scattered", help="scattered | contiguous | runs:N (see above)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     layers, hk, hq, dim, bs, width = args.layers, 8, 32, 128, args.block_size, args.width
@@ -77,7 +98,7 @@ def main():
         v.copy_(base[1].expand_as(v))
     keys, values = [k for k, _ in caches], [v for _, v in caches]
     gen = torch.Generator().manual_seed(0)
-    tables = torch.stack([torch.randperm(blocks, generator=gen)[:width * per_row] for _ in range(layers)])
+    tables = torch.stack([block_ids(args.tables, blocks, width * per_row, gen) for _ in range(layers)])
     tables = tables.to(torch.int32).view(layers, width, per_row)
     staged = torch.randn(layers, width, hq + 2 * hk, dim).to(torch.bfloat16)
     out = torch.zeros(layers, width, hq, dim, dtype=torch.bfloat16)
@@ -104,6 +125,7 @@ def main():
         lens = torch.full((len(picked),), args.context + 1, dtype=torch.int32)
         slots = row_tables[:, args.context // bs].long() * bs + args.context % bs
         kv_bytes = 2 * layers * rows * hk * dim * 2 * (args.context + 1)
+        query = staged.view(layers * width, hq + 2 * hk, dim)[picked, :hq].contiguous()  # "multi"'s queries
         for how in modes:
             samples = []
             layered = how in ("layer", "flow")
@@ -112,15 +134,20 @@ def main():
             for i in range(args.repeats + 2):
                 flags = torch.zeros(layers if layered else 1, dtype=torch.int64)
                 done = torch.zeros(layers, dtype=torch.int64)
-                timings = torch.zeros(2 + len(PARTS), dtype=torch.float64)
-                if how in ("hot", "gap"):
+                timings = torch.zeros(3 + len(PARTS), dtype=torch.float64)  # the last: busy thread-seconds
+                if how in ("hot", "gap", "multi"):
                     flags[0] = 1
 
                 def job():
                     if how == "gap":
                         time.sleep(args.gap_ms / 1e3)
                     with torch.inference_mode():
-                        if layered:
+                        if how == "multi":  # timed here: one call, the team started once
+                            begin = time.perf_counter()
+                            paged_attention_cpu_multi(query, keys, values, cache_index, row_tables, lens, dim ** -0.5)
+                            timings[1] = timings[2 + PARTS.index("attention")] = time.perf_counter() - begin
+                            timings[-1] = float("nan")
+                        elif layered:
                             torch.ops.apex.stagger_layer_job(staged, keys, values, cache_index, row_tables, lens,
                                                              slots, picked, hq, dim ** -0.5, out, flags, done, 1,
                                                              60.0, timings)
@@ -144,11 +171,15 @@ def main():
                     samples.append(timings.tolist())
             run = statistics.median(s[1] for s in samples)
             parts = {p: statistics.median(s[2 + j] for s in samples) for j, p in enumerate(PARTS)}
+            busy = statistics.median(s[-1] for s in samples)  # NaN where the schedule does not time its items
             row = {"rows": rows, "how": how, "run_s": run, "wait_s": statistics.median(s[0] for s in samples),
-                   "parts_s": parts, "kv_bytes": kv_bytes, "GBps": kv_bytes / run / 1e9}
+                   "parts_s": parts, "kv_bytes": kv_bytes, "GBps": kv_bytes / run / 1e9,
+                   "busy_thread_s": None if busy != busy else busy}
             results.append(row)
+            team = f"  team busy {busy / (run * len(cores)):.0%}, {kv_bytes / busy / 1e9:.1f} GB/s a busy thread" \
+                if busy == busy and busy > 0 else ""
             print(f"rows {rows} {how:4}: {run * 1e3:6.3f} ms ({kv_bytes / run / 1e9:5.1f} GB/s)  "
-                  + "  ".join(f"{p} {v * 1e3:.3f}" for p, v in parts.items()), flush=True)
+                  + "  ".join(f"{p} {v * 1e3:.3f}" for p, v in parts.items()) + team, flush=True)
     for how in modes:
         pts = [(r["rows"], r["run_s"]) for r in results if r["how"] == how]
         fixed, slope = fit([p[0] for p in pts], [p[1] for p in pts])

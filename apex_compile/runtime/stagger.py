@@ -581,11 +581,13 @@ class StaggerPipeline:
             def layer_job(staged, out, ready, done):
                 for export in exports:
                     export.result()
-                seconds = stagger_layer_job(staged, pool.key_caches, pool.value_caches, plan.cache_index,
-                                            plan.block_tables, plan.context_lens, plan.slots, plan.rows, num_heads,
-                                            runner.stagger_scale, out, ready, done, turn)
-                self.rows.observe_job(seconds[1], work, decode)
-                return seconds
+                waited, ran, busy = stagger_layer_job(staged, pool.key_caches, pool.value_caches, plan.cache_index,
+                                                      plan.block_tables, plan.context_lens, plan.slots, plan.rows,
+                                                      num_heads, runner.stagger_scale, out, ready, done, turn,
+                                                      with_busy=True)
+                self.rows.observe_job(ran, work, decode)
+                self.executor.job_busy.append(busy)
+                return waited, ran
 
             self.executor.launch(turn, layer_job, [self.staged], self.outputs)
             return
@@ -724,6 +726,9 @@ class LayerJobs:
         # waits for the CPU (how far the CPU is behind the GPU), as AsyncJobs' collect waits
         self.job_seconds: Deque[Tuple[float, float]] = collections.deque(maxlen=4096)
         self.collect_seconds: Deque[float] = collections.deque(maxlen=4096)
+        # per job, the team's thread-seconds inside work items (NaN: the schedule does not time them); over the
+        # running time x len(cores), the share of the team that was working, not waiting between items
+        self.job_busy: Deque[float] = collections.deque(maxlen=4096)
 
     def _raise_errors(self) -> None:
         """Raises a finished job's error, or a device wait that timed out."""

@@ -9,8 +9,10 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <memory>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <thread>
@@ -480,9 +482,9 @@ void check_stagger_inputs(StaggerInputs& in, const at::Tensor& staged, at::Tenso
   check_cpu(staged, "staged");
   check_cpu(out, "out");
   check_cpu(timings, "timings");
-  APEX_CHECK(timings.scalar_type() == at::kDouble && (timings.numel() == 2 || timings.numel() == 4) &&
-                 timings.is_contiguous(),
-             "timings must be a contiguous float64 tensor of 2 or 4 elements, got ", timings.scalar_type(), " ",
+  APEX_CHECK(timings.scalar_type() == at::kDouble &&
+                 (timings.numel() == 2 || timings.numel() == 4 || timings.numel() == 5) && timings.is_contiguous(),
+             "timings must be a contiguous float64 tensor of 2, 4 or 5 elements, got ", timings.scalar_type(), " ",
              shape_of(timings));
   APEX_CHECK(staged.dim() == 4 && staged.is_contiguous(),
              "staged must be a contiguous [layers, width, heads, head_dim] tensor, got ", shape_of(staged));
@@ -525,8 +527,9 @@ void check_stagger_inputs(StaggerInputs& in, const at::Tensor& staged, at::Tenso
 // rows of `out`. staged [layers, width, num_heads + 2 * num_kv_heads, head_dim] holds each row's q, k, v heads
 // side by side; rows (int64, into the flattened [layers * width]) picks the rows holding a request (none: all,
 // in order); cache_index / block_tables / context_lens / slot_mapping describe those rows.
-// timings (float64 [2], or [4] with the running time by part: append, attention) receives (seconds waiting for
-// the flags, seconds running[, its parts]).
+// timings (float64 [2], or [4] with the running time by part: append, attention, or [5] with the team's
+// thread-seconds inside work items after them: NaN where not measured) receives (seconds waiting for the flags,
+// seconds running[, its parts[, busy thread-seconds]]).
 void stagger_cpu_job(const at::Tensor& staged, at::TensorList key_caches, at::TensorList value_caches,
                      const at::Tensor& cache_index, const at::Tensor& block_tables, const at::Tensor& context_lens,
                      const at::Tensor& slot_mapping, const std::optional<at::Tensor>& rows, int64_t num_heads,
@@ -586,10 +589,11 @@ void stagger_cpu_job(const at::Tensor& staged, at::TensorList key_caches, at::Te
   double* seconds = timings.data_ptr<double>();
   seconds[0] = waited;
   seconds[1] = std::chrono::duration<double>(end - start).count();
-  if (timings.numel() == 4) {  // the running time by part: append, attention
+  if (timings.numel() >= 4) {  // the running time by part: append, attention
     seconds[2] = std::chrono::duration<double>(appended - start).count();
     seconds[3] = std::chrono::duration<double>(end - appended).count();
   }
+  if (timings.numel() == 5) seconds[4] = std::nan("");  // busy thread-seconds: measured by the flow schedule only
 }
 
 // A barrier for the threads of a parallel region that spins (pause, a yield every 64 rounds) instead of sleeping:
@@ -672,6 +676,8 @@ void run_layer_flow(const std::vector<std::unique_ptr<LayerWork>>& work, int64_t
   std::atomic<int64_t> next{0};
   std::atomic<bool> failed{false};
   std::string error;
+  const bool timed_items = timings.numel() == 5;  // each item timed: the team's busy thread-seconds
+  std::vector<double> busy(team, 0.0);
   const auto start = clock::now();
   const auto deadline = start + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(timeout_s));
 #pragma omp parallel num_threads(team) if (team > 1)
@@ -707,8 +713,10 @@ void run_layer_flow(const std::vector<std::unique_ptr<LayerWork>>& work, int64_t
       const int64_t i = task_item[t];
       if (i >= 0) {
         LayerWork& w = *work[l];
+        const auto began = timed_items ? clock::now() : clock::time_point();
         if (appends[l][i] >= 0) apex_cpu::cache_append_row(w.append.args, appends[l][i]);
         run_attention_item(w.attention, i, thread);
+        if (timed_items) busy[thread] += std::chrono::duration<double>(clock::now() - began).count();
       }
       if (remaining[l].fetch_sub(1, std::memory_order_acq_rel) == 1) {
         done_at[l] = clock::now();
@@ -726,10 +734,11 @@ void run_layer_flow(const std::vector<std::unique_ptr<LayerWork>>& work, int64_t
   double* seconds = timings.data_ptr<double>();
   seconds[0] = waited;
   seconds[1] = std::max(0.0, std::chrono::duration<double>(end - start).count() - waited);
-  if (timings.numel() == 4) {  // the appends run inside the items: all of it counts as attention
+  if (timings.numel() >= 4) {  // the appends run inside the items: all of it counts as attention
     seconds[2] = 0.0;
     seconds[3] = seconds[1];
   }
+  if (timed_items) seconds[4] = std::accumulate(busy.begin(), busy.end(), 0.0);
 }
 
 // The one-lane staggered plan's CPU job: as `stagger_cpu_job`, but layer by layer as the GPU step that stages
@@ -849,10 +858,11 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
   double* seconds = timings.data_ptr<double>();
   seconds[0] = waited;
   seconds[1] = ran;
-  if (timings.numel() == 4) {
+  if (timings.numel() >= 4) {
     seconds[2] = appending;
     seconds[3] = ran - appending;
   }
+  if (timings.numel() == 5) seconds[4] = std::nan("");  // busy thread-seconds: measured by the flow schedule only
 }
 
 // Sets the layered job's schedule (0 barrier, 1 flow; a negative mode keeps it); returns the one now in effect.

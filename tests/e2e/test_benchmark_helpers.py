@@ -56,6 +56,24 @@ def test_slow_steps_name_what_happened_in_the_long_decode_steps():
     assert e2e_hybrid.slow_steps(steps[-1:], phases[-1:], events[-1:]) is None
 
 
+def test_steady_tokens_per_s_charges_every_token_its_prefill_wherever_it_ran():
+    """steady_tokens_per_s: a window that prefilled in place and one fed by requests prefilled before it (the
+    same decode steps) come out equal, each window token charged prompt / new_tokens prefill tokens at never's
+    rate, host tokens at the larger of the mode's and never's."""
+    decode = [(10, 0, 500.0, 0.005, 0)] * 98
+    prefill = [(10, 0, 500.0, 0.005 + 256 * 20e-6, 256)] * 2  # one 512-token prompt in two chunks
+    never = {"steps": decode + prefill, "tokens": 1000, "host_tokens": 0, "window_s": 0.5 + 2 * 256 * 20e-6,
+             "prefill_s_per_token": 20e-6}
+    fed = {"steps": decode + decode[:2], "tokens": 1000, "host_tokens": 0, "window_s": 0.5,
+           "prefill_s_per_token": 30e-6}  # its own prefill steps (before the window) do not set the device rate
+    host = dict(fed, host_tokens=300, prefill_s_per_token=40e-6)
+    rates = e2e_hybrid.steady_tokens_per_s({"never": never, "fed": fed, "host": host}, 512, 512)
+    assert abs(rates["never"] - 1000 / 0.52) < 1e-6 and abs(rates["fed"] - 1000 / 0.52) < 1e-6
+    assert abs(rates["host"] - 1000 / (0.5 + 700 * 20e-6 + 300 * 40e-6)) < 1e-6
+    # half as many prefill tokens per generated token: half the charge
+    assert abs(e2e_hybrid.steady_tokens_per_s({"never": never}, 256, 512)["never"] - 1000 / 0.51) < 1e-6
+
+
 def test_gpu_busy_is_the_union_of_gpu_intervals_in_each_step_window(tmp_path):
     """step_profile.gpu_busy: a step's window runs from its start to the next step's (the last: to its end);
     overlapping kernels count once toward busy time, each in full toward its own name; CPU events do not count."""
@@ -263,3 +281,16 @@ def test_plot_hybrid_draws_a_png_per_shape(tmp_path):
     done = subprocess.run([sys.executable, script, *map(str, paths)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "r0_a.png").stat().st_size > 0 and (tmp_path / "r0_b.png").stat().st_size > 0
+    # --steady: each row's steady-state figures (a row without them has them computed from its steps)
+    steady = _plot_row("a", 1.0, 100, 150, 40)
+    steady.update(steady_tokens_per_s={"never": 90.0, "auto": 120.0})
+    window = _plot_row("b", 1.0, 100, 150, 40)
+    window.update(steps={"never": [(4, 0, 100.0, 0.01, 0)] * 4, "auto": [(4, 1, 100.0, 0.01, 0)] * 4})
+    for mode, run in window["modes"].items():
+        run.update(tokens=4, window_s=0.04, prefill_s_per_token=1e-3)
+    paths.append(tmp_path / "steady.json")
+    paths[-1].write_text(json.dumps({"rows": [steady, window], "args": {"prompt": 8, "new_tokens": 4}}))
+    done = subprocess.run([sys.executable, script, str(paths[-1]), "--steady", "--out", str(tmp_path / "s.png")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "s_a.png").stat().st_size > 0 and (tmp_path / "s_b.png").stat().st_size > 0

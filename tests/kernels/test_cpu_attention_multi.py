@@ -1,5 +1,7 @@
 """The multi-cache CPU ops (every layer's rows in one call): each row appends to and attends the cache pair its
 cache_index names, equal to one call per pair and to float64 attention; bad lists and indices are errors."""
+import math
+
 import pytest
 import torch
 
@@ -287,6 +289,27 @@ def test_layer_job_in_a_team_is_exact_on_every_call(threads, schedule):
         assert torch.equal(got.nan_to_num(-7.0), want.nan_to_num(-7.0))
 
 
+def test_layer_job_times_its_items_in_the_flow_schedule(threads, schedule):
+    """timings of 5: the last is the team's thread-seconds inside work items (flow; at most the running time
+    over the team), NaN where the schedule does not time them (barrier); other sizes are refused."""
+    torch.set_num_threads(3)
+    caches, staged, meta = stagger_job_case(31, layers=3, width=2)
+    args = (staged, [k for k, _ in caches], [v for _, v in caches], meta["cache_index"], meta["block_tables"],
+            meta["context_lens"], meta["slot_mapping"], None, 4, 0.3, torch.empty(3, 2, 4, staged.shape[3],
+                                                                                   dtype=staged.dtype))
+    timings = torch.zeros(5, dtype=torch.float64)
+    torch.ops.apex.stagger_layer_job(*args, torch.ones(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), 1,
+                                     10.0, timings)
+    waited, ran, _, _, busy = timings.tolist()
+    if schedule == "flow":
+        assert 0 < busy <= ran * 3 + 1e-4
+    else:
+        assert math.isnan(busy)
+    with pytest.raises(RuntimeError, match="2, 4 or 5 elements"):
+        torch.ops.apex.stagger_layer_job(*args, torch.ones(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64),
+                                         1, 10.0, torch.zeros(3, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("team", [1, 3])
 def test_layer_job_runs_each_layer_behind_its_flag(team, threads, schedule):
     """Layer l is written only after ready_flags[l] reaches the turn, and its done flag rises right after it,
@@ -493,13 +516,18 @@ def test_the_stagger_job_benchmark_runs_on_a_small_pool(tmp_path):
     result = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "stagger_job.py"), "--rows", "1,2",
                              "--layers", "2", "--width", "2", "--context", "40", "--pool-gib", "0.01", "--repeats", "1",
                              "--gap-ms", "1", "--threads", "1", "--layer-us", "50", "--split", "2,32768,65536",
-                             "--block-size", "32", "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=300)
+                             "--block-size", "32", "--tables", "runs:2", "--out", str(out)], cwd=root,
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     written = json.loads(out.read_text())
     rows = written["rows"]
     assert [(r["rows"], r["how"]) for r in rows] == [(n, how) for n in (1, 2)
-                                                     for how in ("hot", "gap", "flag", "layer", "flow")]
+                                                     for how in ("hot", "gap", "flag", "layer", "flow", "multi")]
     assert all(r["run_s"] > 0 for r in rows) and written["work_split"] == [2, 32768, 65536]
     assert written["args"]["block_size"] == 32 and "blocks of 32 tokens" in result.stdout
     assert all(r["parts_s"]["attention"] > 0 for r in rows if r["how"] not in ("layer", "flow"))
-    assert "fit flag" in result.stdout and "fit layer" in result.stdout and "fit flow" in result.stdout
+    assert all(f"fit {how}" in result.stdout for how in ("flag", "layer", "flow", "multi"))
+    # the flow schedule times its items (the team's busy share); the others do not
+    assert all((r["busy_thread_s"] or 0) > 0 for r in rows if r["how"] == "flow")
+    assert all(r["busy_thread_s"] is None for r in rows if r["how"] != "flow") and "team busy" in result.stdout
+    assert written["args"]["tables"] == "runs:2"

@@ -27,6 +27,11 @@ def test_one_lane_with_layered_jobs_gives_hf_tokens():
     assert sum(1 for c in done if c.steps_per_pool["host"]) >= 3
     assert len(jobs.job_seconds) >= 9 and int(jobs.status[0]) == 0
     jobs.drain()
+    # each job's team thread-seconds inside items (the default "flow" schedule times them): within its running
+    # time over the team, and some work in every job that had rows (a job of only empty layers reads 0)
+    busy = list(jobs.job_busy)
+    assert len(busy) == len(jobs.job_seconds) and max(busy) > 0
+    assert all(0 <= b <= ran * len(jobs.cores) + 1e-4 for b, (_, ran) in zip(busy, jobs.job_seconds))
     turns = apex.engine.stagger.steps  # (the last turn may have been begun and never run)
     assert jobs.done.tolist() in ([turns] * len(jobs.done), [turns - 1] * len(jobs.done))  # every layer raised
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
