@@ -210,6 +210,12 @@ def without_host_tokens(runs) -> list:
     return [m for m, r in runs.items() if m != "never" and not r["host_tokens"]]
 
 
+def _decode_median(run) -> float:
+    """The median step of a run's window without prompt chunks (all its steps if every one had some)."""
+    decode = [s[3] for s in run["steps"] if not s[4]] or [s[3] for s in run["steps"]]
+    return statistics.median(decode)
+
+
 def amortized(run, prompt_len, new_tokens):
     """Tokens/s of the window with the prefill time its host tokens' requests would need at steady state
     added (a host request's prefill happens before the window: prompt_len / new_tokens prefill tokens per
@@ -217,8 +223,7 @@ def amortized(run, prompt_len, new_tokens):
     decode-only median, the median over steps with at least 256 prefill tokens). A secondary figure: the
     steps outside the window include graph captures, and few of them may have prefilled (their count is
     returned with it); the table and the efficiencies use the window's own tokens/s."""
-    decode = [s[3] for s in run["steps"] if not s[4]] or [s[3] for s in run["steps"]]
-    base = statistics.median(decode)
+    base = _decode_median(run)
     # the median over steps with a sizeable prefill (a few steps outside the window also capture graphs)
     per_step = [max(sec - base, 0.0) / tok for sec, tok in run["prefill"] if tok >= 256]
     per_token = statistics.median(per_step) if per_step else 0.0
@@ -232,8 +237,7 @@ def steady_tokens_per_s(runs, prompt_len, new_tokens):
     never = runs.get("never")
     rates = {}
     for m, run in runs.items():
-        decode = [s[3] for s in run["steps"] if not s[4]] or [s[3] for s in run["steps"]]
-        base = statistics.median(decode)
+        base = _decode_median(run)
         own_prefill = sum(max(s[3] - base, 0.0) for s in run["steps"] if s[4])
         device_rate = (never or run)["prefill_s_per_token"]
         host_rate = max(run["prefill_s_per_token"], device_rate)
@@ -365,7 +369,7 @@ def _run_engine_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens,
         # the CPU job's fit at the window's end: its fixed part, a row's part at the window's context
         context = statistics.median(s[2] for s in run["steps"]) if run["steps"] else 0.0
         result["row_fit"] = {"fixed_s": rows.fixed, "measured": rows.measured, "ceiling": rows.ceiling,
-                             "per_row_s": rows.rate * rows.num_layers * context if rows.rate else None}
+                             "per_row_s": rows.row_seconds(context)}
     result["plan"] = "staggered" if engine.stagger is not None else "overlap"  # of the steps with host rows
     result["calibration"] = dataclasses.asdict(engine.calibration)  # the model's replays of this engine's graphs
     apex.close()  # its pools and threads go now, not at a later garbage collection

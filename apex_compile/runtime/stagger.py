@@ -155,12 +155,19 @@ class RowLimit:
                     self.guard += 1
                     self._calm_steps = 0
 
+    def row_seconds(self, context: Optional[float] = None) -> Optional[float]:
+        """The fitted job's seconds per row of a full lane (each row at every layer once) of `context`-token
+        requests (None: the last mean context); None before a fit."""
+        context = self._context if context is None else context
+        if self.rate is None or context <= 0:
+            return None
+        return self.rate * self.num_layers * context
+
     def job_seconds(self, rows: float) -> Optional[float]:
         """The fitted CPU job of a full lane with `rows` rows per layer at the last mean context (None before
         a fit)."""
-        if self.rate is None or self._context <= 0:
-            return None
-        return self.fixed + rows * self.rate * self.num_layers * self._context
+        per_row = self.row_seconds()
+        return None if per_row is None else self.fixed + rows * per_row
 
     def set_ceiling(self, rows: int) -> None:
         """The performance model's rows (0..width; 0: no request enters the pipeline)."""
@@ -190,9 +197,8 @@ class RowLimit:
         both averages exist)."""
         if mean_context > 0:
             self._context = mean_context
-        mean_context = self._context
-        if self.adaptive and self.rate is not None and self.step is not None and mean_context > 0:
-            per_row = self.rate * self.num_layers * mean_context  # a full lane: each row at every layer once
+        per_row = self.row_seconds()
+        if self.adaptive and per_row is not None and self.step is not None:
             budget = JOB_SHARE * self.step - self.fixed
             self.measured = max(1, min(self.width, int(budget / per_row), self.guard))
         self.limit = min(self.measured, self.ceiling)

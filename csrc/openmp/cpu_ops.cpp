@@ -683,6 +683,7 @@ void run_layer_flow(const std::vector<std::unique_ptr<LayerWork>>& work, int64_t
 #pragma omp parallel num_threads(team) if (team > 1)
   {
     const int thread = omp_get_thread_num();
+    double working = 0.0;  // this thread's seconds inside items (stored once: no shared line written per item)
     for (;;) {
       const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
       if (t >= num_tasks || failed.load(std::memory_order_acquire)) break;
@@ -716,13 +717,14 @@ void run_layer_flow(const std::vector<std::unique_ptr<LayerWork>>& work, int64_t
         const auto began = timed_items ? clock::now() : clock::time_point();
         if (appends[l][i] >= 0) apex_cpu::cache_append_row(w.append.args, appends[l][i]);
         run_attention_item(w.attention, i, thread);
-        if (timed_items) busy[thread] += std::chrono::duration<double>(clock::now() - began).count();
+        if (timed_items) working += std::chrono::duration<double>(clock::now() - began).count();
       }
       if (remaining[l].fetch_sub(1, std::memory_order_acq_rel) == 1) {
         done_at[l] = clock::now();
         __atomic_store_n(done + l, turn, __ATOMIC_RELEASE);
       }
     }
+    busy[thread] = working;
   }
   APEX_CHECK(error.empty(), error);
   const auto end = clock::now();
