@@ -60,7 +60,9 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     Returns {tokens_per_s, host_tokens, fill_steps, fill_s, steps: [(gpu rows, cpu rows, mean context,
     seconds, prefill tokens)] of the window, prefill: [(seconds, prefill tokens)] of every step outside it,
     decode_phase_s: the median main-thread seconds per part of `engine.step()` over the window's decode steps,
-    window_start: the steps run before the window}. More warm-up steps run until `start_step` steps are done:
+    window_start: the steps run before the window, queued_ahead: per window step whether it was queued ahead,
+    not_ahead: the window's steps not queued ahead per reason (EngineStats.not_ahead), unqueued_excess_s: their
+    time above a queued step's median, window_events}. More warm-up steps run until `start_step` steps are done:
     the workload's requests start together and finish in waves, so windows of modes compared must start at the
     same step (a pipeline's fill would otherwise put its window in another phase of the waves).
     probe(one_step), when given, runs after the window with the engine still full (its result under "probe")."""
@@ -98,6 +100,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
         before = dict(engine.stats.phase_seconds)
         counts = _event_counts(engine)
         scheduled_before = len(scheduled)
+        queued.append(engine._ahead is not None)  # this step was queued by the call before
         start = time.perf_counter()
         sampled = engine.step()
         seconds = time.perf_counter() - start
@@ -116,6 +119,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     phases = []  # per step: the main thread's seconds per part of engine.step() (EngineStats.phase_seconds)
     limits = []  # per step with the staggered plan: its RowLimit after the step (job fit + guard, guard, ceiling)
     events = []  # per step: what changed in the engine's counters (_event_counts) during it
+    queued = []  # per step: whether the call before queued it ahead (async scheduling)
     begin = time.perf_counter()
     filled, prefill = 0, []
 
@@ -141,13 +145,18 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     begin, tokens, host_tokens, steps = time.perf_counter(), engine.stats.generated_tokens, 0, []
-    ahead = engine.stats.ahead_steps
+    ahead, not_ahead = engine.stats.ahead_steps, dict(engine.stats.not_ahead)
     for _ in range(window_steps):
         step, host = one_step()
         steps.append(step)
         host_tokens += host
     seconds = time.perf_counter() - begin
     ahead = engine.stats.ahead_steps - ahead  # the window's steps queued before the previous step's tokens
+    not_ahead = {k: v - not_ahead.get(k, 0) for k, v in engine.stats.not_ahead.items() if v != not_ahead.get(k, 0)}
+    window_queued = queued[-window_steps:] if window_steps else []
+    # the window's time in steps not queued ahead, above the median of those that were (the GPU idle meanwhile)
+    queued_median = statistics.median([s[3] for s, q in zip(steps, window_queued) if q] or [0.0])
+    unqueued_excess = sum(max(s[3] - queued_median, 0.0) for s, q in zip(steps, window_queued) if not q)
     window_phases = phases[-window_steps:] if window_steps else []
     window_limits = limits[-window_steps:] if window_steps else []
     decode_phases = [p for p, s in zip(window_phases, steps) if not s[4]]
@@ -159,7 +168,10 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     engine._schedule = schedule
     return {"tokens_per_s": generated / seconds, "window_s": seconds, "tokens": generated,
             "host_tokens": host_tokens, "fill_steps": filled, "fill_s": fill_s, "pipeline_filled": filled_share,
-            "ahead_steps": ahead, "window_start": window_start,
+            "ahead_steps": ahead, "not_ahead": not_ahead, "unqueued_excess_s": unqueued_excess,
+            "queued_ahead": window_queued, "window_start": window_start,
+            # per window step: what changed in the engine's counters (_event_counts), to tie slow steps to parks
+            "window_events": events[-window_steps:] if window_steps else [],
             "steps": steps, "prefill": prefill,
             "row_limits": {k: (statistics.median(x[k] for x in window_limits), min(x[k] for x in window_limits),
                                max(x[k] for x in window_limits)) for k in window_limits[0]} if window_limits else None,
@@ -275,9 +287,16 @@ def parse_mode(mode: str):
     return (mode if mode in ("never", "auto", "all") else float(mode)), None
 
 
-def hybrid_config(mode, device_bytes, host_bytes, max_seqs, max_tokens, prefill_while_decoding, cpu_threads=None):
-    """The engine config of a mode in this benchmark: a 2048-token step budget (whole host prompts), the prompt
-    cap beside decoding, requests up to `max_tokens` (prompt + new tokens)."""
+def step_budget(prompt_len, max_seqs):
+    """The benchmark's step budget: 2048 tokens, or more where a whole host prompt and every row's decode token
+    would not fit (a host prompt split across steps attends its continued chunk on the CPU)."""
+    return max(2048, prompt_len + max_seqs)
+
+
+def hybrid_config(mode, device_bytes, host_bytes, max_seqs, max_tokens, prefill_while_decoding, cpu_threads=None,
+                  prompt_len=0):
+    """The engine config of a mode in this benchmark: a step budget that takes whole host prompts
+    (`step_budget`), the prompt cap beside decoding, requests up to `max_tokens` (prompt + new tokens)."""
     offload, width = parse_mode(mode)
     threads = THREADS_SUFFIX.search(mode)
     cpu_threads = int(threads.group(1)) if threads else cpu_threads
@@ -288,7 +307,8 @@ def hybrid_config(mode, device_bytes, host_bytes, max_seqs, max_tokens, prefill_
                       stagger_lanes=next((n for s, n in LANE_SUFFIXES.items() if s in mode), None),
                       cpu_attention_threads=cpu_threads, pin_launcher=True if PIN_SUFFIX in mode else None,
                       cpu_cache_size=host_bytes, max_num_seqs=max_seqs,
-                      max_num_batched_tokens=2048, prefill_tokens_while_decoding=prefill_while_decoding,
+                      max_num_batched_tokens=step_budget(prompt_len, max_seqs),
+                      prefill_tokens_while_decoding=prefill_while_decoding,
                       max_model_len=max_tokens + 64, **block)
 
 
@@ -339,7 +359,7 @@ def process_settings(mode):
 def _run_engine_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seqs, args, start_step):
     """`run_mode` once the mode's process-wide settings are in effect."""
     apex = optimize(model, hybrid_config(mode, device_bytes, host_bytes, max_seqs, len(prompts[0]) + new_tokens,
-                                         args.prefill_while_decoding, args.cpu_threads))
+                                         args.prefill_while_decoding, args.cpu_threads, prompt_len=len(prompts[0])))
     engine = apex.engine
     engine.warmup()
     sampling = SamplingParams(max_new_tokens=new_tokens)
@@ -457,7 +477,7 @@ def main():
                         help="steps of the measured window (default: 2 x --new-tokens, at least 300)")
     parser.add_argument("--prefill-while-decoding", type=lambda v: None if v == "none" else int(v), default=256,
                         help="prefill_tokens_while_decoding: prompt tokens a step that decodes takes into the device "
-                             "pool ('none': up to the 2048-token step budget, which whole host prompts need)")
+                             "pool ('none': up to the step budget, which whole host prompts need: step_budget)")
     parser.add_argument("--job-gate", action="store_true",
                         help="the staggered CPU job starts only after the next forward is queued, not as soon as its "
                              "inputs arrive (apex_compile.runtime.stagger.GATE_JOBS on: an A/B of the gate)")
@@ -484,7 +504,7 @@ def main():
               "args": vars(args), "rows": []}
     modes = args.modes.split(",")
     print(f"prompt tokens a decoding step takes into the device pool: {args.prefill_while_decoding or 'no cap'} "
-          f"(step budget 2048)")
+          f"(step budget {step_budget(args.prompt, args.max_seqs)})")
     print(f"{'shape':10} {'pool GiB':>8} {'reqs':>4} | " + " | ".join(f"{str(m):>16}" for m in modes)
           + " | ideal_gain  auto eff  model err")
     for shape_name in args.shapes.split(","):
@@ -520,6 +540,10 @@ def main():
                             "step average {3:.2f} ms").format(lim["measured"], lim["guard"], lim["ceiling"],
                                                              lim["step_s"][0] * 1e3)
                 cpu += f", {r['ahead_steps']} of {args.window_steps} steps queued ahead"
+                if r.get("not_ahead"):
+                    cpu += (" (not: " + ", ".join(f"{k} {v}" for k, v in sorted(r["not_ahead"].items()))
+                            + f"; their time above a queued step's median {r['unqueued_excess_s'] * 1e3:.0f} ms, "
+                            f"{r['unqueued_excess_s'] / r['window_s']:.1%} of the window)")
                 only = r["decode_only_step_s"]
                 full = f" (pipeline {r['pipeline_filled']:.0%} full)" if r.get("pipeline_filled") is not None else ""
                 print(f"   {shape_name} {gib:g} GiB {m}: {r['tokens_per_s']:.0f} tokens/s ({r['host_tokens']} of "

@@ -72,7 +72,8 @@ def main():
     torch.manual_seed(0)
     model = random_llama(shape)
     apex = optimize(model, hybrid_config(args.mode, int(args.device_gib * GiB), int(args.host_gib * GiB), 64,
-                                         args.prompt + args.new_tokens, args.prefill_while_decoding))
+                                         args.prompt + args.new_tokens, args.prefill_while_decoding,
+                                         prompt_len=args.prompt))
     engine = apex.engine
     engine.warmup()
     prompts = torch.randint(3, shape["vocab_size"], (64, args.prompt)).tolist()

@@ -17,6 +17,7 @@ double-buffered staging; CUDA events order copies against the compute stream), s
 device-pool attention. On a CPU-only machine both pools are host memory and everything runs synchronously.
 """
 import concurrent.futures
+import dataclasses
 import functools
 import os
 from typing import List, Optional, Sequence
@@ -303,25 +304,26 @@ class PagedAttentionRunner:
 
     def _host_rows_from_device(self, part: PoolPart, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
                                value: torch.Tensor, scale: float) -> torch.Tensor:
-        """Host-pool rows whose q/k/v are on the model's device: fresh chunks attend there, the rest on the CPU.
-        When every row is a fresh prompt chunk only its K/V cross to the host (for the cache), not q or the
-        output."""
-        if part.paged_end == part.start:
-            out = torch.empty_like(query)
+        """Host-pool rows whose q/k/v are on the model's device: fresh chunks attend there and only their K/V
+        cross to the host (for the cache, in the background); the paged rows (decode rows, continued chunks)
+        attend on the CPU, only their q/k/v crossing and their output coming back. (A continued chunk's step
+        often holds the next prompt's fresh chunk: sent through the CPU with it, that chunk's q, K/V and output
+        crossed twice on pageable copies, every layer.)"""
+        out = torch.empty_like(query)
+        num_paged = part.paged_end - part.start
+        if num_paged:
+            self.exports.wait()  # the paged rows read the host cache: earlier exports land first
+            paged = dataclasses.replace(part, end=part.paged_end, slot_mapping=part.slot_mapping[:num_paged],
+                                        fresh=[])
+            rows = slice(0, num_paged)
+            out[rows] = self._host_work(paged, layer_idx, query[rows].cpu(), key[rows].cpu(), value[rows].cpu(),
+                                        scale).to(out.device)
+        if part.fresh:
             _attend_fresh(part, query, key, value, scale, out)
-            pool = part.pool
-            self.exports.submit(key, value, pool.key_caches[layer_idx], pool.value_caches[layer_idx],
-                                part.slot_mapping)
-            return out
-        self.exports.wait()  # the paged rows read the host cache: earlier exports land first
-        fresh_out = [(b - part.start, e - part.start,
-                      prefill_attention(query[b - part.start:e - part.start], key[b - part.start:e - part.start],
-                                        value[b - part.start:e - part.start], scale).cpu())
-                     for b, e in part.fresh]
-        host_out = self._host_work(part, layer_idx, query.cpu(), key.cpu(), value.cpu(), scale)
-        for begin, end, chunk_out in fresh_out:
-            host_out[begin:end] = chunk_out
-        return host_out
+            rows, pool = slice(num_paged, None), part.pool
+            self.exports.submit(key[rows], value[rows], pool.key_caches[layer_idx], pool.value_caches[layer_idx],
+                                part.slot_mapping[rows])
+        return out
 
     def _host_work(self, part: PoolPart, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
                    value: torch.Tensor, scale: float) -> torch.Tensor:

@@ -85,6 +85,9 @@ class EngineStats:
     parked: int = 0
     recomputed: int = 0
     ahead_steps: int = 0  # steps queued before the previous step's tokens reached the host (async scheduling)
+    # why a step was not queued ahead, per reason (`Engine._ahead_chunks`): each such step leaves the GPU idle while
+    # the host schedules and prepares it
+    not_ahead: Dict[str, int] = dataclasses.field(default_factory=dict)
     # the main thread's time per part of `step()`, seconds: schedule (the pipeline's begin when not begun
     # earlier, the scheduler), prepare (step buffers, their copy, the CPU job's outputs), forward (queuing the
     # graphs or running the step), pipeline (the staggered block's host work behind it), wait (for the sampled
@@ -931,37 +934,50 @@ class Engine:
         """The next step's chunks, and where its input ids come from, if it can be queued before `launched`'s
         tokens are known: every running request decodes one token in the device pool, nothing is admitted or
         resumed, no sampling rule needs the last token on the host; requests that `launched`'s token stops by
-        length are left out. Takes their blocks. None when any condition fails (the next step is scheduled as
+        length are left out. Takes their blocks and plans the parks the step leaves due (overlapped moves). None
+        when any condition fails (counted per reason in `EngineStats.not_ahead`; the next step is scheduled as
         usual)."""
         scheduler = self.scheduler
-        if not self._async or launched.pending is None:
+        if not self._async:
             return None
+        if launched.pending is None:
+            return self._not_ahead("no tokens")  # `launched` samples nothing (prompt chunks only)
         # the device rows (the staggered block's requests get their next token from the pipeline, not a chunk),
         # less rows queued ahead for requests that stopped meanwhile
-        alive = [r for r in launched.sampled if not r.is_finished and r.request_id not in launched.in_pipeline]
-        if len(alive) != len(scheduler.running) or not scheduler.admits_nothing():
-            return None
+        # (and less those parked once `launched` was queued: their token arrives while parked)
+        alive = [r for r in launched.sampled if not r.is_finished and r.request_id not in launched.in_pipeline
+                 and r.status is not RequestStatus.PARKED]
+        if len(alive) != len(scheduler.running):
+            return self._not_ahead("rows")  # a request joined, finished or runs a prompt chunk
+        if not scheduler.admits_nothing():
+            return self._not_ahead("admits")  # a parked or waiting request may start
         kept = []
         for request in alive:
             sampling = request.sampling
             if self.kv.pool_of(request.request_id) != DEVICE_POOL or sampling.repetition_penalty != 1.0 or (
                     sampling.eos_token_ids and sampling.min_new_tokens > len(request.output_token_ids)):
-                return None  # the host-side rules need the token first
+                return self._not_ahead("host rules")  # the host-side rules need the token first
             if not self._at_length(request, pending=1):
                 kept.append(request)
         graphs = self.stagger_graphs if self.stagger is not None and self.stagger.active else self.graphs
-        if not kept or (graphs is not None and not (graphs.ready and graphs.size_for(len(kept)))):
-            return None  # nothing to run, or a step that would capture or run uncaptured
+        if not kept:
+            return self._not_ahead("stopping")  # every device row stops by length
+        if graphs is not None and not (graphs.ready and graphs.size_for(len(kept))):
+            return self._not_ahead("graph")  # a step that would capture or run uncaptured
         if sum(self.kv.extra_blocks(r.request_id, r.num_computed + 1) for r in kept) > self.kv.num_free(DEVICE_POOL):
-            return None  # someone must be evicted: the scheduler's call
-        if scheduler.wants_park_ahead({r.request_id: 1 for r in kept}):
-            return None  # and, with overlapped moves, parked ahead
+            return self._not_ahead("evict")  # someone must be evicted: the scheduler's call
         ids = self._ahead_ids(launched, kept)
         if ids is None:
-            return None
+            return self._not_ahead("ids")  # a group-0 token is neither on the host nor sampled by `launched`
+        # with overlapped moves, the parks this step leaves due, issued once it is queued (`_launch_ahead`)
+        scheduler.plan_parks_ahead({r.request_id: 1 for r in kept})
         for request in kept:
             self.kv.grow(request.request_id, DEVICE_POOL, request.num_computed + 1)
         return [ScheduledChunk(request, request.num_computed, 1, DEVICE_POOL) for request in kept], ids
+
+    def _not_ahead(self, reason: str) -> None:
+        """Counts a step not queued ahead for `reason` (EngineStats.not_ahead); returns None for the caller."""
+        self.stats.not_ahead[reason] = self.stats.not_ahead.get(reason, 0) + 1
 
     def _ahead_ids(self, launched: _Launched, kept: List[Request]) -> Optional[DeviceIds]:
         """The input ids of a step queued after `launched`, on the device from its sampled ids: the device rows
@@ -988,7 +1004,9 @@ class Engine:
         if ahead is None:
             return None
         self.stats.ahead_steps += 1
-        return self._launch(*ahead)
+        queued = self._launch(*ahead)
+        self.stats.parked += len(self.scheduler.park_launched())  # their copies behind the step just queued
+        return queued
 
     def _drop_finished_ahead(self) -> None:
         """Forgets a step queued ahead whose requests all stopped or were cancelled: nothing of it is needed (its

@@ -14,6 +14,7 @@ them.
 """
 import collections
 import dataclasses
+import warnings
 from typing import Deque, List, Optional, Tuple
 
 from apex_compile.config import ApexConfig
@@ -21,8 +22,10 @@ from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, POOL_NAMES, 
 from apex_compile.runtime.request import Request, RequestStatus
 
 # overlapped moves (kv_manager.OVERLAP_MOVES): the device pool's running requests keep blocks for this many tokens
-# beyond the step's own; a shortfall parks the newest ahead, its copy beside the next step (it lands within one)
-LOOKAHEAD_TOKENS = 2
+# beyond the step's own; a shortfall parks the newest ahead, its copy beside the next step. While the copy lands
+# (its blocks held) the free blocks still cover the steps queued ahead meanwhile (2 tokens left none: each park
+# cost a step scheduled on the host waiting for that copy)
+LOOKAHEAD_TOKENS = 8
 
 
 @dataclasses.dataclass
@@ -95,6 +98,7 @@ class Scheduler:
         self.running: List[Request] = []
         self.parked: Deque[Request] = collections.deque()
         self._park_after: List[Request] = []  # parks ahead chosen by `schedule`, issued by `park_launched`
+        self._warned_split = False  # `_warn_split` once
 
     def capacity_tokens(self) -> int:
         """Tokens the largest pool that runs requests can hold (the longest request that can ever run)."""
@@ -180,18 +184,19 @@ class Scheduler:
         """`_lookahead_need` less the device pool's free blocks and those of moves landing."""
         return self._lookahead_need(step_tokens) - self.kv.num_free(DEVICE_POOL) - self.kv.num_held(DEVICE_POOL)
 
-    def wants_park_ahead(self, step_tokens: dict) -> bool:
-        """Whether a step computing `step_tokens` would leave the device pool short of its look-ahead (the
-        engine then schedules it rather than queue it ahead, so that `schedule` parks ahead)."""
-        return self._parks_ahead() and self._device_shortfall(step_tokens) > 0
+    def plan_parks_ahead(self, step_tokens: dict) -> None:
+        """A step queued ahead computing `step_tokens` (request id -> tokens): the parks that step leaves due
+        (`_plan_parks`), issued by `park_launched` once it is queued."""
+        self._park_after = []
+        if self._parks_ahead():
+            self._plan_parks(step_tokens)
 
-    def _plan_parks(self, out: SchedulerOutput) -> None:
+    def _plan_parks(self, step_tokens: dict) -> None:
         """Overlapped moves: while the device pool's free blocks (and those of moves landing) fall short of its
-        running requests' look-ahead, the newest of them are parked once this step is queued (`park_launched`),
-        so each park's copy runs beside the next step, instead of a park at the step that needs its blocks,
-        which waits for the copy. Not a request that stops by length within two tokens (its blocks come back
-        anyway), nor the last one."""
-        step_tokens = {c.request.request_id: c.num_tokens for c in out.chunks}
+        running requests' look-ahead, the newest of them are parked once this step (computing `step_tokens`:
+        request id -> tokens) is queued (`park_launched`), so each park's copy runs beside the next step,
+        instead of a park at the step that needs its blocks, which waits for the copy. Not a request that stops
+        by length within the look-ahead (its blocks come back anyway), nor the last one."""
         short = self._device_shortfall(step_tokens)
         device = [r for r in self.running if self.kv.pool_of(r.request_id) == DEVICE_POOL]
         room = self.kv.num_free(HOST_POOL)
@@ -389,7 +394,7 @@ class Scheduler:
         for chunk in out.chunks:
             chunk.request.steps_per_pool[chunk.pool] += 1
         if self._parks_ahead():
-            self._plan_parks(out)
+            self._plan_parks({c.request.request_id: c.num_tokens for c in out.chunks})
         return out
 
     def _grow_evicting(self, request: Request, index: int, num_tokens: int, out: SchedulerOutput) -> bool:
@@ -458,6 +463,8 @@ class Scheduler:
             return None
         chunk = device_tokens if pool == DEVICE_POOL else num_tokens
         if self.kv.grow(request.request_id, pool, request.num_computed + chunk):
+            if pool == HOST_POOL:
+                self._warn_split(request, num_tokens)
             return pool
         return None
 
@@ -471,6 +478,7 @@ class Scheduler:
         if HOST_POOL not in fitting or self._splits_host_prompt(request, num_tokens):
             return None
         if self._host_pays(request) and self.kv.grow(request.request_id, HOST_POOL, end):
+            self._warn_split(request, num_tokens)
             return HOST_POOL
         return None
 
@@ -487,8 +495,22 @@ class Scheduler:
         if not self._pipeline_takes(request):
             return None
         if self.kv.grow(request.request_id, HOST_POOL, self.max_tokens(request)):
+            self._warn_split(request, num_tokens)
             return HOST_POOL
         return None
+
+    def _warn_split(self, request: Request, num_tokens: int) -> None:
+        """Warns (once per scheduler) when a host-pool prompt starts with a chunk shorter than its rest: no step
+        of this budget can take it whole beside the running rows, and its continued chunks attend on the CPU."""
+        rest = request.num_tokens - request.num_computed
+        if num_tokens >= rest or self._warned_split:
+            return
+        self._warned_split = True
+        warnings.warn(f"a {rest}-token prompt starts in the host pool split across steps (step budget "
+                      f"{self.config.max_num_batched_tokens}, {len(self.running)} running rows): its continued "
+                      f"chunks attend on the CPU, many times slower than a whole prompt's; set "
+                      f"ApexConfig.max_num_batched_tokens to at least the longest prompt + max_num_seqs",
+                      RuntimeWarning, stacklevel=2)
 
     def _splits_host_prompt(self, request: Request, num_tokens: int) -> bool:
         """Whether starting `request` in the host pool with `num_tokens` tokens would split a prompt that a later

@@ -106,6 +106,9 @@ def test_windows_of_compared_modes_start_at_the_same_step():
                                   window_steps=3, start_step=7)
     assert run["window_start"] == 7 and len(run["steps"]) == 3 and len(run["prefill"]) == 7
     assert run["host_tokens"] == 0
+    # a CPU engine runs synchronously: no window step was queued ahead, none counted as declined
+    assert run["queued_ahead"] == [False] * 3 and run["not_ahead"] == {} and run["unqueued_excess_s"] >= 0
+    assert len(run["window_events"]) == 3 and all(isinstance(e, dict) for e in run["window_events"])
     run = e2e_hybrid.steady_state(engine, prompts, SamplingParams(max_new_tokens=3), warm_steps=2, window_steps=3)
     assert run["window_start"] == 2
 
@@ -125,6 +128,11 @@ def test_a_piecewise_mode_differs_from_its_mode_only_in_its_mixed_steps():
         assert dict(vars(whole), stagger_lanes=1, mixed_graphs=False) == vars(both)
         pinned = e2e_hybrid.hybrid_config(mode + "/1lane/pin/t14", 1 << 30, 1 << 31, 64, 640, 256)
         assert dict(vars(whole), stagger_lanes=1, pin_launcher=True, cpu_attention_threads=14) == vars(pinned)
+    # the step budget takes a whole host prompt beside every row's decode token (2048 at least)
+    assert e2e_hybrid.hybrid_config("auto", 1 << 30, 1 << 31, 64, 640, 256, prompt_len=512).max_num_batched_tokens \
+        == 2048
+    assert e2e_hybrid.hybrid_config("auto", 1 << 30, 1 << 31, 64, 2560, 256,
+                                    prompt_len=2048).max_num_batched_tokens == 2048 + 64
 
 
 def test_a_mode_can_name_its_block_size_its_cpu_work_split_and_an_inline_exchange(monkeypatch):

@@ -77,6 +77,7 @@ def test_greedy_equals_hf_generate(smol, batch, hf_reference, offload):
     assert "compiled graph 0" in apex.explain(file=io.StringIO())
 
 
+@pytest.mark.filterwarnings("ignore:.*split across steps")  # a 40-token budget splits host prompts on purpose
 def test_full_pools_wait_preempt_and_resume_with_identical_tokens(smol, batch, hf_reference):
     model, tokenizer = smol
     input_ids, mask = batch

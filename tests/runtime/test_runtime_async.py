@@ -45,6 +45,7 @@ def test_steps_run_ahead_give_the_synchronous_tokens(tiny_llama, case):
     assert got == expected
     assert [c.steps_per_pool for c in completions] == [c.steps_per_pool for c in sync_completions]
     assert sync_stats.ahead_steps == 0 and stats.ahead_steps >= stats.steps // 2
+    assert sync_stats.not_ahead == {}  # the synchronous engine never tries
     reasons = [reason for _, reason in got]
     if case == "eos":
         assert "eos" in reasons and "length" in reasons  # some requests stopped while a step was queued ahead
@@ -59,6 +60,7 @@ def test_a_queue_the_next_step_could_admit_is_left_to_the_scheduler(tiny_llama):
     got, stats, _ = run(tiny_llama, True, sampling, prompts, max_num_seqs=3)
     assert got == expected
     assert 0 < stats.ahead_steps < stats.steps  # ahead while the running set is full, not when a slot frees
+    assert stats.not_ahead.get("admits", 0) > 0  # a finished request freed a slot that a waiting one may take
 
 
 def test_swaps_under_async_scheduling_lose_nothing(tiny_llama):
@@ -81,7 +83,7 @@ def test_rules_that_need_the_last_token_on_the_host_run_in_step(tiny_llama, rule
     got, stats, _ = run(tiny_llama, True, sampling)
     assert got == expected
     if rule == "repetition_penalty":
-        assert stats.ahead_steps == 0
+        assert stats.ahead_steps == 0 and stats.not_ahead.get("host rules", 0) > 0
     else:  # ahead once every request is past its minimum
         assert all(len(ids) >= min(8, n) for (ids, _), n in zip(got, LENGTHS)) and stats.ahead_steps > 0
 
@@ -272,5 +274,40 @@ def test_overlapped_moves_park_ahead_and_lose_nothing(tiny_llama, monkeypatch, d
     completions = engine.generate(PROMPTS, sampling)
     assert [(c.token_ids, c.finish_reason) for c in completions] == expected
     assert any(holds) and swap.issued == len(holds) > 0 and engine.stats.parked > 0
+    engine.kv.sync_moves()
+    assert engine.blocks_in_use() == {"device": 0, "host": 0}
+
+
+@pytest.mark.parametrize("delay", [0, 3, 10 ** 6])
+def test_a_step_queued_ahead_parks_ahead_and_the_next_one_goes_on(tiny_llama, monkeypatch, delay):
+    """With overlapped moves the engine need not stop queueing ahead to park: the parks a step queued ahead
+    leaves due are planned with it and issued once it is queued (their copies behind it), and the step after a
+    park queues ahead too (the parked request's token arrives while it is parked). Tokens are the synchronous
+    engine's, every block comes back, whether the copies land at once, later or only when waited for."""
+    from apex_compile.runtime import kv_manager
+    from tests.helpers import DeferredSwap
+
+    prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
+    sampling = [SamplingParams(max_new_tokens=n) for n in (60, 50, 40)]
+    block_bytes = 2 * 2 * 2 * 16 * 16 * 4  # layers x (K, V) x kv heads x block x head dim x fp32
+    config = dict(offload="never", gpu_cache_size=7 * block_bytes, cpu_cache_size=4 * MB)
+    expected, _, _ = run(tiny_llama, False, sampling, prompts, **config)
+    monkeypatch.setattr(kv_manager, "OVERLAP_MOVES", True)
+    engine = optimize(tiny_llama, ApexConfig(async_scheduling=True, **config)).engine
+    engine.kv._swap = DeferredSwap(delay)
+    scheduler = engine.scheduler
+    planned_ahead = []
+    plan = scheduler.plan_parks_ahead
+    scheduler.plan_parks_ahead = lambda tokens: (plan(tokens), planned_ahead.append(len(scheduler._park_after)))
+    launched_ahead = []
+    launch = engine._launch_ahead
+    engine._launch_ahead = lambda launched: launched_ahead.append(launch(launched)) or launched_ahead[-1]
+    completions = engine.generate(prompts, sampling)
+    assert [(c.token_ids, c.finish_reason) for c in completions] == expected
+    assert sum(planned_ahead) > 0 and engine.stats.parked >= sum(planned_ahead)  # parked from queued steps
+    # no step scheduled on the host for a park, nor after one; only copies that land when waited for make a
+    # step find its blocks still held
+    assert not {"park", "rows"} & set(engine.stats.not_ahead)
+    assert delay == 10 ** 6 or "evict" not in engine.stats.not_ahead
     engine.kv.sync_moves()
     assert engine.blocks_in_use() == {"device": 0, "host": 0}

@@ -136,6 +136,30 @@ def test_host_rows_from_the_model_device_match_reference_and_fill_the_cache(mix,
         assert torch.equal(mine.nan_to_num(7.0), theirs.nan_to_num(7.0))
 
 
+def test_a_continued_host_chunk_does_not_take_the_fresh_chunks_of_its_step_to_the_cpu():
+    """A host part holding paged rows (a continued chunk, decode rows) and fresh chunks: only the paged rows go
+    through the CPU path (their q/k/v across, the output back); the fresh chunks attend on the model's device
+    and only their K/V are exported. Outputs equal the float64 reference."""
+    runner, ordered, history, new = build_step(13, [(HOST_POOL, 20, 5), (HOST_POOL, 33, 1), (HOST_POOL, 0, 9),
+                                                    (HOST_POOL, 0, 4)])
+    part = runner.host_part
+    num_paged = part.paged_end - part.start
+    assert num_paged == 6 and part.end - part.start == 19  # paged rows first, then the two fresh chunks
+    to_cpu, exported = [], []
+    host_work, submit = runner._host_work, runner.exports.submit
+    runner._host_work = lambda p, layer, q, k, v, scale: (to_cpu.append((p.end - p.start, q.shape[0], k.shape[0])),
+                                                          host_work(p, layer, q, k, v, scale))[1]
+    runner.exports.submit = lambda k, v, kc, vc, slots: (exported.append((k.shape[0], slots.tolist())),
+                                                         submit(k, v, kc, vc, slots))[1]
+    for layer in range(LAYERS):
+        q, k, v = (t.float() for t in new[layer])
+        out = runner._host_rows_from_device(part, layer, q, k, v, 0.2)
+        torch.testing.assert_close(out.double(), reference(ordered, history, *new[layer], layer, 0.2),
+                                   rtol=1e-5, atol=1e-5)
+    assert to_cpu == [(num_paged, num_paged, num_paged)] * LAYERS
+    assert exported == [(13, part.slot_mapping[num_paged:].tolist())] * LAYERS
+
+
 def test_paged_host_rows_read_the_cache_only_after_pending_exports():
     """A continued prompt chunk reads the host cache that an earlier fresh chunk's export fills: with the
     prior context still on its way (a slow background export), the paged rows wait for it (without the wait
