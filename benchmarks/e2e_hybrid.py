@@ -276,6 +276,9 @@ MOVE_SUFFIXES = {"/overlapmoves": True, "/syncmoves": False}
 # a mode run with the layered CPU job's work shared out by layer barriers ("/barrier") or claimed across layers
 # ("/flow"): stagger_layer_schedule for that run
 SCHEDULE_SUFFIXES = {"/barrier": "barrier", "/flow": "flow"}
+# a mode run with the adaptive rows fitted to the flow job's work ("/busyfit") or its running time ("/timefit"):
+# stagger.BUSY_FIT for that run
+FIT_SUFFIXES = {"/busyfit": True, "/timefit": False}
 
 
 def parse_mode(mode: str):
@@ -330,11 +333,15 @@ def _take_suffix(mode, suffixes):
 @contextlib.contextmanager
 def process_settings(mode):
     """The process-wide settings a mode's suffixes name (the exchange's stream, the block moves, the CPU
-    attention's work split, the layered job's schedule) in effect; yields the mode without those suffixes and
-    restores the settings after it."""
+    attention's work split, the layered job's schedule and what its row fit reads) in effect; yields the mode
+    without those suffixes and restores the settings after it."""
     beside, split = attention_runner.EXCHANGE_BESIDE, list(cpu_attention_work_split().values())
     overlap, schedule = kv_manager.OVERLAP_MOVES, stagger_layer_schedule()
+    busy_fit = stagger_module.BUSY_FIT
     try:
+        mode, named_fit = _take_suffix(mode, FIT_SUFFIXES)
+        if named_fit is not None:
+            stagger_module.BUSY_FIT = named_fit
         mode, named_schedule = _take_suffix(mode, SCHEDULE_SUFFIXES)
         if named_schedule is not None:
             stagger_layer_schedule(named_schedule)
@@ -354,6 +361,7 @@ def process_settings(mode):
         kv_manager.OVERLAP_MOVES = overlap
         cpu_attention_work_split(*split)
         stagger_layer_schedule(schedule)
+        stagger_module.BUSY_FIT = busy_fit
 
 
 def _run_engine_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seqs, args, start_step):
@@ -469,7 +477,8 @@ def main():
                              "'/split=a-b-c' sets the CPU attention's work split, '/bs64' the KV block size, '/beside' "
                              "or '/inline' runs the layered exchange on a side or the compute stream, '/overlapmoves' "
                              "or '/syncmoves' overlaps the block moves or waits for them on the host, '/flow' or '/barrier' "
-                             "the layered CPU job's schedule, for that mode")
+                             "the layered CPU job's schedule, '/busyfit' or '/timefit' fits the adaptive rows to "
+                             "the flow job's work or its running time (stagger.BUSY_FIT), for that mode")
     parser.add_argument("--fill-steps", type=int, default=600,
                         help="at most this many steps to fill the staggered pipeline before --warm-steps")
     parser.add_argument("--warm-steps", type=int, default=100, help="steps before the measured window")

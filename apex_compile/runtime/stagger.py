@@ -56,6 +56,11 @@ REGROW_STEPS = 16  # steps without waiting for the CPU before a row taken away c
 # and the rows collapsed for good; a flat noisy fit read as a nearly free CPU whose fixed part took the step.
 # A CPU really slower than the profile's (another process) is caught by the waits (the guard).
 PRIOR_SPREAD = 1.5
+# The adaptive rows fit the one-lane flow job's work (its team's thread-seconds inside work items over the team's
+# threads) instead of its running time, which also counts threads waiting for a layer's flag while the GPU paces
+# the job, so a job with slack reads as costly as a full one (session 32: 70% busy at 4 rows, 5 not taken). Off:
+# an A/B for the GPU host (e2e_hybrid "/busyfit"), not yet measured; the guard still cuts rows that make it wait.
+BUSY_FIT = False
 # Steps an empty pipeline waits before it drops its measured rows' evidence (a probe: one row more, auto's model
 # decides); the wait doubles after each probe, up to MAX_IDLE_HOLD. Without jobs nothing else moves the
 # limits, so one bad stretch (a fill's contention) would otherwise stop the host rows for good.
@@ -591,7 +596,8 @@ class StaggerPipeline:
                                                       plan.block_tables, plan.context_lens, plan.slots, plan.rows,
                                                       num_heads, runner.stagger_scale, out, ready, done, turn,
                                                       with_busy=True)
-                self.rows.observe_job(ran, work, decode)
+                fit = busy / len(self.executor.cores) if BUSY_FIT and busy > 0 else ran  # (busy: NaN unless flow)
+                self.rows.observe_job(fit, work, decode)
                 self.executor.job_busy.append(busy)
                 return waited, ran
 

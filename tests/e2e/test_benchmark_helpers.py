@@ -180,6 +180,16 @@ def test_a_mode_can_name_its_block_size_its_cpu_work_split_and_an_inline_exchang
             e2e_hybrid.run_mode(None, mode, 1 << 30, 1 << 31, [[1, 2]], 2, 64, SimpleNamespace(
                 prefill_while_decoding=256, cpu_threads=None), start_step=0)
         assert schedules[-1][1] == expected and e2e_hybrid.stagger_layer_schedule() == schedule
+    fit = e2e_hybrid.stagger_module.BUSY_FIT
+    fits = []
+    monkeypatch.setattr(e2e_hybrid, "optimize", lambda model, config: (
+        fits.append((config.offload, e2e_hybrid.stagger_module.BUSY_FIT)), fake_run(model, config.offload)))
+    for mode, expected in (("auto/busyfit", True), ("staggered:4/timefit", False)):
+        with pytest.raises(RuntimeError, match="run failed"):
+            e2e_hybrid.run_mode(None, mode, 1 << 30, 1 << 31, [[1, 2]], 2, 64, SimpleNamespace(
+                prefill_while_decoding=256, cpu_threads=None), start_step=0)
+        assert fits[-1][1] == expected and e2e_hybrid.stagger_module.BUSY_FIT == fit
+    assert fits[0][0] == "auto" and fits[1][0] == "staggered"
 
 
 def test_host_contention_times_each_kind_of_work_under_each_worker_load(tmp_path):

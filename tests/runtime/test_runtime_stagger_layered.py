@@ -37,6 +37,33 @@ def test_one_lane_with_layered_jobs_gives_hf_tokens():
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 
+@pytest.mark.parametrize("busy_fit", [False, True])
+def test_the_row_fit_takes_the_jobs_running_time_or_their_work(monkeypatch, busy_fit):
+    """stagger.BUSY_FIT: the adaptive rows fit each flow job's work (its team's busy thread-seconds over the
+    team's threads) rather than its running time; either way the tokens are HF's."""
+    from apex_compile.runtime import stagger as stagger_module
+
+    monkeypatch.setattr(stagger_module, "BUSY_FIT", busy_fit)
+    torch.manual_seed(23)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4, 8)]
+    reference = hf_tokens(model, prompts, 8)
+    apex = staggered(model, width=2, lanes=1)
+    jobs, rows = apex.engine.stagger.executor, apex.engine.stagger.rows
+    fitted = []
+    observe = rows.observe_job
+    monkeypatch.setattr(rows, "observe_job", lambda seconds, work, decode=True: (fitted.append(seconds),
+                                                                                 observe(seconds, work, decode)))
+    done = apex.engine.generate(prompts, SamplingParams(max_new_tokens=8))
+    assert [c.token_ids for c in done] == reference
+    jobs.drain()
+    runs = [(ran, busy) for (_, ran), busy in zip(jobs.job_seconds, jobs.job_busy)]
+    assert len(fitted) == len(runs) >= 8
+    expected = [busy / len(jobs.cores) if busy_fit and busy > 0 else ran for ran, busy in runs]
+    assert fitted == pytest.approx(expected, rel=1e-12)
+    assert busy_fit == any(abs(f - ran) > 1e-9 for f, (ran, _) in zip(fitted, runs))
+
+
 def test_a_failed_layered_job_raises_at_the_next_step_without_hanging(monkeypatch):
     """A job that fails on the worker lifts its done flags past any turn (the device waits pass at once) and its
     error reaches the caller at the next step."""
