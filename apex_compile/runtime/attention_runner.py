@@ -306,9 +306,8 @@ class PagedAttentionRunner:
                                value: torch.Tensor, scale: float) -> torch.Tensor:
         """Host-pool rows whose q/k/v are on the model's device: fresh chunks attend there and only their K/V
         cross to the host (for the cache, in the background); the paged rows (decode rows, continued chunks)
-        attend on the CPU, only their q/k/v crossing and their output coming back. (A continued chunk's step
-        often holds the next prompt's fresh chunk: sent through the CPU with it, that chunk's q, K/V and output
-        crossed twice on pageable copies, every layer.)"""
+        attend on the CPU, only their q/k/v crossing and their output coming back (a continued chunk's step often
+        holds the next prompt's fresh chunk, whose q, K/V and output need not cross every layer)."""
         out = torch.empty_like(query)
         num_paged = part.paged_end - part.start
         if num_paged:

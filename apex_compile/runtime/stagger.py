@@ -58,8 +58,8 @@ REGROW_STEPS = 16  # steps without waiting for the CPU before a row taken away c
 PRIOR_SPREAD = 1.5
 # The adaptive rows fit the one-lane flow job's work (its team's thread-seconds inside work items over the team's
 # threads) instead of its running time, which also counts threads waiting for a layer's flag while the GPU paces
-# the job, so a job with slack reads as costly as a full one (session 32: 70% busy at 4 rows, 5 not taken). Off:
-# an A/B for the GPU host (e2e_hybrid "/busyfit"), not yet measured; the guard still cuts rows that make it wait.
+# the job, so a job with slack reads as costly as a full one. Off: an A/B for the GPU host (e2e_hybrid
+# "/busyfit"; notes item 47); the guard still cuts rows that make the GPU wait.
 BUSY_FIT = False
 # Steps an empty pipeline waits before it drops its measured rows' evidence (a probe: one row more, auto's model
 # decides); the wait doubles after each probe, up to MAX_IDLE_HOLD. Without jobs nothing else moves the

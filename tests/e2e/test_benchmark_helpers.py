@@ -162,34 +162,21 @@ def test_a_mode_can_name_its_block_size_its_cpu_work_split_and_an_inline_exchang
             prefill_while_decoding=256, cpu_threads=None), start_step=0)
     assert seen[-1][0] == "staggered" and seen[-1][2] is True
     assert e2e_hybrid.attention_runner.EXCHANGE_BESIDE == default
-    overlap = e2e_hybrid.kv_manager.OVERLAP_MOVES
-    moves = []
-    monkeypatch.setattr(e2e_hybrid, "optimize", lambda model, config: (
-        moves.append((config.offload, e2e_hybrid.kv_manager.OVERLAP_MOVES)), fake_run(model, config.offload)))
-    for mode, expected in (("never/overlapmoves", True), ("never/syncmoves", False)):
-        with pytest.raises(RuntimeError, match="run failed"):
-            e2e_hybrid.run_mode(None, mode, 1 << 30, 1 << 31, [[1, 2]], 2, 64, SimpleNamespace(
-                prefill_while_decoding=256, cpu_threads=None), start_step=0)
-        assert moves[-1] == ("never", expected) and e2e_hybrid.kv_manager.OVERLAP_MOVES == overlap
-    schedule = e2e_hybrid.stagger_layer_schedule()
-    schedules = []
-    monkeypatch.setattr(e2e_hybrid, "optimize", lambda model, config: (
-        schedules.append((config.offload, e2e_hybrid.stagger_layer_schedule())), fake_run(model, config.offload)))
-    for mode, expected in (("staggered:4/barrier", "barrier"), ("auto/flow", "flow")):
-        with pytest.raises(RuntimeError, match="run failed"):
-            e2e_hybrid.run_mode(None, mode, 1 << 30, 1 << 31, [[1, 2]], 2, 64, SimpleNamespace(
-                prefill_while_decoding=256, cpu_threads=None), start_step=0)
-        assert schedules[-1][1] == expected and e2e_hybrid.stagger_layer_schedule() == schedule
-    fit = e2e_hybrid.stagger_module.BUSY_FIT
-    fits = []
-    monkeypatch.setattr(e2e_hybrid, "optimize", lambda model, config: (
-        fits.append((config.offload, e2e_hybrid.stagger_module.BUSY_FIT)), fake_run(model, config.offload)))
-    for mode, expected in (("auto/busyfit", True), ("staggered:4/timefit", False)):
-        with pytest.raises(RuntimeError, match="run failed"):
-            e2e_hybrid.run_mode(None, mode, 1 << 30, 1 << 31, [[1, 2]], 2, 64, SimpleNamespace(
-                prefill_while_decoding=256, cpu_threads=None), start_step=0)
-        assert fits[-1][1] == expected and e2e_hybrid.stagger_module.BUSY_FIT == fit
-    assert fits[0][0] == "auto" and fits[1][0] == "staggered"
+    # process-wide settings named by a suffix: in effect during the run, the old value back after it fails
+    settings = [
+        (lambda: e2e_hybrid.kv_manager.OVERLAP_MOVES, (("never/overlapmoves", True), ("never/syncmoves", False))),
+        (e2e_hybrid.stagger_layer_schedule, (("staggered:4/barrier", "barrier"), ("auto/flow", "flow"))),
+        (lambda: e2e_hybrid.stagger_module.BUSY_FIT, (("auto/busyfit", True), ("staggered:4/timefit", False))),
+    ]
+    for read, cases in settings:
+        before, during = read(), []
+        monkeypatch.setattr(e2e_hybrid, "optimize", lambda model, config: (
+            during.append((config.offload, read())), fake_run(model, config.offload)))
+        for mode, expected in cases:
+            with pytest.raises(RuntimeError, match="run failed"):
+                e2e_hybrid.run_mode(None, mode, 1 << 30, 1 << 31, [[1, 2]], 2, 64, SimpleNamespace(
+                    prefill_while_decoding=256, cpu_threads=None), start_step=0)
+            assert during[-1] == (e2e_hybrid.parse_mode(mode)[0], expected) and read() == before
 
 
 def test_host_contention_times_each_kind_of_work_under_each_worker_load(tmp_path):
