@@ -857,7 +857,6 @@ class Engine:
             chunks = self._schedule()
             start = self._tick("schedule")
             launched = self._launch(chunks)
-            self.stats.parked += len(self.scheduler.park_launched())  # parks ahead, their copies behind this step
         self._ahead = self._launch_ahead(launched)  # while this step runs on the GPU
         sampled = self._resolve(launched)
         self._drop_finished_ahead()
@@ -875,8 +874,9 @@ class Engine:
         return sampled
 
     def _launch(self, chunks: List[ScheduledChunk], device_ids: Optional[DeviceIds] = None) -> _Launched:
-        """Queues the chunks' forward and the choice of their next tokens; with `device_ids` (a step queued
-        ahead) every chunk is a decode row whose input id is on the device."""
+        """Queues the chunks' forward and the choice of their next tokens, then the parks the step left due (their
+        copies behind it); with `device_ids` (a step queued ahead) every chunk is a decode row whose input id is
+        on the device."""
         logit_rows: List[int] = []
         sampled: List[Request] = []
         row = 0
@@ -899,6 +899,7 @@ class Engine:
             request.num_computed += 1  # it at once, at its next position)
             request.steps_per_pool[HOST_POOL] += 1
         self._advance_pipeline()
+        self.stats.parked += len(self.scheduler.park_launched())  # parks ahead, their copies behind this step
         return _Launched(sampled, pending, {request.request_id for _, request in staggered}, device_ids is not None)
 
     def _resolve(self, launched: _Launched) -> List[Request]:
@@ -1004,9 +1005,7 @@ class Engine:
         if ahead is None:
             return None
         self.stats.ahead_steps += 1
-        queued = self._launch(*ahead)
-        self.stats.parked += len(self.scheduler.park_launched())  # their copies behind the step just queued
-        return queued
+        return self._launch(*ahead)
 
     def _drop_finished_ahead(self) -> None:
         """Forgets a step queued ahead whose requests all stopped or were cancelled: nothing of it is needed (its

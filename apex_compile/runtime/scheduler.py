@@ -386,6 +386,8 @@ class Scheduler:
                 num_tokens = device_tokens
                 if room is not None:
                     room -= num_tokens
+            else:
+                self._warn_split(request, num_tokens)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -463,8 +465,6 @@ class Scheduler:
             return None
         chunk = device_tokens if pool == DEVICE_POOL else num_tokens
         if self.kv.grow(request.request_id, pool, request.num_computed + chunk):
-            if pool == HOST_POOL:
-                self._warn_split(request, num_tokens)
             return pool
         return None
 
@@ -478,7 +478,6 @@ class Scheduler:
         if HOST_POOL not in fitting or self._splits_host_prompt(request, num_tokens):
             return None
         if self._host_pays(request) and self.kv.grow(request.request_id, HOST_POOL, end):
-            self._warn_split(request, num_tokens)
             return HOST_POOL
         return None
 
@@ -495,13 +494,13 @@ class Scheduler:
         if not self._pipeline_takes(request):
             return None
         if self.kv.grow(request.request_id, HOST_POOL, self.max_tokens(request)):
-            self._warn_split(request, num_tokens)
             return HOST_POOL
         return None
 
     def _warn_split(self, request: Request, num_tokens: int) -> None:
-        """Warns (once per scheduler) when a host-pool prompt starts with a chunk shorter than its rest: no step
-        of this budget can take it whole beside the running rows, and its continued chunks attend on the CPU."""
+        """Warns (once per scheduler) when a request admitted to the host pool starts with a chunk shorter than its
+        rest: no step of this budget can take it whole beside the running rows, and its continued chunks attend
+        on the CPU."""
         rest = request.num_tokens - request.num_computed
         if num_tokens >= rest or self._warned_split:
             return
