@@ -56,6 +56,7 @@ class PassReport:
         self.misses: List[Miss] = []
         self.attention_sites: List[AttentionSite] = []
         self.packed_linears = 0  # linear layers on oneDNN packed weights (pack_linear, CPU)
+        self.skinny_linears = 0  # linear layers as apex.linear (skinny_linear, CUDA)
         self.staggered_layers = 0  # layers whose first rows are swapped per layer (stagger, the staggered plan)
 
     def rewritten(self, kind: str, node: fx.Node, detail: str = "") -> None:
@@ -112,6 +113,8 @@ class PassReport:
             out.append(f"staggered host rows: residual and RoPE rows swapped at {self.staggered_layers} layers")
         if self.packed_linears:
             out.append(f"linear layers on oneDNN packed weights: {self.packed_linears}")
+        if self.skinny_linears:
+            out.append(f"linear layers as apex.linear (skinny GEMM at decode sizes): {self.skinny_linears}")
         if self.misses:
             out.append("not rewritten:")
             out += [f"  [{m.pass_name}] {m.module or 'graph'}: {m.reason}" for m in self.misses]

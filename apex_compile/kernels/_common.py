@@ -5,6 +5,8 @@ interpreter (env TRITON_INTERPRET=1 read when the kernel modules are imported). 
 decision actually taken, so the ops route CPU tensors to the interpreted kernels exactly when that works.
 """
 import functools
+import json
+import os
 
 import torch
 import triton
@@ -85,3 +87,17 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (n >= 1)."""
     return 1 << (n - 1).bit_length()
+
+
+def read_table(path: str) -> dict:
+    """A measured dispatch table (JSON) beside the kernels; empty when the file is absent."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_device_name(index: int) -> str:
+    """The name a dispatch table records for GPU `index`."""
+    return torch.cuda.get_device_name(index)

@@ -10,13 +10,12 @@
     * "fused": one Triton GEMM computing the gate and up tiles of the same output columns side by side with
       the SiLU-mul epilogue (both weights read once, gate/up never written to memory); for decode sizes.
   The choice comes from `swiglu_dispatch.json`, written by `benchmarks/triton_kernels.py --write-dispatch`
-  on the GPU it describes. Shapes, dtypes or GPUs the table does not cover take the cuBLAS path.
+  on the GPU it describes (its rows between 16 and 32 rows by `benchmarks/gemm_rows.py --write-dispatch`). Shapes, dtypes or GPUs the table does not cover take the cuBLAS path.
 
 Numerics follow HF's `act_fn(gate_proj(x)) * up_proj(x)`: gate and up rounded to x's dtype, SiLU rounded to
 x's dtype, then the product rounded once more.
 """
 import functools
-import json
 import os
 from typing import Optional
 
@@ -30,8 +29,10 @@ from apex_compile.kernels._common import (
     cdiv,
     check_float_dtype,
     check_same_device,
+    cuda_device_name,
     dot_precision,
     next_pow2,
+    read_table,
 )
 
 DISPATCH_TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "swiglu_dispatch.json")
@@ -218,20 +219,12 @@ def swiglu_fused_launch(x2: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tens
 @functools.lru_cache(maxsize=1)
 def load_dispatch_table() -> dict:
     """The measured swiglu dispatch table (empty when the file is absent)."""
-    if not os.path.exists(DISPATCH_TABLE_PATH):
-        return {}
-    with open(DISPATCH_TABLE_PATH) as f:
-        return json.load(f)
+    return read_table(DISPATCH_TABLE_PATH)
 
 
 def dispatch_key(dtype: torch.dtype, hidden: int, inter: int) -> str:
     """Key of a shape in the dispatch table: `"<dtype>/<hidden>x<intermediate>"`."""
     return f"{str(dtype).replace('torch.', '')}/{hidden}x{inter}"
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
 
 
 def lookup_swiglu_path(table: dict, device_name: str, key: str, m: int, merged: bool) -> tuple[str, Optional[dict]]:
@@ -259,7 +252,7 @@ def choose_swiglu_path(x2: torch.Tensor, w_gate: torch.Tensor, merged: bool) -> 
         return "cublas", None
     index = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
     key = dispatch_key(x2.dtype, x2.shape[1], w_gate.shape[0])
-    return lookup_swiglu_path(load_dispatch_table(), _cuda_device_name(index), key, x2.shape[0], merged)
+    return lookup_swiglu_path(load_dispatch_table(), cuda_device_name(index), key, x2.shape[0], merged)
 
 
 def check_swiglu_inputs(x, w_gate, w_up):

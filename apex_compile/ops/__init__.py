@@ -8,7 +8,8 @@ apex_compile.kernels, C++ from csrc/openmp), all registered on import; plus the 
                     (Triton)
     norm            rms_norm (Triton)
     mlp             silu_mul, swiglu (Triton)
-    linear          qkv_linear (one GEMM over merged q/k/v weights)
+    linear          qkv_linear (one GEMM over merged q/k/v weights), linear (decode-sized GEMMs on the skinny
+                    Triton kernel where measured faster)
     attention       attention, offload_launch, device_attention, offload_wait (the engine's runner)
 """
 from apex_compile.kernels.paged_attention import allocate_kv_cache_gpu

@@ -1,4 +1,5 @@
-"""`apex::qkv_linear`: the q, k and v projections of one attention layer as one GEMM.
+"""`apex::qkv_linear`: the q, k and v projections of one attention layer as one GEMM; `apex::linear`: a
+bias-free linear whose decode-sized calls take the skinny Triton GEMM where it was measured faster.
 
     qkv_linear(x [..., K], w_q [Nq, K], w_k [Nk, K], w_v [Nv, K], b_q?, b_k?, b_v?) -> [..., Nq + Nk + Nv]
 
@@ -8,16 +9,23 @@ lie back to back in one buffer (`merge_projection_weights` lays them so), one GE
 under the HBM rate, and a layer's projections become one kernel instead of three (plus split-K reductions).
 Other weights take three GEMMs and a concatenation. Each output column is F.linear's dot product (the GEMM may
 sum it in another order).
+
+    linear(x [..., K], w [N, K]) -> [..., N]
+
+On CUDA both ops send their GEMM through `apex_compile.kernels.skinny_linear.linear`: the skinny kernel for the
+shapes and row counts its dispatch table measured faster than cuBLAS on this GPU, F.linear otherwise.
 """
 from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from apex_compile.kernels import skinny_linear as _skinny
 from apex_compile.ops._library import LIB, PT2_COMPLIANT, no_autograd_formula
 
 LIB.define("qkv_linear(Tensor x, Tensor w_q, Tensor w_k, Tensor w_v, Tensor? b_q=None, Tensor? b_k=None, "
            "Tensor? b_v=None) -> Tensor", tags=PT2_COMPLIANT)
+LIB.define("linear(Tensor x, Tensor weight) -> Tensor", tags=PT2_COMPLIANT)
 
 
 def _check(x, weights, biases) -> None:
@@ -54,15 +62,37 @@ def merged_view(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
     return first.as_strided((rows,) + tuple(first.shape[1:]), stride)
 
 
-def qkv_linear_torch(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None) -> torch.Tensor:
-    """One GEMM over back-to-back weights, else three GEMMs concatenated (the op's kernel on every device)."""
+def qkv_linear_torch(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None, gemm=F.linear) -> torch.Tensor:
+    """One GEMM over back-to-back weights, else three GEMMs concatenated (`gemm`: F.linear's signature)."""
     weights, biases = (w_q, w_k, w_v), (b_q, b_k, b_v)
     _check(x, weights, biases)
     merged = merged_view(weights)
     merged_bias = None if b_q is None else merged_view(biases)
     if merged is not None and (b_q is None or merged_bias is not None):
-        return F.linear(x, merged, merged_bias)
-    return torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], dim=-1)
+        return gemm(x, merged, merged_bias)
+    return torch.cat([gemm(x, w, b) for w, b in zip(weights, biases)], dim=-1)
+
+
+def qkv_linear_cuda(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None) -> torch.Tensor:
+    return qkv_linear_torch(x, w_q, w_k, w_v, b_q, b_k, b_v, gemm=_skinny.linear)
+
+
+def _check_linear(x, weight) -> None:
+    if weight.dim() != 2 or x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"apex.linear: x [..., K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if weight.dtype != x.dtype or weight.device != x.device:
+        raise ValueError(f"apex.linear: weight {weight.dtype} on {weight.device} does not match x {x.dtype} on "
+                         f"{x.device}")
+
+
+def linear_cuda(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    _check_linear(x, weight)
+    return _skinny.linear(x, weight)
+
+
+def linear_cpu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    _check_linear(x, weight)
+    return F.linear(x, weight)
 
 
 @torch.library.register_fake("apex::qkv_linear", lib=LIB)
@@ -70,9 +100,24 @@ def _qkv_linear_fake(x, w_q, w_k, w_v, b_q=None, b_k=None, b_v=None):
     return x.new_empty(*x.shape[:-1], w_q.shape[0] + w_k.shape[0] + w_v.shape[0])
 
 
-LIB.impl("qkv_linear", qkv_linear_torch, "CUDA")
+LIB.impl("qkv_linear", qkv_linear_cuda, "CUDA")
 LIB.impl("qkv_linear", qkv_linear_torch, "CPU")
 no_autograd_formula("qkv_linear")
+
+
+@torch.library.register_fake("apex::linear", lib=LIB)
+def _linear_fake(x, weight):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+LIB.impl("linear", linear_cuda, "CUDA")
+LIB.impl("linear", linear_cpu, "CPU")
+no_autograd_formula("linear")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x @ weight.T` (the skinny Triton GEMM on CUDA where measured faster, F.linear otherwise)."""
+    return torch.ops.apex.linear(x, weight)
 
 
 def qkv_linear(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,

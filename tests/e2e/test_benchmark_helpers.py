@@ -299,3 +299,27 @@ def test_plot_hybrid_draws_a_png_per_shape(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "s_a.png").stat().st_size > 0 and (tmp_path / "s_b.png").stat().st_size > 0
+
+
+def test_gemm_rows_writes_swiglu_rows_where_the_fused_kernel_won(tmp_path, monkeypatch):
+    import gemm_rows
+    from apex_compile.kernels import swiglu as ksw
+
+    table = {"device_name": "GPU X", "shapes": {"bfloat16/8x16": [
+        {"max_m": 16, "merged": "fused", "separate": "fused", "config": {"BLOCK_M": 16}},
+        {"max_m": 24, "merged": "cublas", "separate": "cublas", "config": {"BLOCK_M": 16}},  # replaced
+        {"max_m": 32, "merged": "cublas", "separate": "fused", "config": {"BLOCK_M": 64}}]}}
+    path = tmp_path / "swiglu_dispatch.json"
+    monkeypatch.setattr(ksw, "DISPATCH_TABLE_PATH", str(path))
+    monkeypatch.setattr(ksw, "load_dispatch_table", lambda: json.loads(json.dumps(table)))
+    result = {"device": "GPU X", "swiglu": {
+        16: {"cublas": 10.0, "fused_best": 1.0, "fused_config": {"BLOCK_M": 32}},  # not in (16, 32): untouched
+        20: {"cublas": 10.0, "fused_best": 9.0, "fused_config": {"BLOCK_M": 32, "BLOCK_N": 64}},
+        24: {"cublas": 10.0, "fused_best": 9.9, "fused_config": {"BLOCK_M": 32}}}}  # within the margin: no
+    assert gemm_rows.write_swiglu_rows(result, "bfloat16/8x16", 0.97)
+    rows = json.loads(path.read_text())["shapes"]["bfloat16/8x16"]
+    assert [r["max_m"] for r in rows] == [16, 20, 24, 32]
+    assert rows[0] == table["shapes"]["bfloat16/8x16"][0]
+    assert (rows[1]["merged"], rows[1]["separate"], rows[1]["config"]) == ("fused", "fused", {"BLOCK_M": 32, "BLOCK_N": 64})
+    assert (rows[2]["merged"], rows[2]["separate"], rows[2]["config"]) == ("cublas", "fused", {"BLOCK_M": 64})
+    assert not gemm_rows.write_swiglu_rows(dict(result, device="GPU Y"), "bfloat16/8x16", 0.97)

@@ -12,6 +12,7 @@ import pytest
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KERNEL_TEST_FILES = ["kernels/test_triton_rms_norm.py", "kernels/test_triton_swiglu.py",
                      "kernels/test_triton_attention.py", "kernels/test_triton_stagger.py",
+                     "kernels/test_triton_skinny_linear.py",
                      "runtime/test_runtime_attention_runner.py",  # the runner: the GPU pool's kernels and layout
                      "runtime/test_runtime_stagger_layered.py"]  # the one-lane plan's device waits
 
