@@ -2,7 +2,10 @@
 staggered plan's, quiet: its waits satisfied) spends per kernel, replayed on the inputs its capture held.
 
 Prints each size's kernel time per replay by kernel name and the difference between two sizes, to find what
-grows with the rows (e.g. the step from 16 to 24 rows).
+grows with the rows (e.g. the step from 16 to 24 rows). `--copy-mb N` also times each graph with an N MB
+device-to-host and host-to-device copy (pinned, on a side stream) issued beside each replay: what a park's or a
+resume's block copy does to a step (the staggered step's per-layer exchange reads and writes host memory over
+the same link).
 
     python benchmarks/graph_kernels.py --shape llama3_8b --sizes 8,16,24 --out /tmp/out/graph_kernels.json
 """
@@ -49,6 +52,20 @@ def wall_us(replay, replays: int) -> float:
     return start.elapsed_time(end) * 1e3 / replays
 
 
+def wall_with_copy_us(replay, replays: int, dst: torch.Tensor, src: torch.Tensor) -> float:
+    """wall_us of `replay` with dst.copy_(src) issued on a side stream just before each replay."""
+    side = torch.cuda.Stream()
+    main = torch.cuda.current_stream()
+
+    def both():
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            dst.copy_(src, non_blocking=True)
+        replay()
+        main.wait_stream(side)
+    return wall_us(both, replays)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="llama3_8b")
@@ -56,6 +73,7 @@ def main():
     parser.add_argument("--device-gib", type=float, default=1)
     parser.add_argument("--replays", type=int, default=10)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--copy-mb", type=int, default=0, help="also time each graph beside a copy of this size")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model = random_llama(SHAPES[args.shape])
@@ -72,6 +90,12 @@ def main():
     for size in sizes:
         if engine.stagger_graphs is not None and size in engine.stagger_graphs.graphs:
             runs[f"staggered {size}+{engine.stagger.width}"] = lambda size=size: engine.stagger_graphs.replay(size)
+    copies = {}
+    if args.copy_mb:
+        count = args.copy_mb << 19  # bf16 elements
+        device_buffer = torch.empty(count, dtype=torch.bfloat16, device="cuda")
+        host_buffer = torch.empty(count, dtype=torch.bfloat16, pin_memory=True)
+        copies = {"device-to-host": (host_buffer, device_buffer), "host-to-device": (device_buffer, host_buffer)}
     with engine._quiet_stagger(True):
         for name, replay in runs.items():
             kernels = kernels_per_replay(replay, args.replays)
@@ -81,6 +105,12 @@ def main():
                   f"{result['graphs'][name]['kernel_sum_us']:.0f} us", flush=True)
             for kernel, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:args.top]:
                 print(f"   {us:8.1f}  {kernel}", flush=True)
+            if copies:
+                entry = result["graphs"][name]
+                for direction, (dst, src) in copies.items():
+                    entry[f"wall_with_{direction}_us"] = wall_with_copy_us(replay, args.replays, dst, src)
+                    print(f"   with a {args.copy_mb} MB {direction} copy beside it: "
+                          f"{entry[f'wall_with_{direction}_us']:.0f} us a replay", flush=True)
     names = list(result["graphs"])
     for a, b in zip(names, names[1:]):
         ka, kb = result["graphs"][a]["kernels_us"], result["graphs"][b]["kernels_us"]
