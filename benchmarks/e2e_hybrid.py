@@ -110,6 +110,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
         if stagger is not None:  # the rows' limits after the step: which of them binds, and when
             r = stagger.rows
             limits.append({"measured": r.measured, "guard": r.guard, "ceiling": r.ceiling, "limit": r.limit,
+                           "share": r.share(),
                            "step_s": r.step or 0.0, "members": stagger.num_members, "capacity": stagger.capacity,
                            "parked": len(engine.scheduler.parked), "prefill": prefill_tokens})
         events.append({k: v - counts[k] for k, v in _event_counts(engine).items() if v != counts[k]})
@@ -146,11 +147,13 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
         torch.cuda.synchronize()
     begin, tokens, host_tokens, steps = time.perf_counter(), engine.stats.generated_tokens, 0, []
     ahead, not_ahead = engine.stats.ahead_steps, dict(engine.stats.not_ahead)
+    captured = engine._captured_seconds()
     for _ in range(window_steps):
         step, host = one_step()
         steps.append(step)
         host_tokens += host
     seconds = time.perf_counter() - begin
+    captured = engine._captured_seconds() - captured  # graphs of shapes first met inside the window
     ahead = engine.stats.ahead_steps - ahead  # the window's steps queued before the previous step's tokens
     not_ahead = {k: v - not_ahead.get(k, 0) for k, v in engine.stats.not_ahead.items() if v != not_ahead.get(k, 0)}
     window_queued = queued[-window_steps:] if window_steps else []
@@ -169,6 +172,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     return {"tokens_per_s": generated / seconds, "window_s": seconds, "tokens": generated,
             "host_tokens": host_tokens, "fill_steps": filled, "fill_s": fill_s, "pipeline_filled": filled_share,
             "ahead_steps": ahead, "not_ahead": not_ahead, "unqueued_excess_s": unqueued_excess,
+            "window_capture_s": captured,
             "queued_ahead": window_queued, "window_start": window_start,
             # per window step: what changed in the engine's counters (_event_counts), to tie slow steps to parks
             "window_events": events[-window_steps:] if window_steps else [],
@@ -553,6 +557,8 @@ def main():
                     cpu += (" (not: " + ", ".join(f"{k} {v}" for k, v in sorted(r["not_ahead"].items()))
                             + f"; their time above a queued step's median {r['unqueued_excess_s'] * 1e3:.0f} ms, "
                             f"{r['unqueued_excess_s'] / r['window_s']:.1%} of the window)")
+                if r.get("window_capture_s"):
+                    cpu += f", graphs captured inside the window {r['window_capture_s'] * 1e3:.0f} ms"
                 only = r["decode_only_step_s"]
                 full = f" (pipeline {r['pipeline_filled']:.0%} full)" if r.get("pipeline_filled") is not None else ""
                 print(f"   {shape_name} {gib:g} GiB {m}: {r['tokens_per_s']:.0f} tokens/s ({r['host_tokens']} of "

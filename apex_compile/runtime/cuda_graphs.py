@@ -110,13 +110,20 @@ def piecewise_sizes(max_rows: int) -> List[int]:
     return sorted(set(s for s in sizes if s <= max_rows))
 
 
+# A piecewise or mixed step computes at least this many logits rows (or all its rows, if fewer): the logits
+# rows (decode rows plus prompts ending) vary from step to step, and each padded count was a graph captured
+# lazily inside a run (~0.1 s each); extra lm_head rows cost little beside reading its weights.
+LOGITS_FLOOR = 64
+
+
 def padded_key(sizes: List[int], rows: int, num_logits: int) -> Optional[Tuple[int, int]]:
     """(padded rows, padded logits rows) of a step among sorted `sizes`, or None when it has more rows than every
     size (the key of a piecewise or mixed step's graphs)."""
     index = bisect.bisect_left(sizes, rows)
     if index == len(sizes):
         return None
-    return sizes[index], sizes[bisect.bisect_left(sizes, max(num_logits, 2))]
+    logits = sizes[bisect.bisect_left(sizes, max(num_logits, 2))]
+    return sizes[index], max(logits, min(LOGITS_FLOOR, sizes[index]))
 
 
 def weak_ref(tensor: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import math
 import os
 import threading
 import time
@@ -58,9 +59,9 @@ REGROW_STEPS = 16  # steps without waiting for the CPU before a row taken away c
 PRIOR_SPREAD = 1.5
 # The adaptive rows fit the one-lane flow job's work (its team's thread-seconds inside work items over the team's
 # threads) instead of its running time, which also counts threads waiting for a layer's flag while the GPU paces
-# the job, so a job with slack reads as costly as a full one. Off: an A/B for the GPU host (e2e_hybrid
-# "/busyfit"; notes item 47); the guard still cuts rows that make the GPU wait.
-BUSY_FIT = False
+# the job, so a job with slack reads as costly as a full one. On since the A/B of notes item 49 (e2e_hybrid
+# "/timefit" runs the other); the guard still cuts rows that make the GPU wait.
+BUSY_FIT = True
 # Steps an empty pipeline waits before it drops its measured rows' evidence (a probe: one row more, auto's model
 # decides); the wait doubles after each probe, up to MAX_IDLE_HOLD. Without jobs nothing else moves the
 # limits, so one bad stretch (a fill's contention) would otherwise stop the host rows for good.
@@ -82,7 +83,8 @@ class RowLimit:
     model's CPU rate (`prior_rate`) the fit's rate is kept within PRIOR_SPREAD of it. The step average takes
     decode steps only (a step with prompt chunks, hundreds of them while a pipeline fills, would widen the budget
     of the decode steps that follow). An empty pipeline drops that evidence after `IDLE_HOLD` steps
-    (`idle_step`). A fixed pipeline keeps every row."""
+    (`idle_step`). A fixed pipeline keeps every row. The fitted rows need not be whole: the groups of a cycle
+    take the floor or the ceiling of them in turn (`turn_rows`), each step's job covering every group."""
 
     def __init__(self, width: int, num_layers: int, adaptive: bool, prior_rate: Optional[float] = None,
                  cycle: Optional[int] = None):
@@ -95,7 +97,10 @@ class RowLimit:
         self.adaptive = adaptive
         self.measured = width  # rows whose CPU job fits a step (adaptive; else the width)
         self.ceiling = width  # rows the performance model says pay (offload="auto"; else the width)
-        self.limit = width  # min(measured, ceiling): the rows that take requests, and the pipeline's capacity
+        self.limit = width  # min(measured, ceiling): the whole rows every turn takes (`turn_rows` adds the rest)
+        # the measured rows before rounding down (the budget over a row's seconds, within the guard): the groups
+        # share them out (`turn_rows`), so a job that fits 4.6 rows runs 4.6 a step on average, not 4
+        self.fraction = float(width)
         self.rate: Optional[float] = None  # seconds per (layer, context token) of the CPU job beyond its fixed part
         self.fixed = 0.0  # seconds of a job that do not grow with its work
         self.step: Optional[float] = None  # seconds per step
@@ -151,7 +156,7 @@ class RowLimit:
             self._cooldown = max(self._cooldown - 1, 0)
             if share > WAIT_SHARE and self.wait_share > WAIT_SHARE:  # this step waited, and it is no one-off
                 if not self._cooldown:
-                    self.guard = max(1, min(self.guard, self.limit) - 1)
+                    self.guard = max(1, min(self.guard, math.ceil(self.share())) - 1)
                     self._cooldown = self.cycle
                 self._calm_steps = 0
             else:
@@ -205,9 +210,29 @@ class RowLimit:
         per_row = self.row_seconds()
         if self.adaptive and per_row is not None and self.step is not None:
             budget = JOB_SHARE * self.step - self.fixed
-            self.measured = max(1, min(self.width, int(budget / per_row), self.guard))
+            self.fraction = max(1.0, min(float(self.width), budget / per_row, float(self.guard)))
+            self.measured = int(self.fraction)
+        else:
+            self.fraction = float(self.measured)
         self.limit = min(self.measured, self.ceiling)
         return self.limit
+
+    def share(self) -> float:
+        """Rows a turn holds on average: the measured rows unrounded, or the model's ceiling where it is below
+        them (a ceiling at the measured whole rows is the model taking every row it was offered: `fits`)."""
+        return self.fraction if self.ceiling >= self.measured else float(self.ceiling)
+
+    def turn_rows(self, slot: int) -> int:
+        """The rows of the group at `slot` (0 .. groups - 1) of a lane's cycle: `share` spread over the groups
+        (floor or ceiling of it), so that any `groups` consecutive slots hold `capacity_rows(groups)` rows. A
+        group keeps its size while the share holds, and the job's work per step (every group, one layer each)
+        stays even."""
+        x = self.share()
+        return math.floor((slot + 1) * x + 1e-9) - math.floor(slot * x + 1e-9)
+
+    def capacity_rows(self, groups: int) -> int:
+        """Rows of `groups` groups of one lane (`turn_rows` summed over a cycle)."""
+        return math.floor(groups * self.share() + 1e-9)
 
 
 @dataclasses.dataclass
@@ -359,7 +384,7 @@ class StaggerPipeline:
     @property
     def capacity(self) -> int:
         """Requests the pipeline takes at once (every row in use of every group of every lane)."""
-        return self.num_lanes * (self.num_layers + 1) * self.rows.limit
+        return self.num_lanes * self.rows.capacity_rows(self.num_layers + 1)
 
     def _inside(self) -> List[Request]:
         return [r for lane in self.lanes for g in lane for r in g.requests if r is not None]
@@ -552,7 +577,8 @@ class StaggerPipeline:
         # admitted requests (inside, or waiting to join) keep at least one row, so they all finish; unless the
         # model's ceiling is 0 (auto: host rows no longer pay): then the pipeline empties as its requests sample,
         # and the engine parks them (`Engine._park_idle_pipeline`)
-        return max(rows.limit, 1) if (self.joining or self.inside) and rows.ceiling else rows.limit
+        limit = rows.turn_rows((self.steps // self.num_lanes) % (self.num_layers + 1))
+        return max(limit, 1) if (self.joining or self.inside) and rows.ceiling else limit
 
     def forward_queued(self) -> None:
         """After every forward the engine queues: the CPU job launched after the step before starts now, not

@@ -1,6 +1,7 @@
 """Helpers of the end-to-end benchmark scripts that run without a GPU: HF generate as a baseline (its timing
 bookkeeping, and a cache that cannot run here reported as an error instead of stopping the benchmark)."""
 import json
+import math
 import os
 import sys
 from types import SimpleNamespace
@@ -211,8 +212,8 @@ def test_a_staggered_window_records_which_row_limit_binds():
                                   fill_steps=20)
     assert 0 < run["host_tokens"] < run["tokens"]  # the pipeline's tokens beside the device pool's
     limits = run["row_limits"]
-    assert set(limits) == {"measured", "guard", "ceiling", "limit", "step_s", "members", "capacity", "parked",
-                           "prefill"}
+    assert set(limits) == {"measured", "guard", "ceiling", "limit", "share", "step_s", "members", "capacity",
+                           "parked", "prefill"}
     assert all(low <= median <= high for median, low, high in limits.values())
     assert limits["limit"][2] <= 2 and limits["guard"][0] == 2  # a fixed pipeline keeps its width
     per_step = run["row_limit_steps"]  # and every step's, in order
@@ -221,7 +222,8 @@ def test_a_staggered_window_records_which_row_limit_binds():
     ramp = run["fill_limit_steps"]  # every FILL_SAMPLE-th step before the window, numbered
     assert [s["step"] for s in ramp] == list(range(0, run["window_start"], e2e_hybrid.FILL_SAMPLE))
     assert ramp[0]["members"] <= ramp[-1]["members"] and all(
-        s["capacity"] == engine.stagger.num_lanes * (engine.stagger.num_layers + 1) * s["limit"] for s in ramp)
+        s["capacity"] == engine.stagger.num_lanes * math.floor((engine.stagger.num_layers + 1) * s["share"])
+        and s["limit"] <= s["share"] < s["limit"] + 1 for s in ramp)
     never = optimize(model, ApexConfig(offload="never", compile=False, max_num_seqs=4)).engine
     idle = e2e_hybrid.steady_state(never, prompts, SamplingParams(max_new_tokens=3), warm_steps=1, window_steps=2)
     assert idle["row_limits"] is None and idle["row_limit_steps"] == []

@@ -4,7 +4,7 @@ the runner of that step, its result lands in the buffer the next piece was captu
 are shared by every key. (Replay equals the uncaptured step on CUDA: tests/e2e/test_e2e_cuda.py.)"""
 import torch
 
-from apex_compile.runtime.cuda_graphs import PiecewiseGraphs, _Recorder, piecewise_sizes
+from apex_compile.runtime.cuda_graphs import LOGITS_FLOOR, PiecewiseGraphs, _Recorder, piecewise_sizes
 
 
 class FakeGraph:
@@ -105,10 +105,13 @@ def test_buffers_are_shared_across_keys_and_sized_for_the_largest_step():
 def test_keys_pad_rows_and_logits_rows_to_sizes():
     pieces = PiecewiseGraphs(piecewise_sizes(512), 512, new_graph=FakeGraph)
     assert pieces.key_for(1, 1) == (2, 2)
-    assert pieces.key_for(9, 1) == (16, 2)
-    assert pieces.key_for(130, 3) == (160, 4)
-    assert pieces.key_for(512, 40) == (512, 40)
+    assert pieces.key_for(9, 1) == (16, 16)  # logits rows: at least LOGITS_FLOOR, at most the step's rows
+    assert pieces.key_for(130, 3) == (160, LOGITS_FLOOR)
+    assert pieces.key_for(512, 40) == (512, LOGITS_FLOOR)
+    assert pieces.key_for(512, 70) == (512, 96)
     assert pieces.key_for(513, 1) is None
+    # a prompt step's logits rows (decode rows + prompts ending) vary; they share one key per padded row count
+    assert len({pieces.key_for(300, logits) for logits in range(1, LOGITS_FLOOR + 1)}) == 1
     sizes = piecewise_sizes(512)
     assert sizes[:4] == [2, 4, 8, 16] and sizes[-1] == 512 and all(b > a for a, b in zip(sizes, sizes[1:]))
     assert max(b / a for a, b in zip(sizes, sizes[1:]) if a >= 64) <= 1.5

@@ -297,7 +297,7 @@ def test_a_row_limit_caps_each_group_and_the_tokens_stay_hf_equal():
     reference = hf_tokens(model, prompts, 8)
     apex = staggered(model, width=3)
     stagger = apex.engine.stagger
-    stagger.rows.limit = 1
+    stagger.rows.set_ceiling(1)
     assert stagger.capacity == 2 * (LAYERS + 1)
     most, tokens = 0, [[] for _ in prompts]
     for event in apex.engine.stream(prompts, SamplingParams(max_new_tokens=8)):
@@ -305,6 +305,51 @@ def test_a_row_limit_caps_each_group_and_the_tokens_stay_hf_equal():
         most = max([most] + [sum(r is not None for r in g.requests) for lane in stagger.lanes for g in lane])
     assert most == 1 and tokens == reference
     assert apex.engine.stats.requests_per_pool[1] >= 3  # requests that ran in the host pool
+    assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+
+
+def test_a_row_limit_keeps_the_fraction_of_a_row_the_job_fits():
+    """A job that fits 4.6 rows a step runs 4.6 on average: the groups of a cycle take 4 or 5 rows in turn
+    (floor or ceiling), so the job's work per step stays even; a waiting GPU takes the fraction away first; a
+    model ceiling below the measured rows caps them."""
+    from apex_compile.runtime.stagger import JOB_SHARE, RowLimit
+
+    rows = RowLimit(width=8, num_layers=32, adaptive=True)
+    rows.observe_job(4 * 1.0e-3, work=32 * 4 * 576)  # 1 ms a row of 576 tokens
+    rows.observe_step(4.6e-3 / JOB_SHARE)
+    assert rows.update(576) == 4 and rows.share() == pytest.approx(4.6)
+    cycle = [rows.turn_rows(slot) for slot in range(33)]
+    assert set(cycle) == {4, 5} and sum(cycle) == rows.capacity_rows(33) == int(33 * 4.6)
+    for start in range(33):  # any 33 consecutive turns (as the job sees them, one group per layer) hold as many
+        assert sum(cycle[(start + i) % 33] for i in range(33)) == sum(cycle)
+    assert max(sum(cycle[s:s + 5]) for s in range(29)) - min(sum(cycle[s:s + 5]) for s in range(29)) <= 1
+    rows.set_ceiling(3)  # the model below the measured rows: its ceiling, whole
+    assert rows.share() == 3 and {rows.turn_rows(slot) for slot in range(33)} == {3}
+    rows.set_ceiling(4)  # the model takes every whole row it was offered: the fraction stays
+    assert rows.share() == pytest.approx(4.6)
+    for _ in range(3):  # the GPU waits for the job: the first cut takes the fraction, not a whole row more
+        rows.observe_step(4.6e-3 / JOB_SHARE, waited=1e-3)
+    assert rows.guard == 4 and rows.update(576) == 4 and rows.share() == 4
+    whole = RowLimit(width=8, num_layers=32, adaptive=False)
+    assert whole.share() == 8 and {whole.turn_rows(slot) for slot in range(33)} == {8}
+
+
+def test_groups_share_a_fractional_row_limit_and_the_tokens_stay_hf_equal():
+    """1.5 rows a turn in a 3-row block: the groups hold 1 or 2 requests in turn, the pipeline admits 49 per
+    lane, and the tokens are HF's."""
+    torch.manual_seed(12)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (6, 11, 4, 9, 13, 5, 7, 8)]
+    reference = hf_tokens(model, prompts, 8)
+    apex = staggered(model, width=3)
+    stagger = apex.engine.stagger
+    stagger.rows.fraction, stagger.rows.measured, stagger.rows.limit = 1.5, 1, 1  # (a fixed pipeline keeps them)
+    assert stagger.capacity == 2 * ((LAYERS + 1) * 3 // 2)
+    sizes, tokens = set(), [[] for _ in prompts]
+    for event in apex.engine.stream(prompts, SamplingParams(max_new_tokens=8)):
+        tokens[event.index].append(event.token_id)
+        sizes.update(sum(r is not None for r in g.requests) for lane in stagger.lanes for g in lane)
+    assert max(sizes) == 2 and tokens == reference
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 
