@@ -51,6 +51,9 @@ GiB = 1 << 30
 
 
 FILL_SAMPLE = 20  # steps between two records of the rows' limits before the window (fill_limit_steps)
+# the per-step RowLimit fields summarised over the window as (median, min, max) (row_limits); per step, auto's
+# records also hold its model's last verdict and learned host gaps (row_limit_steps)
+LIMIT_KEYS = ("measured", "guard", "ceiling", "limit", "share", "step_s", "members", "capacity", "parked", "prefill")
 
 
 def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps=0, probe=None, start_step=0):
@@ -113,6 +116,10 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
                            "share": r.share(),
                            "step_s": r.step or 0.0, "members": stagger.num_members, "capacity": stagger.capacity,
                            "parked": len(engine.scheduler.parked), "prefill": prefill_tokens})
+            policy = engine.auto_policy
+            if policy is not None:  # auto: its model's last verdict and the host gaps it learned (GPU-only, host)
+                limits[-1].update(model_rows=getattr(engine, "_model_rows", None),
+                                  gap_s=[policy.gap.seconds(False), policy.gap.seconds(True)])
         events.append({k: v - counts[k] for k, v in _event_counts(engine).items() if v != counts[k]})
         host = sum(1 for r in sampled if r.request_id in host_ids)
         return (len(running) - on_host, on_host + staggered, context, seconds, prefill_tokens), host
@@ -178,7 +185,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
             "window_events": events[-window_steps:] if window_steps else [],
             "steps": steps, "prefill": prefill,
             "row_limits": {k: (statistics.median(x[k] for x in window_limits), min(x[k] for x in window_limits),
-                               max(x[k] for x in window_limits)) for k in window_limits[0]} if window_limits else None,
+                               max(x[k] for x in window_limits)) for k in LIMIT_KEYS} if window_limits else None,
             "row_limit_steps": window_limits,  # per window step (runs of a zero ceiling show here, not in the median)
             # every FILL_SAMPLE-th step before the window (fill, warm-up): how the rows and members ramped
             "fill_limit_steps": [dict(x, step=i) for i, x in enumerate(limits[:window_start]) if i % FILL_SAMPLE == 0],

@@ -357,6 +357,17 @@ class KVManager:
         if event is not None:
             event.synchronize()
 
+    def landed(self, request_id: int) -> bool:
+        """Whether the request's copy into the host pool has landed, without waiting (True with none in flight);
+        once it has, host code may read its blocks."""
+        event = self._landing.get(request_id)
+        if event is None:
+            return True
+        if not event.query():
+            return False
+        del self._landing[request_id]
+        return True
+
     def pool_of(self, request_id: int) -> Optional[int]:
         """The pool holding the request's blocks, None when it holds none."""
         table = self.tables.get(request_id)

@@ -268,12 +268,15 @@ class Scheduler:
             index -= 1
             if request.num_tokens - request.num_computed != 1:
                 continue  # parked mid-prompt: its prefill resumes in the device pool
+            if not self.kv.landed(request.request_id):
+                # its park's copy (queued behind the step in flight) has not landed: it joins at a later step;
+                # waiting here would hold the launching thread for that whole step and the copy, the GPU idle after
+                continue
             if not (self._pipeline_takes(request)
                     and self.kv.grow(request.request_id, HOST_POOL, self.max_tokens(request))):
                 break  # the host pool has no room for its whole length (nor, mostly, for the earlier parked)
             del self.parked[index + 1]
             request.status = RequestStatus.RUNNING
-            self.kv.host_ready(request.request_id)  # its park's copy has landed before a CPU job reads it
             self.stagger.join(request)
             joined.append(request)
         return joined

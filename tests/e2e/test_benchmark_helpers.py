@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from apex_compile.runtime.perf_model import HostGap
 from tests.helpers import tiny_model
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -208,6 +209,9 @@ def test_a_staggered_window_records_which_row_limit_binds():
     engine = optimize(model, ApexConfig(offload="staggered", stagger_width=2, gpu_cache_size=4 * block_bytes,
                                         cpu_cache_size=128 * block_bytes, max_model_len=64)).engine
     prompts = [[5, 6, 7, 8, 9]] * 8
+    gap = HostGap(min_steps=1)
+    gap.observe(True, 1e-3, 3e-3)
+    engine.auto_policy = SimpleNamespace(gap=gap)  # auto's records (its model runs on CUDA only): verdict, gaps
     run = e2e_hybrid.steady_state(engine, prompts, SamplingParams(max_new_tokens=4), warm_steps=3, window_steps=5,
                                   fill_steps=20)
     assert 0 < run["host_tokens"] < run["tokens"]  # the pipeline's tokens beside the device pool's
@@ -218,6 +222,7 @@ def test_a_staggered_window_records_which_row_limit_binds():
     assert limits["limit"][2] <= 2 and limits["guard"][0] == 2  # a fixed pipeline keeps its width
     per_step = run["row_limit_steps"]  # and every step's, in order
     assert len(per_step) == 5 and [s["limit"] for s in per_step].count(limits["limit"][2]) >= 1
+    assert all(s["gap_s"] == [0.0, pytest.approx(2e-3)] and s["model_rows"] == 0 for s in per_step)
     assert 0 < limits["members"][2] <= engine.stagger.capacity
     ramp = run["fill_limit_steps"]  # every FILL_SAMPLE-th step before the window, numbered
     assert [s["step"] for s in ramp] == list(range(0, run["window_start"], e2e_hybrid.FILL_SAMPLE))

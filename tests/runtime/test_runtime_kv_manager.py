@@ -262,6 +262,19 @@ def test_a_park_landing_is_waited_for_by_host_readers_and_its_free(overlapped):
     assert kv.num_used(DEVICE_POOL) == kv.num_used(HOST_POOL) == 0
 
 
+def test_landed_tells_a_parks_landing_without_waiting_for_it(overlapped):
+    """`landed`: False while a park's copy is in flight (nothing waited for, nothing copied), True once it ran;
+    a request with no copy in flight has landed."""
+    kv = overlapped
+    kv._swap.delay = 2  # the copy lands at its event's third query
+    expected = fill(kv, 1, DEVICE_POOL, 40)
+    kv.move(1, HOST_POOL, hold=True)
+    assert not kv.landed(1) and not kv.landed(1) and kv._swap.pending  # queried, not run
+    assert kv.landed(1) and not kv._swap.pending and kv.landed(1)
+    assert_holds(kv, 1, expected, 40)
+    assert kv.landed(7)  # no copy in flight
+
+
 def test_without_overlap_every_move_is_waited_for_on_the_host(monkeypatch):
     from apex_compile.runtime import kv_manager
     from tests.helpers import DeferredSwap

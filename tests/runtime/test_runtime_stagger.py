@@ -805,8 +805,8 @@ def test_parked_requests_join_the_pipeline_when_it_takes_them(monkeypatch, overl
     """Requests parked from the device pool (their KV in the host pool, their last token sampled) join the
     staggered pipeline once it has rows for them, rather than only waiting for the device pool: a pipeline
     emptied by auto's ceiling refills once every request was admitted. Tokens are HF's, no block is lost. With
-    overlapped moves (a stand-in swap stream whose copies land only when waited for) every joining request is
-    first waited for with `KVManager.host_ready` (its park landed before a CPU job reads its host blocks)."""
+    overlapped moves (a stand-in swap stream whose copies land late) a request joins only once its park has
+    landed (`KVManager.landed`, before a CPU job reads its host blocks), and the join never waits for a copy."""
     from apex_compile.runtime import kv_manager
     from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL
     from apex_compile.runtime.scheduler import Scheduler
@@ -823,11 +823,12 @@ def test_parked_requests_join_the_pipeline_when_it_takes_them(monkeypatch, overl
     monkeypatch.setattr(Scheduler, "parked_to_pipeline", lambda self: joined.extend(join(self)) or joined)
     apex = staggered(model, width=2)
     engine, stagger = apex.engine, apex.engine.stagger
-    ready = []
+    ready, waited = [], []
     if overlap:
-        engine.kv._swap = DeferredSwap(delay=10 ** 6)
-        host_ready = engine.kv.host_ready
-        engine.kv.host_ready = lambda request_id: (ready.append(request_id), host_ready(request_id))
+        engine.kv._swap = DeferredSwap(delay=3)
+        landed = engine.kv.landed
+        engine.kv.landed = lambda request_id: landed(request_id) and not ready.append(request_id)
+        engine.kv.host_ready = lambda request_id: waited.append(request_id)  # (nothing of the joins may wait)
     stagger.rows.set_ceiling(0)  # nothing enters the pipeline: the device pool's evictions are parked
     tokens, opened = [[] for _ in prompts], False
     for event in engine.stream(prompts, SamplingParams(max_new_tokens=12)):
@@ -838,8 +839,7 @@ def test_parked_requests_join_the_pipeline_when_it_takes_them(monkeypatch, overl
             opened = True
     assert opened and joined and tokens == reference
     assert all(r.num_preemptions and r.steps_per_pool[DEVICE_POOL] and r.steps_per_pool[HOST_POOL] for r in joined)
-    assert not overlap or {r.request_id for r in joined} <= set(ready)  # (here the parks land sooner: the
-    # tiny device pool's next grow needs their held blocks)
+    assert not overlap or ({r.request_id for r in joined} <= set(ready) and not waited)
     assert not stagger.members() and engine.blocks_in_use() == {"device": 0, "host": 0}
     apex.close()
 
