@@ -335,6 +335,30 @@ def run_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seq
                                 start_step)
 
 
+def job_records(jobs, window_steps: int) -> dict:
+    """The CPU jobs of the window's end from a staggered executor (`LayerJobs` / `AsyncJobs`; {} without job
+    timings): medians of their running time, their wait for inputs, the team's busy share (the one-lane job's
+    thread-seconds inside work items over running time x threads) and the device's waits for the CPU; and, per
+    job and per step in order, (waiting for inputs, running, busy thread-seconds or None) and those waits, to
+    line the GPU's waits up with the jobs behind them."""
+    if jobs is None or not getattr(jobs, "job_seconds", None):
+        return {}
+    window = list(jobs.job_seconds)[-window_steps:]
+    out = {"cpu_job_s": statistics.median(run for _, run in window),
+           "cpu_job_ready_wait_s": statistics.median(wait for wait, _ in window)}
+    busy = list(getattr(jobs, "job_busy", []))[-window_steps:]
+    if len(busy) != len(window):
+        busy = [float("nan")] * len(window)
+    shares = [b / (ran * len(jobs.cores)) for b, (_, ran) in zip(busy, window) if b == b and ran > 0]
+    if shares:
+        out["cpu_job_busy_share"] = statistics.median(shares)
+    waits = list(jobs.collect_seconds)[-window_steps:]
+    out["collect_wait_s"] = statistics.median(waits) if waits else 0.0
+    out["cpu_jobs"] = [[wait, ran, b if b == b else None] for (wait, ran), b in zip(window, busy)]
+    out["collect_waits_s"] = waits
+    return out
+
+
 def _take_suffix(mode, suffixes):
     """(mode without the first of `suffixes` it holds, that suffix's value or None)."""
     suffix = next((s for s in suffixes if s in mode), None)
@@ -392,16 +416,7 @@ def _run_engine_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens,
                   decode_only_steps=len(decode), host_requests=engine.stats.requests_per_pool[HOST_POOL],
                   explain=apex.offload_decision())
     jobs = getattr(engine.stagger, "executor", None) if engine.stagger is not None else None
-    if jobs is not None and getattr(jobs, "job_seconds", None):
-        window = list(jobs.job_seconds)[-args.window_steps:]
-        result["cpu_job_s"] = statistics.median(run for _, run in window)
-        result["cpu_job_ready_wait_s"] = statistics.median(wait for wait, _ in window)
-        # the one-lane job's team: its thread-seconds inside work items over running time x threads
-        busy = list(getattr(jobs, "job_busy", []))[-args.window_steps:]
-        shares = [b / (ran * len(jobs.cores)) for b, (_, ran) in zip(busy, window) if b == b and ran > 0]
-        if shares:
-            result["cpu_job_busy_share"] = statistics.median(shares)
-        result["collect_wait_s"] = statistics.median(list(jobs.collect_seconds)[-args.window_steps:])
+    result.update(job_records(jobs, args.window_steps))
     if engine.stagger is not None:  # the rows in use per turn at the window's end (below the width when adaptive)
         rows = engine.stagger.rows
         result["stagger_rows"] = [rows.limit, rows.width]

@@ -330,3 +330,21 @@ def test_gemm_rows_writes_swiglu_rows_where_the_fused_kernel_won(tmp_path, monke
     assert (rows[1]["merged"], rows[1]["separate"], rows[1]["config"]) == ("fused", "fused", {"BLOCK_M": 32, "BLOCK_N": 64})
     assert (rows[2]["merged"], rows[2]["separate"], rows[2]["config"]) == ("cublas", "fused", {"BLOCK_M": 64})
     assert not gemm_rows.write_swiglu_rows(dict(result, device="GPU Y"), "bfloat16/8x16", 0.97)
+
+
+def test_job_records_line_up_each_job_with_the_devices_waits():
+    """`job_records`: medians over the window's last jobs and, per job in order, (waiting, running, busy
+    thread-seconds or None) beside the device's waits per step; a schedule without busy timings (NaN) gives no
+    busy share; an executor without job timings gives nothing."""
+    jobs = SimpleNamespace(job_seconds=[(9.0, 9.0), (0.0, 4e-3), (1e-4, 5e-3), (0.0, 6e-3)],
+                           job_busy=[9.0, 8 * 3e-3, 8 * 4e-3, float("nan")], cores=list(range(8)),
+                           collect_seconds=[9.0, 0.0, 2e-4, 0.0])
+    out = e2e_hybrid.job_records(jobs, window_steps=3)
+    assert out["cpu_job_s"] == pytest.approx(5e-3) and out["cpu_job_ready_wait_s"] == 0.0
+    assert out["cpu_job_busy_share"] == pytest.approx(0.775)  # median of 3/4 and 4/5 (the NaN left out)
+    assert out["cpu_jobs"] == [[0.0, 4e-3, 8 * 3e-3], [1e-4, 5e-3, 8 * 4e-3], [0.0, 6e-3, None]]
+    assert out["collect_waits_s"] == [0.0, 2e-4, 0.0] and out["collect_wait_s"] == 0.0
+    json.dumps(out, allow_nan=False)  # no NaN left: valid JSON
+    two_lanes = SimpleNamespace(job_seconds=[(0.0, 4e-3)], cores=[0], collect_seconds=[])
+    assert "cpu_job_busy_share" not in e2e_hybrid.job_records(two_lanes, 8)
+    assert e2e_hybrid.job_records(SimpleNamespace(job_seconds=[]), 8) == {} == e2e_hybrid.job_records(None, 8)
