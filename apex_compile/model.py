@@ -277,8 +277,8 @@ class ApexModel:
             if engine.stagger is not None:
                 rows = engine.stagger.rows
                 verdict = (f"staggered: requests the device pool cannot take decode from the host pool, up to "
-                           f"{engine.stagger.width} row(s) per step (now {rows.limit}: the model's {rows.ceiling}, "
-                           f"the measured CPU job's {rows.measured})")
+                           f"{engine.stagger.width} row(s) per step (now {rows.share():.3g}: the model's "
+                           f"{rows.ceiling}, the measured CPU job's {rows.fraction:.3g})")
             elif engine.scheduler.host_policy is not None:
                 verdict = "host requests admitted when the device pool is full and the model predicts a gain"
             else:
