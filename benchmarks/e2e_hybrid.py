@@ -42,6 +42,7 @@ from e2e_throughput import SHAPES, kv_bytes_per_token, random_llama, timed_gener
 from apex_compile import ApexConfig, SamplingParams, optimize  # noqa: E402
 from apex_compile.ops import cpu_attention_work_split, stagger_layer_schedule  # noqa: E402
 from apex_compile.runtime import attention_runner, kv_manager  # noqa: E402
+from apex_compile.runtime import scheduler as scheduler_module  # noqa: E402
 from apex_compile.runtime import stagger as stagger_module  # noqa: E402
 from apex_compile.runtime.kv_manager import HOST_POOL  # noqa: E402
 from apex_compile.runtime.perf_model import PerfModel, StepCalibration, online_predictions  # noqa: E402
@@ -290,6 +291,9 @@ SCHEDULE_SUFFIXES = {"/barrier": "barrier", "/flow": "flow"}
 # a mode run with the adaptive rows fitted to the flow job's work ("/busyfit") or its running time ("/timefit"):
 # stagger.BUSY_FIT for that run
 FIT_SUFFIXES = {"/busyfit": True, "/timefit": False}
+# a mode run whose parked requests join the staggered pipeline after waiting for their park's copy ("/joinwait",
+# before session 34) or once it has landed ("/joinlanded", the default): scheduler.JOIN_WAITS_FOR_PARKS
+JOIN_SUFFIXES = {"/joinwait": True, "/joinlanded": False}
 
 
 def parse_mode(mode: str):
@@ -372,11 +376,14 @@ def process_settings(mode):
     without those suffixes and restores the settings after it."""
     beside, split = attention_runner.EXCHANGE_BESIDE, list(cpu_attention_work_split().values())
     overlap, schedule = kv_manager.OVERLAP_MOVES, stagger_layer_schedule()
-    busy_fit = stagger_module.BUSY_FIT
+    busy_fit, join_waits = stagger_module.BUSY_FIT, scheduler_module.JOIN_WAITS_FOR_PARKS
     try:
         mode, named_fit = _take_suffix(mode, FIT_SUFFIXES)
         if named_fit is not None:
             stagger_module.BUSY_FIT = named_fit
+        mode, named_join = _take_suffix(mode, JOIN_SUFFIXES)
+        if named_join is not None:
+            scheduler_module.JOIN_WAITS_FOR_PARKS = named_join
         mode, named_schedule = _take_suffix(mode, SCHEDULE_SUFFIXES)
         if named_schedule is not None:
             stagger_layer_schedule(named_schedule)
@@ -397,6 +404,7 @@ def process_settings(mode):
         cpu_attention_work_split(*split)
         stagger_layer_schedule(schedule)
         stagger_module.BUSY_FIT = busy_fit
+        scheduler_module.JOIN_WAITS_FOR_PARKS = join_waits
 
 
 def _run_engine_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seqs, args, start_step):
@@ -504,7 +512,9 @@ def main():
                              "or '/inline' runs the layered exchange on a side or the compute stream, '/overlapmoves' "
                              "or '/syncmoves' overlaps the block moves or waits for them on the host, '/flow' or '/barrier' "
                              "the layered CPU job's schedule, '/busyfit' or '/timefit' fits the adaptive rows to "
-                             "the flow job's work or its running time (stagger.BUSY_FIT), for that mode")
+                             "the flow job's work or its running time (stagger.BUSY_FIT), '/joinwait' or "
+                             "'/joinlanded' has parked requests join the pipeline after waiting for their park's "
+                             "copy or once it landed (scheduler.JOIN_WAITS_FOR_PARKS), for that mode")
     parser.add_argument("--fill-steps", type=int, default=600,
                         help="at most this many steps to fill the staggered pipeline before --warm-steps")
     parser.add_argument("--warm-steps", type=int, default=100, help="steps before the measured window")

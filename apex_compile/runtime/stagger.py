@@ -143,11 +143,14 @@ class RowLimit:
             self.rate = min(max(self.rate, self.prior_rate / PRIOR_SPREAD), self.prior_rate * PRIOR_SPREAD)
         self.fixed = min(max(mean_y - self.rate * mean_x, 0.0), mean_y)
 
-    def observe_step(self, seconds: float, waited: float = 0.0, decode: bool = True) -> None:
+    def observe_step(self, seconds: float, waited: float = 0.0, decode: bool = True,
+                     in_use: Optional[float] = None) -> None:
         """A step's seconds without the launching thread's wait for the CPU job, and that wait; decode: False for
         a step with prompt chunks or just after one, which neither its length nor its wait tells about: the CPU job
         then also waits for the prompts' K/V on their way into the host cache, and that wait, not the job's rows,
-        holds the GPU."""
+        holds the GPU. in_use: the rows the job's groups held on average (None: unknown); a step without a wait
+        counts towards a row back only if they reached the guard: a pipeline draining under a ceiling of 0 shows
+        nothing about the rows that made the GPU wait (regrown, they refilled it at those rows, session 34)."""
         self.idle_steps = 0
         if seconds > 0 and decode:
             self.step = self._average(self.step, seconds)
@@ -159,7 +162,7 @@ class RowLimit:
                     self.guard = max(1, min(self.guard, math.ceil(self.share())) - 1)
                     self._cooldown = self.cycle
                 self._calm_steps = 0
-            else:
+            elif in_use is None or in_use + 0.5 >= self.guard:
                 self._calm_steps += 1
                 if self._calm_steps >= REGROW_STEPS and self.guard < self.width:
                     self.guard += 1
@@ -569,7 +572,8 @@ class StaggerPipeline:
                 waits = getattr(self.executor, "collect_seconds", None)
                 waited = waits[-1] if waits else 0.0
                 rows.observe_step(now - self._last_begin - waited, waited,
-                                  decode=not (self._prompt_turns or self._beside_exports))
+                                  decode=not (self._prompt_turns or self._beside_exports),
+                                  in_use=sum(g.size for g in lane) / max(len(lane), 1))
             self._last_begin = now
             lens = [g.context_lens for g in lane if g.size]
             rows.update(float(np.concatenate(lens).mean()) if lens else 0.0)

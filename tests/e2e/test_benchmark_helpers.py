@@ -169,6 +169,8 @@ def test_a_mode_can_name_its_block_size_its_cpu_work_split_and_an_inline_exchang
         (lambda: e2e_hybrid.kv_manager.OVERLAP_MOVES, (("never/overlapmoves", True), ("never/syncmoves", False))),
         (e2e_hybrid.stagger_layer_schedule, (("staggered:4/barrier", "barrier"), ("auto/flow", "flow"))),
         (lambda: e2e_hybrid.stagger_module.BUSY_FIT, (("auto/busyfit", True), ("staggered:4/timefit", False))),
+        (lambda: e2e_hybrid.scheduler_module.JOIN_WAITS_FOR_PARKS, (("auto/joinwait", True),
+                                                                   ("auto/joinlanded", False))),
     ]
     for read, cases in settings:
         before, during = read(), []

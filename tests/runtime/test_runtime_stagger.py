@@ -462,6 +462,25 @@ def test_rows_are_taken_away_while_the_gpu_waits_for_the_cpu_job():
     assert calm.update(576) == 8  # a row comes back to try again
 
 
+def test_a_draining_pipeline_does_not_win_back_the_rows_that_made_the_gpu_wait():
+    """Calm steps count towards a row back only while the job's groups hold the guard's rows: a pipeline that
+    drains (auto's ceiling fell to 0) after the guard's cut makes no wait at its fewer rows, and regrowing on
+    them refilled it at the rows that had failed (session 34, 2 GiB); steps at the guard's rows do regrow it."""
+    from apex_compile.runtime.stagger import REGROW_STEPS, RowLimit
+
+    rows = RowLimit(width=8, num_layers=32, adaptive=True)
+    rows.observe_job(0.5e-3 * 8, work=8 * 32 * 576)
+    rows.observe_step(6e-3, in_use=8)
+    rows.observe_step(6e-3, 3e-3, in_use=8)
+    assert rows.guard == 7
+    for in_use in [3.0] * (4 * REGROW_STEPS) + [0.0] * REGROW_STEPS:  # draining: fewer rows, no wait
+        rows.observe_step(6e-3, 0.0, in_use=in_use)
+    assert rows.guard == 7 and rows.update(576) == 7
+    for _ in range(REGROW_STEPS):  # the guard's rows held, no wait: one comes back
+        rows.observe_step(6e-3, 0.0, in_use=6.8)
+    assert rows.guard == 8 and rows.update(576) == 8
+
+
 def test_steps_with_prompt_chunks_do_not_widen_the_decode_steps_budget():
     """A filling pipeline's steps carry prompts (tens of ms each): their length stays out of the step average,
     so the rows admitted during the fill are those a decode step fits; nor do their waits cut the guard (the job
@@ -800,19 +819,22 @@ def test_a_ceiling_of_zero_admits_nothing_and_parks_the_pipelines_requests(monke
     assert not stagger.members() and apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_parked_requests_join_the_pipeline_when_it_takes_them(monkeypatch, overlap):
+@pytest.mark.parametrize("overlap, join_waits", [(False, False), (True, False), (True, True)])
+def test_parked_requests_join_the_pipeline_when_it_takes_them(monkeypatch, overlap, join_waits):
     """Requests parked from the device pool (their KV in the host pool, their last token sampled) join the
     staggered pipeline once it has rows for them, rather than only waiting for the device pool: a pipeline
     emptied by auto's ceiling refills once every request was admitted. Tokens are HF's, no block is lost. With
     overlapped moves (a stand-in swap stream whose copies land late) a request joins only once its park has
-    landed (`KVManager.landed`, before a CPU job reads its host blocks), and the join never waits for a copy."""
+    landed (`KVManager.landed`, before a CPU job reads its host blocks), and the join never waits for a copy;
+    with scheduler.JOIN_WAITS_FOR_PARKS (the e2e "/joinwait" A/B) it waits for one instead."""
     from apex_compile.runtime import kv_manager
+    from apex_compile.runtime import scheduler as scheduler_module
     from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL
     from apex_compile.runtime.scheduler import Scheduler
     from tests.helpers import DeferredSwap
 
     monkeypatch.setattr(kv_manager, "OVERLAP_MOVES", overlap)
+    monkeypatch.setattr(scheduler_module, "JOIN_WAITS_FOR_PARKS", join_waits)
 
     torch.manual_seed(10)
     model = sharp_model()
@@ -828,7 +850,8 @@ def test_parked_requests_join_the_pipeline_when_it_takes_them(monkeypatch, overl
         engine.kv._swap = DeferredSwap(delay=3)
         landed = engine.kv.landed
         engine.kv.landed = lambda request_id: landed(request_id) and not ready.append(request_id)
-        engine.kv.host_ready = lambda request_id: waited.append(request_id)  # (nothing of the joins may wait)
+        host_ready = engine.kv.host_ready
+        engine.kv.host_ready = lambda request_id: (waited.append(request_id), host_ready(request_id))
     stagger.rows.set_ceiling(0)  # nothing enters the pipeline: the device pool's evictions are parked
     tokens, opened = [[] for _ in prompts], False
     for event in engine.stream(prompts, SamplingParams(max_new_tokens=12)):
@@ -839,7 +862,8 @@ def test_parked_requests_join_the_pipeline_when_it_takes_them(monkeypatch, overl
             opened = True
     assert opened and joined and tokens == reference
     assert all(r.num_preemptions and r.steps_per_pool[DEVICE_POOL] and r.steps_per_pool[HOST_POOL] for r in joined)
-    assert not overlap or ({r.request_id for r in joined} <= set(ready) and not waited)
+    assert not overlap or ({r.request_id for r in joined} <= set(ready) | set(waited) and bool(waited) == join_waits)
+    assert not overlap or join_waits or {r.request_id for r in joined} <= set(ready)
     assert not stagger.members() and engine.blocks_in_use() == {"device": 0, "host": 0}
     apex.close()
 
