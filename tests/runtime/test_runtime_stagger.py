@@ -546,8 +546,8 @@ def test_jobs_and_steps_beside_lagging_exports_stay_out_of_the_fit(monkeypatch):
     observe_job, observe_step = RowLimit.observe_job, RowLimit.observe_step
     monkeypatch.setattr(RowLimit, "observe_job", lambda self, seconds, work, decode=True: jobs.append(decode)
                         or observe_job(self, seconds, work, decode))
-    monkeypatch.setattr(RowLimit, "observe_step", lambda self, seconds, waited=0.0, decode=True: steps.append(
-        decode) or observe_step(self, seconds, waited, decode))
+    monkeypatch.setattr(RowLimit, "observe_step", lambda self, seconds, waited=0.0, decode=True, in_use=None: (
+        steps.append(decode) or observe_step(self, seconds, waited, decode, in_use)))
     torch.manual_seed(5)
     model = sharp_model()
     prompts = [torch.randint(3, 96, (n,)).tolist() for n in (6, 11, 4, 9)]
