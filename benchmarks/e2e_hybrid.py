@@ -119,7 +119,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
                            "parked": len(engine.scheduler.parked), "prefill": prefill_tokens})
             policy = engine.auto_policy
             if policy is not None:  # auto: its model's last verdict and the host gaps it learned (GPU-only, host)
-                limits[-1].update(model_rows=getattr(engine, "_model_rows", None),
+                limits[-1].update(model_rows=engine._model_rows,
                                   gap_s=[policy.gap.seconds(False), policy.gap.seconds(True)])
         events.append({k: v - counts[k] for k, v in _event_counts(engine).items() if v != counts[k]})
         host = sum(1 for r in sampled if r.request_id in host_ids)
