@@ -33,6 +33,7 @@ import re
 import statistics
 import sys
 import time
+from typing import Dict
 
 import torch
 
@@ -44,9 +45,11 @@ from apex_compile.ops import cpu_attention_work_split, stagger_layer_schedule  #
 from apex_compile.runtime import attention_runner, kv_manager  # noqa: E402
 from apex_compile.runtime import scheduler as scheduler_module  # noqa: E402
 from apex_compile.runtime import stagger as stagger_module  # noqa: E402
+from apex_compile.runtime import perf_model as perf_model_module  # noqa: E402
+from apex_compile.runtime.engine import PHASES  # noqa: E402
 from apex_compile.runtime.kv_manager import HOST_POOL  # noqa: E402
 from apex_compile.runtime.perf_model import PerfModel, StepCalibration, online_predictions  # noqa: E402
-from apex_compile.runtime.perf_profile import engine_profile  # noqa: E402
+from apex_compile.runtime.perf_profile import cpu_attention_bandwidth, engine_profile  # noqa: E402
 
 GiB = 1 << 30
 
@@ -191,6 +194,10 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
             # every FILL_SAMPLE-th step before the window (fill, warm-up): how the rows and members ramped
             "fill_limit_steps": [dict(x, step=i) for i, x in enumerate(limits[:window_start]) if i % FILL_SAMPLE == 0],
             "probe": probed, "slow_decode_steps": slow,
+            "excess_by_kind": excess_by_kind(steps, window_queued, events[-window_steps:] if window_steps else []),
+            # per window step: the main thread's microseconds per part of engine.step(), in PHASES order
+            "phase_names": list(PHASES),
+            "window_phase_us": [[round(p[k] * 1e6) for k in PHASES] for p in window_phases],
             "decode_phase_s": {k: statistics.median(p[k] for p in decode_phases)
                                for k in decode_phases[0]} if decode_phases else None,
             "prefill_phase_s": {k: statistics.median(p[k] for p in prefill_phases)
@@ -226,6 +233,33 @@ def slow_steps(steps, phases, events, factor=1.5):
             "excess_share": sum(t - median for t, _, _ in slow) / max(sum(s[3] for s in steps), 1e-12),
             "phase_s": {k: statistics.median(p[k] for _, p, _ in slow) for k in slow[0][1]} if slow else None,
             "event_rate": {k: (rate(slow, k), rate(rest, k)) for k in keys}}
+
+
+def excess_by_kind(steps, queued, events, short=0.7):
+    """The window's time above its median decode-only step, per kind of step: prompt or decode, queued ahead or
+    not, and what changed during it (_event_counts: "parked+", "running-", ...). A step shorter than `short` x
+    the median is counted with the step before it: a step that returns late (a park's copy, a resume) leaves
+    the next one short, and counted alone the pair would read as one slow step (session 34 read a park as
+    3.3 ms; merged it is ~0.9). Returns {kind: [steps, excess seconds]}, largest excess first."""
+    decode = [s[3] for s in steps if not s[4]]
+    if not decode:
+        return {}
+    median = statistics.median(decode)
+    kinds: Dict[str, list] = {}
+    i = 0
+    while i < len(steps):
+        excess, j = steps[i][3] - median, i + 1
+        while j < len(steps) and not steps[j][4] and steps[j][3] < short * median:
+            excess += steps[j][3] - median
+            j += 1
+        kind = ("prompt" if steps[i][4] else "decode") + ("" if queued[i] else "/unqueued")
+        changed = ",".join(sorted(f"{k}{'+' if v > 0 else '-'}" for k, v in events[i].items()))
+        kind += f"/{changed}" if changed else ""
+        entry = kinds.setdefault(kind, [0, 0.0])
+        entry[0] += 1
+        entry[1] += excess
+        i = j
+    return dict(sorted(kinds.items(), key=lambda kv: -abs(kv[1][1])))
 
 
 def without_host_tokens(runs) -> list:
@@ -294,6 +328,11 @@ FIT_SUFFIXES = {"/busyfit": True, "/timefit": False}
 # a mode run whose parked requests join the staggered pipeline after waiting for their park's copy ("/joinwait",
 # before session 34) or once it has landed ("/joinlanded", the default): scheduler.JOIN_WAITS_FOR_PARKS
 JOIN_SUFFIXES = {"/joinwait": True, "/joinlanded": False}
+# a mode run whose auto model predicts the staggered CPU job from the pipeline's measured job ("/learnjob", the
+# default since session 35) or from the profile's bandwidth only ("/profilejob"): perf_model.LEARN_CPU_JOB
+LEARN_SUFFIXES = {"/learnjob": True, "/profilejob": False}
+# "/share=0.97": a mode run whose adaptive rows keep the CPU job within that share of a step (stagger.JOB_SHARE)
+SHARE_SUFFIX = re.compile(r"/share=([0-9.]+)")
 
 
 def parse_mode(mode: str):
@@ -377,7 +416,18 @@ def process_settings(mode):
     beside, split = attention_runner.EXCHANGE_BESIDE, list(cpu_attention_work_split().values())
     overlap, schedule = kv_manager.OVERLAP_MOVES, stagger_layer_schedule()
     busy_fit, join_waits = stagger_module.BUSY_FIT, scheduler_module.JOIN_WAITS_FOR_PARKS
+    job_share, learn_job = stagger_module.JOB_SHARE, perf_model_module.LEARN_CPU_JOB
     try:
+        mode, named_learn = _take_suffix(mode, LEARN_SUFFIXES)
+        if named_learn is not None:
+            perf_model_module.LEARN_CPU_JOB = named_learn
+        named = SHARE_SUFFIX.search(mode)
+        if named:
+            share = float(named.group(1))
+            if not 0.0 < share <= 1.5:
+                raise ValueError(f"{named.group(0)}: the CPU job's share of a step must be in (0, 1.5]")
+            stagger_module.JOB_SHARE = share
+            mode = SHARE_SUFFIX.sub("", mode)
         mode, named_fit = _take_suffix(mode, FIT_SUFFIXES)
         if named_fit is not None:
             stagger_module.BUSY_FIT = named_fit
@@ -405,6 +455,8 @@ def process_settings(mode):
         stagger_layer_schedule(schedule)
         stagger_module.BUSY_FIT = busy_fit
         scheduler_module.JOIN_WAITS_FOR_PARKS = join_waits
+        stagger_module.JOB_SHARE = job_share
+        perf_model_module.LEARN_CPU_JOB = learn_job
 
 
 def _run_engine_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seqs, args, start_step):
@@ -602,6 +654,11 @@ def main():
                       f"{r['fill_s']:.0f} s{full}, window from step {r['window_start']}{cpu} "
                       f"({time.perf_counter() - begin:.0f} s in all); "
                       f"{r['explain'].splitlines()[0][:120]}", flush=True)
+                kinds = list(r.get("excess_by_kind", {}).items())[:5]
+                if kinds:
+                    print(f"   {shape_name} {gib:g} GiB {m} time above the median decode step by kind of step (a short "
+                          "step merged into the one before): " + ", ".join(
+                              f"{k} {n} steps {e * 1e3:+.0f} ms" for k, (n, e) in kinds), flush=True)
                 slow = r.get("slow_decode_steps")
                 if slow and slow["count"]:
                     print(f"   {shape_name} {gib:g} GiB {m} slow decode steps (> 1.5x median): {slow['count']} of "
@@ -629,9 +686,12 @@ def main():
             probe = optimize(model, ApexConfig(offload="never", gpu_cache_size=device_bytes,
                                                cpu_cache_size=1 << 30, max_num_seqs=args.max_seqs))
             perf = PerfModel(engine_profile(probe.engine))
+            # B_cpu probed in this run: the profile is cached per machine and may come from a busier moment
+            # (72 against 105 GB/s on one H200 host, session 35), which would flatter every efficiency
+            cpu_bandwidth = cpu_attention_bandwidth(probe.engine)
             del probe
             context = args.prompt + args.new_tokens / 2
-            ideal = perf.ideal_gain(context)
+            ideal = cpu_bandwidth / (perf.profile.kv_bytes_per_token * context)
             never = runs["never"]["tokens_per_s"] if "never" in runs else None  # (an A/B run of other modes)
             efficiency = (runs["auto"]["tokens_per_s"] - never) / ideal if "auto" in runs and never else None
             efficiencies = {m: (r["tokens_per_s"] - never) / ideal for m, r in runs.items() if never and m != "never"}
@@ -654,7 +714,8 @@ def main():
             steady = steady_tokens_per_s(runs, args.prompt, args.new_tokens)
             steady_eff = {m: (v - steady["never"]) / ideal for m, v in steady.items() if m != "never" and never}
             row = {"shape": shape_name, "device_gib": gib, "requests": count, "context": context,
-                   "ideal_gain": ideal, "cpu_attention_GBps": perf.cpu_bandwidth() / 1e9,
+                   "ideal_gain": ideal, "cpu_attention_GBps": cpu_bandwidth / 1e9,
+                   "profile_cpu_attention_GBps": perf.cpu_bandwidth() / 1e9,
                    "gpu_attention_GBps": perf.gpu_bandwidth() / 1e9,
                    "kv_bytes_per_host_request_step": perf.profile.kv_bytes_per_token * context,
                    "auto_efficiency": efficiency, "model_error": errors, "uncalibrated_model_error": raw_errors,
@@ -678,6 +739,9 @@ def main():
                   + " (uncalibrated: " + ", ".join(f"{m} {e:.1%}" for m, e in raw_errors.items() if e is not None)
                   + "; with the online host gap: "
                   + ", ".join(f"{m} {e:.1%}" for m, e in online_errors.items() if e is not None) + ")", flush=True)
+            print(f"   ideal_gain {ideal:.0f} tokens/s: CPU attention {cpu_bandwidth / 1e9:.1f} GB/s probed after the "
+                  f"modes (the cached profile the model starts from: {perf.cpu_bandwidth() / 1e9:.1f} GB/s), "
+                  f"{perf.profile.kv_bytes_per_token * context / 1e6:.0f} MB of KV per host request-step", flush=True)
             if efficiencies:
                 print("   efficiency per mode: " + ", ".join(f"{m} {e:.2f}" for m, e in efficiencies.items()),
                       flush=True)

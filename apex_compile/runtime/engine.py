@@ -9,6 +9,7 @@ their blocks.
 """
 import contextlib
 import dataclasses
+import math
 import sys
 import time
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -349,7 +350,8 @@ class Engine:
         rows change; a ceiling of 0 rises only after the model has found rows paying STAGGER_RISE_STEPS steps in
         a row, and that of a pipeline with members falls to 0 only after STAGGER_FALL_STEPS steps of none, its
         verdict taken with the model's lower keep margin (`AutoOffload.stagger_rows(keep=True)`). The model adds
-        each kind of step's host gap, learned from this engine's decode steps (`step`, `_gap_sample`)."""
+        each kind of step's host gap, learned from this engine's decode steps (`step`, `_gap_sample`), and
+        predicts the CPU job by the pipeline's measured job fit once there is one (`AutoOffload.learn_cpu_job`)."""
         running = self.scheduler.running
         if not running:
             return
@@ -359,8 +361,11 @@ class Engine:
         fits = min(stagger.width, stagger.rows.measured)
         keep = bool(stagger.rows.ceiling and stagger.num_members)  # a running pipeline: the lower keep margin
         gap = self.auto_policy.gap
+        fit = stagger.rows.job_fit()  # the measured job (kept until an idle probe drops it): not the profile's
+        self.auto_policy.learn_cpu_job(fit)
         key = (len(device), int(context) // 32, len(self.calibration.rows), self.calibration.stagger_width, fits,
-               keep, round(gap.seconds(False) * 1e4), round(gap.seconds(True) * 1e4))  # gaps in 0.1 ms
+               keep, round(gap.seconds(False) * 1e4), round(gap.seconds(True) * 1e4),  # gaps in 0.1 ms
+               fit and (round(fit[0] * 1e4), round(math.log(max(fit[1], 1e-15)) * 50)))  # rate in 2% steps
         if key != self._ceiling_key:
             self._ceiling_key = key
             self._model_rows = self.auto_policy.stagger_rows(len(device), context, fits, keep=keep)

@@ -152,8 +152,10 @@ class PerfModel:
         p = self.profile
         return cpu_requests * p.copy_bytes_per_token / p.copy_bytes_per_s
 
-    def predict(self, plan: str, gpu_requests: int, cpu_requests: int, context: float) -> Prediction:
-        """The step of `plan` with that many requests per pool, each reading `context` tokens of KV."""
+    def predict(self, plan: str, gpu_requests: int, cpu_requests: int, context: float,
+                cpu_job: Optional[Tuple[float, float]] = None) -> Prediction:
+        """The step of `plan` with that many requests per pool, each reading `context` tokens of KV. cpu_job:
+        (fixed seconds, seconds per context token) of a measured staggered CPU job, in place of the profile's."""
         if plan not in PLANS:
             raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
         if plan == "never" and cpu_requests:
@@ -165,10 +167,11 @@ class PerfModel:
             else:
                 step = self.linear_s(gpu_requests) + self.gpu_attention_s(int(gpu_requests * context))
             return Prediction("never", gpu_requests, 0, step)
+        job_s = self.cpu_job_s if cpu_job is None else (lambda tokens: cpu_job[0] + tokens * cpu_job[1])
         if plan == "staggered" and self.is_calibrated(True):
             gpu = (interpolate(c.stagger_rows, c.stagger_s, gpu_requests) + self._context_s(gpu_requests, context)
                    + self.copy_s(max(c.stagger_width, cpu_requests)))
-            step = max(gpu, self.cpu_job_s(int(cpu_requests * context)))
+            step = max(gpu, job_s(int(cpu_requests * context)))
             return Prediction(plan, gpu_requests, cpu_requests, step)
         n = gpu_requests + cpu_requests
         gpu_attention = self.gpu_attention_s(int(gpu_requests * context))
@@ -177,7 +180,7 @@ class PerfModel:
             step = self.linear_s(n) + max(gpu_attention, cpu)
         elif plan == "staggered":  # its copies serialize with the GPU's work, not the CPU's
             step = max(self.linear_s(n) + gpu_attention + self.copy_s(cpu_requests),
-                       self.cpu_job_s(int(cpu_requests * context)))
+                       job_s(int(cpu_requests * context)))
         else:
             step = max(self.linear_s(gpu_requests) + self.linear_s(cpu_requests) + gpu_attention, cpu)
         return Prediction(plan, gpu_requests, cpu_requests, step)
@@ -318,6 +321,10 @@ STAGGER_MARGIN = 0.15
 # +14% (exchange inline) and +22% (beside) in the same run (notes item 44); the calibrated error of the
 # staggered modes was 1.3-6.3% there, so a kept pipeline predicted at +8% still gains.
 STAGGER_KEEP_MARGIN = 0.08
+# A pipeline's CPU job is predicted from its own measured fit (`AutoOffload.learn_cpu_job`), not the profile's
+# bandwidth probe: the profile is cached per machine, and a probe taken while the host was busy would cap the rows
+# for good (notes item 50). False: the profile only (e2e_hybrid "/profilejob").
+LEARN_CPU_JOB = True
 RUNNABLE_PLANS = ("never", "overlap", "staggered")  # the plans the engine executes ("staggered" when asked for)
 
 
@@ -343,6 +350,12 @@ class AutoOffload:
         self.observed = [0, 0]
         # the staggered plan's host gap per kind of decode step (with host rows or without), learned online
         self.gap = HostGap()
+        self.cpu_job: Optional[Tuple[float, float]] = None  # the measured job's (fixed s, s per context token)
+
+    def learn_cpu_job(self, fit: Optional[Tuple[float, float]]) -> None:
+        """The running pipeline's CPU job fit, (fixed seconds, seconds per context token of a row over every
+        layer), or None: staggered steps are predicted with it (`LEARN_CPU_JOB`) instead of the profile's rate."""
+        self.cpu_job = fit if LEARN_CPU_JOB else None
 
     def step_s(self, gpu_requests: int, cpu_requests: int, context: float) -> float:
         """Predicted decode step with that many requests per pool, corrected by the measurements so far."""
@@ -381,7 +394,8 @@ class AutoOffload:
 
     def _model_step(self, gpu_requests: int, cpu_rows: float, context: float) -> Prediction:
         """The model's staggered step, or without host rows its GPU-only step."""
-        return self.model.predict("staggered" if cpu_rows else "never", gpu_requests, cpu_rows, context)
+        return self.model.predict("staggered" if cpu_rows else "never", gpu_requests, cpu_rows, context,
+                                  cpu_job=self.cpu_job)
 
     def _staggered_step(self, gpu_requests: int, cpu_rows: int, context: float) -> Prediction:
         """`_model_step` plus its kind's learned host gap."""

@@ -109,6 +109,16 @@ def _cpu_attention_seconds(engine, total: int, repeats: int = 3) -> float:
     return best
 
 
+def cpu_attention_bandwidth(engine, largest: int = 32768) -> float:
+    """Bytes/s the CPU attention op reads now over the engine's host pool, probed as the profile's largest point
+    (a benchmark's B_cpu measured in its own run, where the cached profile may come from a busier moment)."""
+    s = engine.shape
+    total = _attention_points(engine.kv.pools[HOST_POOL].num_blocks * s.block_size, largest)[-1]
+    with torch.inference_mode():
+        seconds = _cpu_attention_seconds(engine, total)
+    return total * (s.block_bytes // s.block_size) / seconds
+
+
 def _copy_bytes_per_s(device, nbytes: int = 16 << 20) -> float:
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)

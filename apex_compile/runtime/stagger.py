@@ -176,6 +176,11 @@ class RowLimit:
             return None
         return self.rate * self.num_layers * context
 
+    def job_fit(self) -> Optional[Tuple[float, float]]:
+        """The fitted job as (fixed seconds, seconds per context token of a row over every layer); None before a
+        fit."""
+        return None if self.rate is None else (self.fixed, self.rate * self.num_layers)
+
     def job_seconds(self, rows: float) -> Optional[float]:
         """The fitted CPU job of a full lane with `rows` rows per layer at the last mean context (None before
         a fit)."""

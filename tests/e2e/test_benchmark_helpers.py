@@ -58,6 +58,25 @@ def test_slow_steps_name_what_happened_in_the_long_decode_steps():
     assert e2e_hybrid.slow_steps(steps[-1:], phases[-1:], events[-1:]) is None
 
 
+def test_excess_by_kind_merges_a_short_step_into_the_long_one_before_it():
+    """excess_by_kind: the window's time above the median decode step per kind of step (prompt or decode,
+    queued or not, what changed); a step under 0.7x the median counts with the step before it, so a park that
+    returns late and leaves the next step short costs only their sum."""
+    steps = ([(4, 0, 100.0, 0.010, 0)] * 6 + [(4, 0, 100.0, 0.019, 0), (4, 0, 100.0, 0.002, 0)]
+             + [(4, 0, 100.0, 0.016, 0), (4, 0, 100.0, 0.030, 256)])
+    queued = [True] * 8 + [False, False]
+    events = [{}] * 6 + [{"parked": 1, "running": -1}, {}, {"running": 1}, {"running": 1}]
+    kinds = e2e_hybrid.excess_by_kind(steps, queued, events)
+    assert list(kinds) == ["prompt/unqueued/running+", "decode/unqueued/running+", "decode/parked+,running-",
+                           "decode"]
+    assert kinds["decode/parked+,running-"][0] == 1
+    assert kinds["decode/parked+,running-"][1] == pytest.approx(0.019 + 0.002 - 2 * 0.010)
+    assert kinds["decode/unqueued/running+"] == [1, pytest.approx(0.006)]
+    assert kinds["prompt/unqueued/running+"] == [1, pytest.approx(0.020)]
+    assert kinds["decode"] == [6, pytest.approx(0.0)]
+    assert e2e_hybrid.excess_by_kind([(4, 0, 1.0, 0.03, 256)], [False], [{}]) == {}
+
+
 def test_steady_tokens_per_s_charges_every_token_its_prefill_wherever_it_ran():
     """steady_tokens_per_s: a window that prefilled in place and one fed by requests prefilled before it (the
     same decode steps) come out equal, each window token charged prompt / new_tokens prefill tokens at never's
@@ -171,6 +190,8 @@ def test_a_mode_can_name_its_block_size_its_cpu_work_split_and_an_inline_exchang
         (lambda: e2e_hybrid.stagger_module.BUSY_FIT, (("auto/busyfit", True), ("staggered:4/timefit", False))),
         (lambda: e2e_hybrid.scheduler_module.JOIN_WAITS_FOR_PARKS, (("auto/joinwait", True),
                                                                    ("auto/joinlanded", False))),
+        (lambda: e2e_hybrid.perf_model_module.LEARN_CPU_JOB, (("auto/profilejob", False), ("auto/learnjob", True))),
+        (lambda: e2e_hybrid.stagger_module.JOB_SHARE, (("auto/share=0.97", 0.97), ("staggered:4/share=1.0", 1.0))),
     ]
     for read, cases in settings:
         before, during = read(), []

@@ -182,6 +182,31 @@ def test_auto_stagger_rows_follow_the_calibrated_model():
     assert AutoOffload(calibrated(stagger_extra_ms=1.5), stagger_groups=GROUPS).stagger_rows(64, 576, 8) == 0
 
 
+def test_the_staggered_verdict_follows_the_measured_cpu_job_over_the_profile(monkeypatch):
+    """`learn_cpu_job` (the running pipeline's job fit): a profile probed while the host was busy (a slow CPU)
+    caps the rows below what the measured job fits; with the fit the rows follow the job, and a measured job
+    slower than the profile takes rows away. None (no fit yet) or LEARN_CPU_JOB off: the profile's rate."""
+    from apex_compile.runtime import perf_model
+    slow_probe = AutoOffload(calibrated(cpu_gbps=30), stagger_groups=GROUPS)
+    fast_probe = AutoOffload(calibrated(cpu_gbps=90), stagger_groups=GROUPS)
+    capped, free = slow_probe.stagger_rows(12, 576, 8), fast_probe.stagger_rows(12, 576, 8)
+    assert capped < free
+    per_token = fast_probe.model.cpu_seconds_per_token()  # what the job measures on a host at 90 GB/s
+    slow_probe.learn_cpu_job((0.0, per_token))
+    assert slow_probe.stagger_rows(12, 576, 8) == free
+    # the fixed part counts: a job whose per-call costs take half the step fits fewer rows
+    step = fast_probe.model.predict("never", 12, 0, 576).step_s
+    slow_probe.learn_cpu_job((step / 2, per_token))
+    assert slow_probe.stagger_rows(12, 576, 8) < free
+    fast_probe.learn_cpu_job((0.0, per_token * 3))  # a job measured 3x slower than the probe
+    assert fast_probe.stagger_rows(12, 576, 8) < free
+    slow_probe.learn_cpu_job(None)
+    assert slow_probe.stagger_rows(12, 576, 8) == capped
+    monkeypatch.setattr(perf_model, "LEARN_CPU_JOB", False)
+    slow_probe.learn_cpu_job((0.0, per_token))
+    assert slow_probe.cpu_job is None and slow_probe.stagger_rows(12, 576, 8) == capped
+
+
 def test_the_staggered_plan_needs_its_margin_over_gpu_only():
     """A predicted gain below `stagger_margin` (default STAGGER_MARGIN: the plan's unmodelled costs) takes no
     host rows; above it the best count; explain() shows the best prediction and the margin."""
@@ -284,3 +309,28 @@ def test_the_online_host_gap_learns_a_constant_gap_from_earlier_steps_only():
     last = changed[-1]
     changed[-1] = last[:3] + (last[3] + 0.1,) + last[4:]
     assert [p for p, _ in online_predictions(model, changed)] == [p for p, _ in pairs]
+
+
+def test_the_cpu_attention_bandwidth_is_probed_over_the_host_pool(tiny_llama, monkeypatch):
+    """`perf_profile.cpu_attention_bandwidth` (a benchmark's B_cpu in its own run): the bytes the op reads at
+    the profile's largest point over the host pool, per second of its best repeat; the host pool bounds it."""
+    from apex_compile import ApexConfig, optimize
+    from apex_compile.runtime import perf_profile
+
+    apex = optimize(tiny_llama, ApexConfig(offload="never", compile=False, gpu_cache_size=1 << 20,
+                                           cpu_cache_size=1 << 20, max_num_seqs=4))
+    engine, s = apex.engine, apex.engine.shape
+    probed = []
+
+    def timed(engine_, total, repeats=3):
+        probed.append(total)
+        return 0.5
+
+    monkeypatch.setattr(perf_profile, "_cpu_attention_seconds", timed)
+    host_tokens = engine.kv.pools[perf_profile.HOST_POOL].num_blocks * s.block_size
+    rate = perf_profile.cpu_attention_bandwidth(engine)
+    assert probed == [perf_profile._attention_points(host_tokens, 32768)[-1]] and probed[0] <= max(
+        host_tokens, perf_profile.BATCH * 64)
+    assert rate == pytest.approx(probed[0] * (s.block_bytes // s.block_size) / 0.5)
+    monkeypatch.undo()
+    assert perf_profile.cpu_attention_bandwidth(engine) > 0  # the op itself, on this host

@@ -664,9 +664,13 @@ class StubPolicy:
         from apex_compile.runtime.perf_model import HostGap
 
         self.gap = HostGap()
+        self.fits = []  # the pipeline's job fits the engine handed over (`AutoOffload.learn_cpu_job`)
 
     def observe_staggered(self, gpu_requests, cpu_rows, context, measured_s, job_s=None):
         pass
+
+    def learn_cpu_job(self, fit):
+        self.fits.append(fit)
 
 
 def test_auto_refills_a_pipeline_its_ceiling_emptied_after_the_probe(monkeypatch):
@@ -706,6 +710,9 @@ def test_auto_refills_a_pipeline_its_ceiling_emptied_after_the_probe(monkeypatch
     after = [(ceiling, active) for probes, ceiling, active in seen if probes]
     assert after and max(c for c, _ in after) >= 2 and any(a for _, a in after)
     assert any(r.steps_per_pool[1] for r in requests[8:])  # the later arrivals decoded from the host pool
+    # each verdict was given the pipeline's job fit once its jobs had run (none before, none after the probe's reset)
+    fits = engine.auto_policy.fits
+    assert fits[0] is None and any(f is not None and f[1] > 0 for f in fits)
     assert [r.output_token_ids for r in requests] == reference
     assert engine.blocks_in_use() == {"device": 0, "host": 0}
     apex.close()
@@ -741,6 +748,9 @@ def test_auto_learns_the_host_gap_from_its_decode_steps_only():
 
         def stagger_rows(self, gpu_requests, context, width, keep=False):
             return width
+
+        def learn_cpu_job(self, fit):
+            pass
 
         def observe_staggered(self, gpu_requests, cpu_rows, context, measured_s, job_s=None):
             seen.append((call[0], gpu_requests, cpu_rows, context, measured_s))
