@@ -333,6 +333,25 @@ JOIN_SUFFIXES = {"/joinwait": True, "/joinlanded": False}
 LEARN_SUFFIXES = {"/learnjob": True, "/profilejob": False}
 # "/share=0.97": a mode run whose adaptive rows keep the CPU job within that share of a step (stagger.JOB_SHARE)
 SHARE_SUFFIX = re.compile(r"/share=([0-9.]+)")
+# "/r2": a mode run again under its own name and otherwise the same settings, for an A-B-A order (the first hybrid
+# mode of a run came out lowest in three of session 35's four A/B runs)
+REPEAT_SUFFIX = re.compile(r"/r\d+")
+_SUFFIX_NAMES = {PIECEWISE_SUFFIX, PIN_SUFFIX, *LANE_SUFFIXES, *EXCHANGE_SUFFIXES, *MOVE_SUFFIXES, *SCHEDULE_SUFFIXES,
+                 *FIT_SUFFIXES, *JOIN_SUFFIXES, *LEARN_SUFFIXES}
+_SUFFIX_PATTERNS = (THREADS_SUFFIX, SPLIT_SUFFIX, BLOCK_SUFFIX, SHARE_SUFFIX, REPEAT_SUFFIX)
+
+
+def check_modes(modes) -> None:
+    """Raises ValueError on a mode that names an unknown suffix or twice the same mode (a typo would otherwise run
+    the default settings under the name of an A/B's other arm)."""
+    if len(set(modes)) != len(modes):
+        raise ValueError(f"a mode is named twice in {modes} (add \"/r2\" to run one again)")
+    for mode in modes:
+        parse_mode(mode)
+        for part in mode.split("/")[1:]:
+            suffix = "/" + part
+            if suffix not in _SUFFIX_NAMES and not any(p.fullmatch(suffix) for p in _SUFFIX_PATTERNS):
+                raise ValueError(f"mode {mode!r}: unknown suffix {suffix!r}")
 
 
 def parse_mode(mode: str):
@@ -566,7 +585,10 @@ def main():
                              "the layered CPU job's schedule, '/busyfit' or '/timefit' fits the adaptive rows to "
                              "the flow job's work or its running time (stagger.BUSY_FIT), '/joinwait' or "
                              "'/joinlanded' has parked requests join the pipeline after waiting for their park's "
-                             "copy or once it landed (scheduler.JOIN_WAITS_FOR_PARKS), for that mode")
+                             "copy or once it landed (scheduler.JOIN_WAITS_FOR_PARKS), '/learnjob' or '/profilejob' "
+                             "has auto predict the CPU job from its measured fit or the profile, '/share=0.95' sets "
+                             "the CPU job's share of a step (stagger.JOB_SHARE), for that mode; '/r2' runs a mode "
+                             "again (an A-B-A order)")
     parser.add_argument("--fill-steps", type=int, default=600,
                         help="at most this many steps to fill the staggered pipeline before --warm-steps")
     parser.add_argument("--warm-steps", type=int, default=100, help="steps before the measured window")
@@ -600,6 +622,10 @@ def main():
                           "torch": torch.__version__, "python": platform.python_version()},
               "args": vars(args), "rows": []}
     modes = args.modes.split(",")
+    try:
+        check_modes(modes)
+    except ValueError as error:
+        sys.exit(f"--modes: {error}")
     print(f"prompt tokens a decoding step takes into the device pool: {args.prefill_while_decoding or 'no cap'} "
           f"(step budget {step_budget(args.prompt, args.max_seqs)})")
     print(f"{'shape':10} {'pool GiB':>8} {'reqs':>4} | " + " | ".join(f"{str(m):>16}" for m in modes)

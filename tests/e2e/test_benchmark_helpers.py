@@ -204,6 +204,20 @@ def test_a_mode_can_name_its_block_size_its_cpu_work_split_and_an_inline_exchang
             assert during[-1] == (e2e_hybrid.parse_mode(mode)[0], expected) and read() == before
 
 
+def test_modes_with_an_unknown_suffix_or_named_twice_are_refused():
+    """check_modes: every suffix of e2e_hybrid's modes is known (a typo would run the defaults under an A/B arm's
+    name); a mode named twice is refused, "/r2" runs it again."""
+    e2e_hybrid.check_modes(["never", "auto", "auto/share=0.95", "auto/r2", "staggered:4/t14/split=4-32768-65536",
+                            "0.5/pw/bs64/pin", "auto/1lane/inline/syncmoves/barrier/timefit/joinwait/profilejob"])
+    assert e2e_hybrid.parse_mode("auto/r2") == e2e_hybrid.parse_mode("auto")
+    for modes, message in ((["auto", "auto"], "named twice"), (["auto/shar=1.0"], "unknown suffix '/shar=1.0'"),
+                           (["auto/r"], "unknown suffix"), (["auto/share=1.0x"], "unknown suffix")):
+        with pytest.raises(ValueError, match=message):
+            e2e_hybrid.check_modes(modes)
+    with pytest.raises(ValueError):
+        e2e_hybrid.check_modes(["sometimes"])
+
+
 def test_host_contention_times_each_kind_of_work_under_each_worker_load(tmp_path):
     """benchmarks/host_contention.py on this machine (tiny job, few calls): a row per worker load it can run
     here, each with the Python timing, the loaded rows with the jobs the worker ran."""
