@@ -117,7 +117,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
         if stagger is not None:  # the rows' limits after the step: which of them binds, and when
             r = stagger.rows
             limits.append({"measured": r.measured, "guard": r.guard, "ceiling": r.ceiling, "limit": r.limit,
-                           "share": r.share(),
+                           "share": r.share(), "fit": r.job_fit(),  # (fixed s, s per context token of a row)
                            "step_s": r.step or 0.0, "members": stagger.num_members, "capacity": stagger.capacity,
                            "parked": len(engine.scheduler.parked), "prefill": prefill_tokens})
             policy = engine.auto_policy

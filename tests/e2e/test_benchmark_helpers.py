@@ -260,6 +260,8 @@ def test_a_staggered_window_records_which_row_limit_binds():
     per_step = run["row_limit_steps"]  # and every step's, in order
     assert len(per_step) == 5 and [s["limit"] for s in per_step].count(limits["limit"][2]) >= 1
     assert all(s["gap_s"] == [0.0, pytest.approx(2e-3)] and s["model_rows"] == 0 for s in per_step)
+    # the CPU job's fit after each step (what auto's model predicts the job by), the last one the pipeline's own
+    assert per_step[-1]["fit"] == engine.stagger.rows.job_fit() and per_step[-1]["fit"][1] > 0
     assert 0 < limits["members"][2] <= engine.stagger.capacity
     ramp = run["fill_limit_steps"]  # every FILL_SAMPLE-th step before the window, numbered
     assert [s["step"] for s in ramp] == list(range(0, run["window_start"], e2e_hybrid.FILL_SAMPLE))
