@@ -341,6 +341,17 @@ _SUFFIX_NAMES = {PIECEWISE_SUFFIX, PIN_SUFFIX, *LANE_SUFFIXES, *EXCHANGE_SUFFIXE
 _SUFFIX_PATTERNS = (THREADS_SUFFIX, SPLIT_SUFFIX, BLOCK_SUFFIX, SHARE_SUFFIX, REPEAT_SUFFIX)
 
 
+def _share_of(mode: str):
+    """(mode without its "/share=X", X) or (mode, None); ValueError on a share outside (0, 1.5]."""
+    named = SHARE_SUFFIX.search(mode)
+    if not named:
+        return mode, None
+    share = float(named.group(1))
+    if not 0.0 < share <= 1.5:
+        raise ValueError(f"{named.group(0)}: the CPU job's share of a step must be in (0, 1.5]")
+    return SHARE_SUFFIX.sub("", mode), share
+
+
 def check_modes(modes) -> None:
     """Raises ValueError on a mode that names an unknown suffix or twice the same mode (a typo would otherwise run
     the default settings under the name of an A/B's other arm)."""
@@ -348,6 +359,7 @@ def check_modes(modes) -> None:
         raise ValueError(f"a mode is named twice in {modes} (add \"/r2\" to run one again)")
     for mode in modes:
         parse_mode(mode)
+        _share_of(mode)
         for part in mode.split("/")[1:]:
             suffix = "/" + part
             if suffix not in _SUFFIX_NAMES and not any(p.fullmatch(suffix) for p in _SUFFIX_PATTERNS):
@@ -440,13 +452,9 @@ def process_settings(mode):
         mode, named_learn = _take_suffix(mode, LEARN_SUFFIXES)
         if named_learn is not None:
             perf_model_module.LEARN_CPU_JOB = named_learn
-        named = SHARE_SUFFIX.search(mode)
-        if named:
-            share = float(named.group(1))
-            if not 0.0 < share <= 1.5:
-                raise ValueError(f"{named.group(0)}: the CPU job's share of a step must be in (0, 1.5]")
+        mode, share = _share_of(mode)
+        if share is not None:
             stagger_module.JOB_SHARE = share
-            mode = SHARE_SUFFIX.sub("", mode)
         mode, named_fit = _take_suffix(mode, FIT_SUFFIXES)
         if named_fit is not None:
             stagger_module.BUSY_FIT = named_fit
@@ -712,12 +720,12 @@ def main():
             probe = optimize(model, ApexConfig(offload="never", gpu_cache_size=device_bytes,
                                                cpu_cache_size=1 << 30, max_num_seqs=args.max_seqs))
             perf = PerfModel(engine_profile(probe.engine))
-            # B_cpu probed in this run: the profile is cached per machine and may come from a busier moment
-            # (72 against 105 GB/s on one H200 host, session 35), which would flatter every efficiency
+            # B_cpu probed in this run: the profile is cached per machine and may come from a busier moment, which
+            # would flatter every efficiency (notes item 50)
             cpu_bandwidth = cpu_attention_bandwidth(probe.engine)
             del probe
             context = args.prompt + args.new_tokens / 2
-            ideal = cpu_bandwidth / (perf.profile.kv_bytes_per_token * context)
+            ideal = perf.ideal_gain(context, cpu_bandwidth)
             never = runs["never"]["tokens_per_s"] if "never" in runs else None  # (an A/B run of other modes)
             efficiency = (runs["auto"]["tokens_per_s"] - never) / ideal if "auto" in runs and never else None
             efficiencies = {m: (r["tokens_per_s"] - never) / ideal for m, r in runs.items() if never and m != "never"}

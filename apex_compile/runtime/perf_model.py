@@ -214,9 +214,11 @@ class PerfModel:
         p = self.profile
         return p.gpu_attention_ctx[-1] * p.kv_bytes_per_token / p.gpu_attention_s[-1]
 
-    def ideal_gain(self, context: float) -> float:
-        """Tokens/s the CPU's attention bandwidth can add: B_cpu / KV bytes a host request reads per step."""
-        return self.cpu_bandwidth() / (self.profile.kv_bytes_per_token * context)
+    def ideal_gain(self, context: float, cpu_bandwidth: Optional[float] = None) -> float:
+        """Tokens/s the CPU's attention bandwidth (the profile's, or `cpu_bandwidth` bytes/s measured elsewhere)
+        can add: B_cpu / KV bytes a host request reads per step."""
+        bandwidth = self.cpu_bandwidth() if cpu_bandwidth is None else cpu_bandwidth
+        return bandwidth / (self.profile.kv_bytes_per_token * context)
 
     def explain(self, gpu_capacity: int, cpu_capacity: int, context: float,
                 plans: Sequence[str] = PLANS, stagger_groups: int = 1) -> List[str]:

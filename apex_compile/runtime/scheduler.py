@@ -27,8 +27,8 @@ from apex_compile.runtime.request import Request, RequestStatus
 # cost a step scheduled on the host waiting for that copy)
 LOOKAHEAD_TOKENS = 8
 # Whether a parked request joins the staggered pipeline after the host waits for its park's copy (True, before
-# session 34: the copy queues behind the step in flight, so the launching thread waited for that step too, ~3 ms a
-# park) or only once the copy has landed (False); kept for e2e_hybrid's "/joinwait" A/B on the GPU
+# session 34: the copy queues behind the step in flight, so the launching thread waited for that step too) or only
+# once the copy has landed (False); kept for e2e_hybrid's "/joinwait" A/B on the GPU (notes item 50)
 JOIN_WAITS_FOR_PARKS = False
 
 
