@@ -118,6 +118,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
             r = stagger.rows
             limits.append({"measured": r.measured, "guard": r.guard, "ceiling": r.ceiling, "limit": r.limit,
                            "share": r.share(), "fit": r.job_fit(),  # (fixed s, s per context token of a row)
+                           "host_context": r.context,  # the job's rows' mean context (auto's model prices them so)
                            "step_s": r.step or 0.0, "members": stagger.num_members, "capacity": stagger.capacity,
                            "parked": len(engine.scheduler.parked), "prefill": prefill_tokens})
             policy = engine.auto_policy
@@ -125,8 +126,9 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
                 limits[-1].update(model_rows=engine._model_rows,
                                   gap_s=[policy.gap.seconds(False), policy.gap.seconds(True)])
         events.append({k: v - counts[k] for k, v in _event_counts(engine).items() if v != counts[k]})
-        host = sum(1 for r in sampled if r.request_id in host_ids)
-        return (len(running) - on_host, on_host + staggered, context, seconds, prefill_tokens), host
+        # each host token's context: the KV its attention read (ideal_gain at the window's own host contexts)
+        hosted = [r.num_tokens - 1 for r in sampled if r.request_id in host_ids]
+        return (len(running) - on_host, on_host + staggered, context, seconds, prefill_tokens), hosted
 
     phases = []  # per step: the main thread's seconds per part of engine.step() (EngineStats.phase_seconds)
     limits = []  # per step with the staggered plan: its RowLimit after the step (job fit + guard, guard, ceiling)
@@ -154,15 +156,35 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     fill_s = time.perf_counter() - begin
     filled_share = (stagger.num_members / max(stagger.capacity, 1) if stagger is not None and stagger.capacity
                     else None)  # < 1: cut by fill_steps
+    if FREEZE_GC:  # "/gcfreeze": what is alive now (model, graphs, compiled code) is never scanned again
+        gc.collect()
+        gc.freeze()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    begin, tokens, host_tokens, steps = time.perf_counter(), engine.stats.generated_tokens, 0, []
+    # Python's collections in the window (any thread: the collector holds the GIL), per generation
+    collections_seen = {}
+    collecting = {}
+
+    def on_gc(phase, info):
+        if phase == "start":
+            collecting["t"] = time.perf_counter()
+        elif "t" in collecting:
+            seconds = time.perf_counter() - collecting.pop("t")
+            count, total, longest = collections_seen.get(info["generation"], (0, 0.0, 0.0))
+            collections_seen[info["generation"]] = (count + 1, total + seconds, max(longest, seconds))
+
+    gc.callbacks.append(on_gc)
+    begin, tokens, host_tokens, host_context, steps = time.perf_counter(), engine.stats.generated_tokens, 0, 0, []
     ahead, not_ahead = engine.stats.ahead_steps, dict(engine.stats.not_ahead)
     captured = engine._captured_seconds()
-    for _ in range(window_steps):
-        step, host = one_step()
-        steps.append(step)
-        host_tokens += host
+    try:
+        for _ in range(window_steps):
+            step, hosted = one_step()
+            steps.append(step)
+            host_tokens += len(hosted)
+            host_context += sum(hosted)
+    finally:
+        gc.callbacks.remove(on_gc)
     seconds = time.perf_counter() - begin
     captured = engine._captured_seconds() - captured  # graphs of shapes first met inside the window
     ahead = engine.stats.ahead_steps - ahead  # the window's steps queued before the previous step's tokens
@@ -181,7 +203,10 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     engine.abort()
     engine._schedule = schedule
     return {"tokens_per_s": generated / seconds, "window_s": seconds, "tokens": generated,
-            "host_tokens": host_tokens, "fill_steps": filled, "fill_s": fill_s, "pipeline_filled": filled_share,
+            "host_tokens": host_tokens, "host_context": host_context / host_tokens if host_tokens else None,
+            # {generation: [collections, seconds, longest]} in the window
+            "window_gc": {str(g): list(v) for g, v in sorted(collections_seen.items())},
+            "fill_steps": filled, "fill_s": fill_s, "pipeline_filled": filled_share,
             "ahead_steps": ahead, "not_ahead": not_ahead, "unqueued_excess_s": unqueued_excess,
             "window_capture_s": captured,
             "queued_ahead": window_queued, "window_start": window_start,
@@ -333,12 +358,22 @@ JOIN_SUFFIXES = {"/joinwait": True, "/joinlanded": False}
 LEARN_SUFFIXES = {"/learnjob": True, "/profilejob": False}
 # "/share=0.97": a mode run whose adaptive rows keep the CPU job within that share of a step (stagger.JOB_SHARE)
 SHARE_SUFFIX = re.compile(r"/share=([0-9.]+)")
+# "/gil=0.1": a mode run with the interpreter's GIL switch interval at that many milliseconds while its layered job
+# worker runs (stagger.GIL_SWITCH_S)
+GIL_SUFFIX = re.compile(r"/gil=([0-9.]+)")
+# a mode run with the layered job's layers planned by the calling thread alone ("/serialplan", before session 36)
+# or by the team ("/teamplan", the default): the op reads APEX_STAGGER_SERIAL_PLAN on every call
+PLAN_SUFFIXES = {"/serialplan": "1", "/teamplan": "0"}
+# "/gcfreeze": a mode whose objects alive before its window are frozen out of Python's collector (gc.freeze, as
+# vLLM does after start-up): the A/B for the collections the window records ("window_gc")
+GC_FREEZE_SUFFIX = "/gcfreeze"
+FREEZE_GC = False  # set while a "/gcfreeze" mode runs
 # "/r2": a mode run again under its own name and otherwise the same settings, for an A-B-A order (the first hybrid
 # mode of a run came out lowest in three of session 35's four A/B runs)
 REPEAT_SUFFIX = re.compile(r"/r\d+")
 _SUFFIX_NAMES = {PIECEWISE_SUFFIX, PIN_SUFFIX, *LANE_SUFFIXES, *EXCHANGE_SUFFIXES, *MOVE_SUFFIXES, *SCHEDULE_SUFFIXES,
-                 *FIT_SUFFIXES, *JOIN_SUFFIXES, *LEARN_SUFFIXES}
-_SUFFIX_PATTERNS = (THREADS_SUFFIX, SPLIT_SUFFIX, BLOCK_SUFFIX, SHARE_SUFFIX, REPEAT_SUFFIX)
+                 *FIT_SUFFIXES, *JOIN_SUFFIXES, *LEARN_SUFFIXES, *PLAN_SUFFIXES, GC_FREEZE_SUFFIX}
+_SUFFIX_PATTERNS = (THREADS_SUFFIX, SPLIT_SUFFIX, BLOCK_SUFFIX, SHARE_SUFFIX, REPEAT_SUFFIX, GIL_SUFFIX)
 
 
 def _share_of(mode: str):
@@ -429,6 +464,20 @@ def job_records(jobs, window_steps: int) -> dict:
     waits = list(jobs.collect_seconds)[-window_steps:]
     out["collect_wait_s"] = statistics.median(waits) if waits else 0.0
     out["cpu_jobs"] = [[wait, ran, b if b == b else None] for (wait, ran), b in zip(window, busy)]
+    times = list(getattr(jobs, "job_times", []))[-window_steps:]
+    if len(times) > 1:  # the worker between jobs: starved (nothing submitted) or picking the next one up (the GIL)
+        pairs = list(zip(times, times[1:]))
+        pickup = [started - max(ended, submitted) for (_, _, ended), (submitted, started, _) in pairs]
+        out["job_gaps"] = {"pickup_s": sum(pickup), "pickup_median_s": statistics.median(pickup),
+                           "starved_s": sum(max(submitted - ended, 0.0) for (_, _, ended), (submitted, _, _) in pairs),
+                           "span_s": sum(ended - started for _, started, ended in times[1:])}
+    parts = list(getattr(jobs, "job_parts", []))[-window_steps:]
+    if parts:  # the jobs' time outside running and waiting for flags: exports, the C++ call's own, Python's
+        out["job_gaps"] = dict(out.get("job_gaps", {}), exports_s=sum(p[0] for p in parts),
+                               exports_jobs=sum(1 for p in parts if p[0] > 1e-4),
+                               planning_s=sum(p[1] for p in parts), planning_median_s=statistics.median(
+                                   p[1] for p in parts),
+                               glue_s=sum(p[2] for p in parts), glue_median_s=statistics.median(p[2] for p in parts))
     out["collect_waits_s"] = waits
     return out
 
@@ -448,7 +497,19 @@ def process_settings(mode):
     overlap, schedule = kv_manager.OVERLAP_MOVES, stagger_layer_schedule()
     busy_fit, join_waits = stagger_module.BUSY_FIT, scheduler_module.JOIN_WAITS_FOR_PARKS
     job_share, learn_job = stagger_module.JOB_SHARE, perf_model_module.LEARN_CPU_JOB
+    switch = stagger_module.GIL_SWITCH_S
+    serial_plan = os.environ.get("APEX_STAGGER_SERIAL_PLAN")
+    global FREEZE_GC
     try:
+        if GC_FREEZE_SUFFIX in mode:
+            FREEZE_GC, mode = True, mode.replace(GC_FREEZE_SUFFIX, "")
+        mode, named_plan = _take_suffix(mode, PLAN_SUFFIXES)
+        if named_plan is not None:
+            os.environ["APEX_STAGGER_SERIAL_PLAN"] = named_plan
+        named = GIL_SUFFIX.search(mode)
+        if named:
+            stagger_module.GIL_SWITCH_S = float(named.group(1)) / 1e3
+            mode = GIL_SUFFIX.sub("", mode)
         mode, named_learn = _take_suffix(mode, LEARN_SUFFIXES)
         if named_learn is not None:
             perf_model_module.LEARN_CPU_JOB = named_learn
@@ -484,6 +545,14 @@ def process_settings(mode):
         scheduler_module.JOIN_WAITS_FOR_PARKS = join_waits
         stagger_module.JOB_SHARE = job_share
         perf_model_module.LEARN_CPU_JOB = learn_job
+        stagger_module.GIL_SWITCH_S = switch
+        if FREEZE_GC:
+            gc.unfreeze()
+            FREEZE_GC = False
+        if serial_plan is None:
+            os.environ.pop("APEX_STAGGER_SERIAL_PLAN", None)
+        else:
+            os.environ["APEX_STAGGER_SERIAL_PLAN"] = serial_plan
 
 
 def _run_engine_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seqs, args, start_step):
@@ -637,7 +706,7 @@ def main():
     print(f"prompt tokens a decoding step takes into the device pool: {args.prefill_while_decoding or 'no cap'} "
           f"(step budget {step_budget(args.prompt, args.max_seqs)})")
     print(f"{'shape':10} {'pool GiB':>8} {'reqs':>4} | " + " | ".join(f"{str(m):>16}" for m in modes)
-          + " | ideal_gain  auto eff  model err")
+          + " | ideal_gain  auto eff  eff@host  model err")
     for shape_name in args.shapes.split(","):
         shape = SHAPES[shape_name]
         torch.manual_seed(0)
@@ -658,6 +727,23 @@ def main():
                        f"its inputs"
                        + (f", team busy {r['cpu_job_busy_share']:.0%}" if "cpu_job_busy_share" in r else "")
                        + f"), collect wait {r['collect_wait_s'] * 1e3:.2f} ms" if "cpu_job_s" in r else "")
+                if r.get("window_gc"):
+                    cpu += "; Python's collector in the window: " + ", ".join(
+                        f"gen {g} {n}x {t * 1e3:.0f} ms (longest {m * 1e3:.1f})"
+                        for g, (n, t, m) in r["window_gc"].items())
+                if r.get("collect_waits_s"):
+                    cpu += f", the GPU waited {sum(r['collect_waits_s']) * 1e3:.0f} ms for the CPU in all"
+                if r.get("job_gaps"):
+                    g = r["job_gaps"]
+                    cpu += (f", the worker between jobs: {g['pickup_s'] * 1e3:.0f} ms picking the next up (median "
+                            f"{g['pickup_median_s'] * 1e6:.0f} us), {g['starved_s'] * 1e3:.0f} ms with none submitted, "
+                            f"jobs' spans {g['span_s'] * 1e3:.0f} ms")
+                    if "planning_s" in g:
+                        cpu += (f" (of which waiting for prompt exports {g['exports_s'] * 1e3:.0f} ms in "
+                                f"{g['exports_jobs']} jobs, the C++ calls' checks, plans and frees "
+                                f"{g['planning_s'] * 1e3:.0f} ms (median {g['planning_median_s'] * 1e6:.0f} us), "
+                                f"their Python glue and GIL {g['glue_s'] * 1e3:.0f} ms (median "
+                                f"{g['glue_median_s'] * 1e6:.0f} us))")
                 if "stagger_rows" in r:
                     cpu += f", rows in use {r['stagger_rows'][0]} of {r['stagger_rows'][1]}"
                     fit = r["row_fit"]
@@ -729,6 +815,12 @@ def main():
             never = runs["never"]["tokens_per_s"] if "never" in runs else None  # (an A/B run of other modes)
             efficiency = (runs["auto"]["tokens_per_s"] - never) / ideal if "auto" in runs and never else None
             efficiencies = {m: (r["tokens_per_s"] - never) / ideal for m, r in runs.items() if never and m != "never"}
+            # the same at each mode's own host contexts (the KV its host tokens read in the window): a host request
+            # gains a token per num_layers + 1 steps, so in a window it runs near its prompt's length, not at the
+            # workload's mean context, and the nominal ideal_gain misprices what the window's host tokens cost
+            host_ideal = {m: perf.ideal_gain(r["host_context"], cpu_bandwidth) for m, r in runs.items()
+                          if r.get("host_context")}
+            host_efficiencies = {m: (runs[m]["tokens_per_s"] - never) / g for m, g in host_ideal.items() if never}
             bounds = {}
             for lanes in (2, 1):
                 groups = lanes * (shape["num_hidden_layers"] + 1)  # host requests per staggered row
@@ -756,6 +848,8 @@ def main():
                    "online_model_error": online_errors, "profile": dataclasses.asdict(perf.profile),
                    "staggered_bound": bound, "staggered_bound_1lane": bounds[1][1] if 1 in bounds else None,
                    "efficiency": efficiencies, "steady_tokens_per_s": steady, "steady_efficiency": steady_eff,
+                   "host_context": {m: r.get("host_context") for m, r in runs.items()},
+                   "ideal_gain_at_host_context": host_ideal, "efficiency_at_host_context": host_efficiencies,
                    "best_mode": best, "hf_offloaded": hf, "without_host_tokens": without_host_tokens(runs),
                    "best_efficiency": (runs[best]["tokens_per_s"] - never) / ideal if never else None,
                    "modes": {m: {k: v for k, v in r.items() if k != "steps"} for m, r in runs.items()},
@@ -766,7 +860,11 @@ def main():
             err = errors.get("auto") if errors.get("auto") is not None else errors.get("never")
             eff = f"{efficiency:8.2f}" if efficiency is not None else "       -"
             err_text = f"{err:9.1%}" if err is not None else "        -"
-            print(f"{shape_name:10} {gib:8.1f} {count:4d} | {cells} | {ideal:10.0f} {eff} {err_text}", flush=True)
+            # eff@host: against ideal_gain at auto's own host contexts in the window (the bytes its host tokens read)
+            at_host = host_efficiencies.get("auto")
+            eff_host = f"{at_host:9.2f}" if at_host is not None else "        -"
+            print(f"{shape_name:10} {gib:8.1f} {count:4d} | {cells} | {ideal:10.0f} {eff} {eff_host} {err_text}",
+                  flush=True)
             best_eff = f"{row['best_efficiency']:.2f}" if row["best_efficiency"] is not None else "-"
             print(f"   best {best}: efficiency {best_eff}; model error per mode: "
                   + ", ".join(f"{m} {e:.1%}" for m, e in errors.items() if e is not None)
@@ -779,6 +877,11 @@ def main():
             if efficiencies:
                 print("   efficiency per mode: " + ", ".join(f"{m} {e:.2f}" for m, e in efficiencies.items()),
                       flush=True)
+            if host_ideal:
+                print(f"   at the window's host contexts (nominal {context:.0f}): " + ", ".join(
+                    f"{m} {runs[m]['host_context']:.0f} tokens, ideal_gain {g:.0f}"
+                    + (f", efficiency {host_efficiencies[m]:.2f}" if m in host_efficiencies else "")
+                    for m, g in host_ideal.items()), flush=True)
             print("   steady state (the window's own prefill out, every token charged its request's prefill): "
                   + ", ".join(f"{m} {v:.0f}" + (f" ({steady_eff[m]:.2f})" if m in steady_eff else "")
                               for m, v in steady.items()) + " tokens/s (efficiency)", flush=True)

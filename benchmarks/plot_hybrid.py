@@ -11,6 +11,7 @@ Rows cut short after their modes (partial) are plotted without the bounds they l
 machines plotted together compare only loosely (the CPU's bandwidth differs between device hosts).
 """
 import argparse
+import gzip
 import json
 import os
 from collections import defaultdict
@@ -51,7 +52,7 @@ def main():
 
     results = []
     for path in args.result:
-        with open(path) as f:
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:  # large results are gzipped
             results.append(json.load(f))
     for result in results:  # the run's prompt and new tokens on each row (the steady figures need them)
         for row in result["rows"]:

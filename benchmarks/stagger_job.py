@@ -134,7 +134,9 @@ def main():
             for i in range(args.repeats + 2):
                 flags = torch.zeros(layers if layered else 1, dtype=torch.int64)
                 done = torch.zeros(layers, dtype=torch.int64)
-                timings = torch.zeros(3 + len(PARTS), dtype=torch.float64)  # the last: busy thread-seconds
+                # waiting, running, its parts, busy thread-seconds, the whole C++ call (layered jobs)
+                timings = torch.zeros(4 + len(PARTS), dtype=torch.float64)
+                wall = [float("nan")]  # the layered call's wall time
                 if how in ("hot", "gap", "multi"):
                     flags[0] = 1
 
@@ -146,11 +148,13 @@ def main():
                             begin = time.perf_counter()
                             paged_attention_cpu_multi(query, keys, values, cache_index, row_tables, lens, dim ** -0.5)
                             timings[1] = timings[2 + PARTS.index("attention")] = time.perf_counter() - begin
-                            timings[-1] = float("nan")
+                            timings[4] = timings[5] = float("nan")
                         elif layered:
+                            begin = time.perf_counter()
                             torch.ops.apex.stagger_layer_job(staged, keys, values, cache_index, row_tables, lens,
                                                              slots, picked, hq, dim ** -0.5, out, flags, done, 1,
                                                              60.0, timings)
+                            wall[0] = time.perf_counter() - begin  # with its planning, before the first wait
                         else:
                             torch.ops.apex.stagger_cpu_job(staged, keys, values, cache_index, row_tables, lens,
                                                            slots, picked, hq, dim ** -0.5, out, flags, [1], 60.0,
@@ -168,18 +172,25 @@ def main():
                         view[layer] = 1
                 future.result()
                 if i >= 2:
-                    samples.append(timings.tolist())
+                    samples.append(timings.tolist() + wall)
             run = statistics.median(s[1] for s in samples)
             parts = {p: statistics.median(s[2 + j] for s in samples) for j, p in enumerate(PARTS)}
-            busy = statistics.median(s[-1] for s in samples)  # NaN where the schedule does not time its items
+            busy = statistics.median(s[4] for s in samples)  # NaN where the schedule does not time its items
+            # the layered call's wall time beyond its waits and running time: the C++ call's checks, plans and
+            # frees, then the Python glue around it
+            prep = statistics.median(s[5] - s[0] - s[1] for s in samples)
+            glue = statistics.median(s[6] - s[5] for s in samples)
             row = {"rows": rows, "how": how, "run_s": run, "wait_s": statistics.median(s[0] for s in samples),
                    "parts_s": parts, "kv_bytes": kv_bytes, "GBps": kv_bytes / run / 1e9,
-                   "busy_thread_s": None if busy != busy else busy}
+                   "busy_thread_s": None if busy != busy else busy, "prep_s": None if prep != prep else prep,
+                   "glue_s": None if glue != glue else glue}
             results.append(row)
             team = f"  team busy {busy / (run * len(cores)):.0%}, {kv_bytes / busy / 1e9:.1f} GB/s a busy thread" \
                 if busy == busy and busy > 0 else ""
             print(f"rows {rows} {how:4}: {run * 1e3:6.3f} ms ({kv_bytes / run / 1e9:5.1f} GB/s)  "
-                  + "  ".join(f"{p} {v * 1e3:.3f}" for p, v in parts.items()) + team, flush=True)
+                  + "  ".join(f"{p} {v * 1e3:.3f}" for p, v in parts.items()) + team
+                  + (f"  C++ checks, plans, frees {prep * 1e3:.3f} ms, Python glue {glue * 1e3:.3f} ms"
+                     if glue == glue else ""), flush=True)
     for how in modes:
         pts = [(r["rows"], r["run_s"]) for r in results if r["how"] == how]
         fixed, slope = fit([p[0] for p in pts], [p[1] for p in pts])

@@ -232,7 +232,8 @@ def stagger_layer_job(staged: torch.Tensor, key_caches: List[torch.Tensor], valu
                       cache_index: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                       slot_mapping: torch.Tensor, rows: Optional[torch.Tensor], num_heads: int, scale: float,
                       out: torch.Tensor, ready_flags: torch.Tensor, done_flags: torch.Tensor, turn: int,
-                      timeout_s: float = READY_TIMEOUT_S, with_busy: bool = False) -> Tuple[float, ...]:
+                      timeout_s: float = READY_TIMEOUT_S, with_busy: bool = False,
+                      with_call: bool = False) -> Tuple[float, ...]:
     """The one-lane staggered plan's CPU job: `stagger_cpu_job` layer by layer, as the GPU step that stages the
     layers runs. Layer l's rows (those of [l * width, (l + 1) * width) in use: rows sorted by layer, cache_index
     naming each row's layer) are appended and attended once ready_flags[l] >= turn; then done_flags[l] = turn
@@ -240,13 +241,15 @@ def stagger_layer_job(staged: torch.Tensor, key_caches: List[torch.Tensor], valu
     layer's flags are waited for and raised, with rows or without. Raises RuntimeError if the whole job waits
     more than timeout_s (done flags of the layers not reached stay as they were). Returns (seconds waiting for
     the flags, summed over layers, seconds running without them), with_busy: and the team's thread-seconds
-    inside work items (NaN unless the "flow" schedule runs it)."""
-    timings = torch.zeros(5 if with_busy else 2, dtype=torch.float64)
+    inside work items (NaN unless the "flow" schedule runs it), with_call: and the whole C++ call's seconds (its
+    checks, plans and frees included; against the caller's wall time, what the call costs beyond its work)."""
+    timings = torch.zeros(6 if with_call else 5 if with_busy else 2, dtype=torch.float64)
     torch.ops.apex.stagger_layer_job(staged, key_caches, value_caches, cache_index, block_tables, context_lens,
                                      slot_mapping, rows, num_heads, scale, out, ready_flags, done_flags, int(turn),
                                      timeout_s, timings)
     values = timings.tolist()
-    return (values[0], values[1], values[4]) if with_busy else (values[0], values[1])
+    extra = ([values[4]] if with_busy else []) + ([values[5]] if with_call else [])
+    return (values[0], values[1], *extra)
 
 
 def wait_host_flags(flags: torch.Tensor, values: Sequence[int], timeout_s: float = READY_TIMEOUT_S) -> float:

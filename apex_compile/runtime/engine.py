@@ -358,17 +358,20 @@ class Engine:
         stagger = self.stagger
         device = [r for r in running if self.kv.pool_of(r.request_id) == DEVICE_POOL]
         context = sum(r.num_tokens for r in running) / len(running)
+        host_context = stagger.rows.context or None  # the job's rows' own context (they lag the device rows')
         fits = min(stagger.width, stagger.rows.measured)
         keep = bool(stagger.rows.ceiling and stagger.num_members)  # a running pipeline: the lower keep margin
         gap = self.auto_policy.gap
         fit = stagger.rows.job_fit()  # the measured job (kept until an idle probe drops it): not the profile's
         self.auto_policy.learn_cpu_job(fit)
-        key = (len(device), int(context) // 32, len(self.calibration.rows), self.calibration.stagger_width, fits,
+        key = (len(device), int(context) // 32, int(host_context or 0) // 32, len(self.calibration.rows),
+               self.calibration.stagger_width, fits,
                keep, round(gap.seconds(False) * 1e4), round(gap.seconds(True) * 1e4),  # gaps in 0.1 ms
                fit and (round(fit[0] * 1e4), round(math.log(max(fit[1], 1e-15)) * 50)))  # rate in 2% steps
         if key != self._ceiling_key:
             self._ceiling_key = key
-            self._model_rows = self.auto_policy.stagger_rows(len(device), context, fits, keep=keep)
+            self._model_rows = self.auto_policy.stagger_rows(len(device), context, fits, keep=keep,
+                                                             host_context=host_context)
         rows = self._model_rows
         if rows and not stagger.rows.ceiling:  # rising from 0: only once the verdict has held STAGGER_RISE_STEPS
             self._rise_steps += 1
@@ -820,29 +823,30 @@ class Engine:
             self._tick("finish")
             self._last_tick = None
         if gap_sample is not None and self._decode_only:
-            device, rows, context, job_s = gap_sample
-            self.auto_policy.observe_staggered(device, rows, context, time.perf_counter() - start, job_s)
+            device, rows, context, host_context, job_s = gap_sample
+            self.auto_policy.observe_staggered(device, rows, context, time.perf_counter() - start, job_s,
+                                               host_context=host_context)
         return sampled
 
-    def _gap_sample(self) -> Optional[Tuple[int, float, float, Optional[float]]]:
+    def _gap_sample(self) -> Optional[Tuple[int, float, float, Optional[float], Optional[float]]]:
         """offload="auto" with the staggered plan: (device rows, the block's host rows per layer, mean context
-        of every request, the measured job fit's seconds for those rows) of the step about to run, whose wall
-        time (GPU-bound once steps are queued ahead) teaches the model its host gap."""
+        of the device rows, that of the job's rows, the measured job fit's seconds for those rows) of the step
+        about to run, whose wall time (GPU-bound once steps are queued ahead) teaches the model its host gap:
+        predicted at the same two contexts as auto's verdict (`_update_stagger_ceiling`)."""
         stagger = self.stagger
         if stagger is None or self.config.offload != "auto" or self.auto_policy is None:
             return None
         running = self.scheduler.running
-        members = stagger.members()  # a fresh list
-        if not (running or members):
+        if not (running or stagger.num_members):
             return None
         # prompt turns of the pipeline (its own bookkeeping, which idles with it) or prompt K/V still exporting
         if (stagger.active and not stagger.measures_decode) or self.runner.exports.queued():
             return None
-        device = sum(1 for r in running if self.kv.pool_of(r.request_id) == DEVICE_POOL)
+        on_device = [r.num_tokens for r in running if self.kv.pool_of(r.request_id) == DEVICE_POOL]
         rows = sum(g.size for g in stagger.groups) / len(stagger.groups) if stagger.active else 0.0
-        context = (sum(r.num_tokens for r in running) + sum(r.num_tokens for r in members)) / (
-            len(running) + len(members))
-        return device, rows, context, stagger.rows.job_seconds(rows) if rows else None
+        host_context = stagger.rows.context or None
+        context = sum(on_device) / len(on_device) if on_device else (host_context or 0.0)
+        return len(on_device), rows, context, host_context, stagger.rows.job_seconds(rows) if rows else None
 
     def _step(self) -> List[Request]:
         if self.stagger is not None:

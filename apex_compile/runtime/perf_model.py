@@ -153,9 +153,11 @@ class PerfModel:
         return cpu_requests * p.copy_bytes_per_token / p.copy_bytes_per_s
 
     def predict(self, plan: str, gpu_requests: int, cpu_requests: int, context: float,
-                cpu_job: Optional[Tuple[float, float]] = None) -> Prediction:
+                cpu_job: Optional[Tuple[float, float]] = None, cpu_context: Optional[float] = None) -> Prediction:
         """The step of `plan` with that many requests per pool, each reading `context` tokens of KV. cpu_job:
-        (fixed seconds, seconds per context token) of a measured staggered CPU job, in place of the profile's."""
+        (fixed seconds, seconds per context token) of a measured staggered CPU job, in place of the profile's.
+        cpu_context: the host requests' own mean context where it differs (a staggered host request gains a token
+        per num_layers + 1 steps, so the pipeline's contexts lag the device rows'); None: `context`."""
         if plan not in PLANS:
             raise ValueError(f"plan must be one of {PLANS}, got {plan!r}")
         if plan == "never" and cpu_requests:
@@ -168,19 +170,19 @@ class PerfModel:
                 step = self.linear_s(gpu_requests) + self.gpu_attention_s(int(gpu_requests * context))
             return Prediction("never", gpu_requests, 0, step)
         job_s = self.cpu_job_s if cpu_job is None else (lambda tokens: cpu_job[0] + tokens * cpu_job[1])
+        host_tokens = int(cpu_requests * (context if cpu_context is None else cpu_context))
         if plan == "staggered" and self.is_calibrated(True):
             gpu = (interpolate(c.stagger_rows, c.stagger_s, gpu_requests) + self._context_s(gpu_requests, context)
                    + self.copy_s(max(c.stagger_width, cpu_requests)))
-            step = max(gpu, job_s(int(cpu_requests * context)))
+            step = max(gpu, job_s(host_tokens))
             return Prediction(plan, gpu_requests, cpu_requests, step)
         n = gpu_requests + cpu_requests
         gpu_attention = self.gpu_attention_s(int(gpu_requests * context))
-        cpu = self.cpu_attention_s(int(cpu_requests * context)) + self.copy_s(cpu_requests)
+        cpu = self.cpu_attention_s(host_tokens) + self.copy_s(cpu_requests)
         if plan == "overlap":
             step = self.linear_s(n) + max(gpu_attention, cpu)
         elif plan == "staggered":  # its copies serialize with the GPU's work, not the CPU's
-            step = max(self.linear_s(n) + gpu_attention + self.copy_s(cpu_requests),
-                       job_s(int(cpu_requests * context)))
+            step = max(self.linear_s(n) + gpu_attention + self.copy_s(cpu_requests), job_s(host_tokens))
         else:
             step = max(self.linear_s(gpu_requests) + self.linear_s(cpu_requests) + gpu_attention, cpu)
         return Prediction(plan, gpu_requests, cpu_requests, step)
@@ -384,40 +386,46 @@ class AutoOffload:
             self.never_correction += weight * (ratio - self.never_correction)
 
     def observe_staggered(self, gpu_requests: int, cpu_rows: float, context: float, measured_s: float,
-                          job_s: Optional[float] = None) -> None:
+                          job_s: Optional[float] = None, host_context: Optional[float] = None) -> None:
         """A decode step of the staggered engine (`cpu_rows` host rows per layer in its block, 0: GPU-only) took
-        `measured_s`: its residual over the model joins its kind's host gap. job_s: the measured CPU job's
-        fitted time for those rows; a step it bounds is predicted by it, so that rows beyond what the job fits
-        (which the measured rows already cap) do not read as a gap of every row count."""
-        predicted = self._model_step(gpu_requests, cpu_rows, context).step_s
+        `measured_s`: its residual over the model joins its kind's host gap. context: the device rows' mean
+        context; host_context: the host rows' (None: `context`). job_s: the measured CPU job's fitted time for
+        those rows; a step it bounds is predicted by it, so that rows beyond what the job fits (which the measured
+        rows already cap) do not read as a gap of every row count."""
+        predicted = self._model_step(gpu_requests, cpu_rows, context, host_context).step_s
         if cpu_rows and job_s:
             predicted = max(predicted, job_s)
         self.gap.observe(bool(cpu_rows), predicted, measured_s)
 
-    def _model_step(self, gpu_requests: int, cpu_rows: float, context: float) -> Prediction:
+    def _model_step(self, gpu_requests: int, cpu_rows: float, context: float,
+                    host_context: Optional[float] = None) -> Prediction:
         """The model's staggered step, or without host rows its GPU-only step."""
         return self.model.predict("staggered" if cpu_rows else "never", gpu_requests, cpu_rows, context,
-                                  cpu_job=self.cpu_job)
+                                  cpu_job=self.cpu_job, cpu_context=host_context)
 
-    def _staggered_step(self, gpu_requests: int, cpu_rows: int, context: float) -> Prediction:
+    def _staggered_step(self, gpu_requests: int, cpu_rows: int, context: float,
+                        host_context: Optional[float] = None) -> Prediction:
         """`_model_step` plus its kind's learned host gap."""
-        p = self._model_step(gpu_requests, cpu_rows, context)
+        p = self._model_step(gpu_requests, cpu_rows, context, host_context)
         return dataclasses.replace(p, step_s=max(p.step_s + self.gap.seconds(bool(cpu_rows)), 1e-6))
 
-    def stagger_rows(self, gpu_requests: int, context: float, width: int, keep: bool = False) -> int:
+    def stagger_rows(self, gpu_requests: int, context: float, width: int, keep: bool = False,
+                     host_context: Optional[float] = None) -> int:
         """Host rows per step (0..width) for the staggered plan beside `gpu_requests` device rows of
-        `context`-token requests: the count with the most predicted tokens/s, 0 unless it beats GPU-only by
-        `stagger_margin` (then no request enters the pipeline); keep: for a running pipeline, by
-        `stagger_keep_margin` instead. Each kind of step is predicted with its host gap learned so far
-        (`observe_staggered`): the GPU-only step's, measured beside the same host work, is not flattered."""
+        `context`-token requests, its host rows' requests of `host_context` tokens (None: `context`): the count
+        with the most predicted tokens/s, 0 unless it beats GPU-only by `stagger_margin` (then no request enters
+        the pipeline); keep: for a running pipeline, by `stagger_keep_margin` instead. Each kind of step is
+        predicted with its host gap learned so far (`observe_staggered`): the GPU-only step's, measured beside the
+        same host work, is not flattered."""
         never = self._staggered_step(gpu_requests, 0, context).tokens_per_s
-        best = self._best_staggered(gpu_requests, context, width)
+        best = self._best_staggered(gpu_requests, context, width, host_context)
         margin = self.stagger_keep_margin if keep else self.stagger_margin
         return best.cpu_requests if best and best.tokens_per_s > never * (1 + margin) else 0
 
-    def _best_staggered(self, gpu_requests: int, context: float, width: int) -> Optional[Prediction]:
+    def _best_staggered(self, gpu_requests: int, context: float, width: int,
+                        host_context: Optional[float] = None) -> Optional[Prediction]:
         """The staggered plan's prediction at its best host row count in 1..width (None when width < 1)."""
-        return max((self._staggered_step(gpu_requests, rows, context) for rows in range(1, width + 1)),
+        return max((self._staggered_step(gpu_requests, rows, context, host_context) for rows in range(1, width + 1)),
                    key=lambda p: p.tokens_per_s, default=None)
 
     def worth_staggering(self, gpu_tokens: int, cpu_tokens: int, max_seqs: int, contexts: Sequence[int],

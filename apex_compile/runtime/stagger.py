@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import sys
 import threading
 import time
 from typing import Deque, Dict, List, Optional, Tuple
@@ -67,6 +68,10 @@ BUSY_FIT = True
 # limits, so one bad stretch (a fill's contention) would otherwise stop the host rows for good.
 IDLE_HOLD = 256
 MAX_IDLE_HOLD = 16384
+# The interpreter's GIL switch interval (seconds) while a layered job worker runs (None: Python's, 5 ms). Between
+# two jobs the worker needs the GIL (the job's Python glue, its return, the next job's call) while the launching
+# thread mostly holds it; a thread waiting for the GIL gets it only when the holder blocks or the interval ends.
+GIL_SWITCH_S: Optional[float] = None
 
 
 class RowLimit:
@@ -175,6 +180,12 @@ class RowLimit:
         if self.rate is None or context <= 0:
             return None
         return self.rate * self.num_layers * context
+
+    @property
+    def context(self) -> float:
+        """The mean context of the job's rows at the last turn that had any (0 before one): a host request gains a
+        token per lanes x (num_layers + 1) steps, so it lags the device rows' context."""
+        return self._context
 
     def job_fit(self) -> Optional[Tuple[float, float]]:
         """The fitted job as (fixed seconds, seconds per context token of a row over every layer); None before a
@@ -625,12 +636,18 @@ class StaggerPipeline:
             turn = self.steps
 
             def layer_job(staged, out, ready, done):
+                begin = time.perf_counter()
                 for export in exports:
                     export.result()
-                waited, ran, busy = stagger_layer_job(staged, pool.key_caches, pool.value_caches, plan.cache_index,
-                                                      plan.block_tables, plan.context_lens, plan.slots, plan.rows,
-                                                      num_heads, runner.stagger_scale, out, ready, done, turn,
-                                                      with_busy=True)
+                called = time.perf_counter()
+                waited, ran, busy, call = stagger_layer_job(
+                    staged, pool.key_caches, pool.value_caches, plan.cache_index, plan.block_tables,
+                    plan.context_lens, plan.slots, plan.rows, num_heads, runner.stagger_scale, out, ready, done,
+                    turn, with_busy=True, with_call=True)
+                # the job's time outside its running and waiting: the exports it waited for, the C++ call's own
+                # checks, plans and frees, and the rest of the Python call (its glue, the GIL taken back)
+                self.executor.job_parts.append((called - begin, call - waited - ran,
+                                                time.perf_counter() - called - call))
                 fit = busy / len(self.executor.cores) if BUSY_FIT and busy > 0 else ran  # (busy: NaN unless flow)
                 self.rows.observe_job(fit, work, decode)
                 self.executor.job_busy.append(busy)
@@ -776,6 +793,15 @@ class LayerJobs:
         # per job, the team's thread-seconds inside work items (NaN: the schedule does not time them); over the
         # running time x len(cores), the share of the team that was working, not waiting between items
         self.job_busy: Deque[float] = collections.deque(maxlen=4096)
+        # per job (perf_counter seconds): submitted, started on the worker, ended: the worker's time between jobs
+        self.job_times: Deque[Tuple[float, float, float]] = collections.deque(maxlen=4096)
+        # per job with rows, seconds: waiting for prompt exports before the call, the C++ call beyond its waits and
+        # running (checks, plans, frees), the Python call beyond the C++ one (glue, the GIL taken back)
+        self.job_parts: Deque[Tuple[float, float, float]] = collections.deque(maxlen=4096)
+        self._switch = None  # the interval GIL_SWITCH_S replaced (restored on close)
+        if GIL_SWITCH_S is not None:
+            self._switch = sys.getswitchinterval()
+            sys.setswitchinterval(GIL_SWITCH_S)
 
     def _raise_errors(self) -> None:
         """Raises a finished job's error, or a device wait that timed out."""
@@ -790,8 +816,10 @@ class LayerJobs:
         whose done flags rise as soon as the jobs before it are done). inputs / output: unused (the device
         reads and writes the host buffers itself)."""
         self._raise_errors()
+        submitted = time.perf_counter()
 
         def run():
+            started = time.perf_counter()
             try:
                 if job is None:
                     self.done.fill_(turn)
@@ -801,6 +829,8 @@ class LayerJobs:
             except BaseException:
                 self.done.fill_(ABORTED)
                 raise
+            finally:
+                self.job_times.append((submitted, started, time.perf_counter()))
 
         self.pending.append(self.worker.submit(run))
 
@@ -818,9 +848,12 @@ class LayerJobs:
             self.pending.popleft().result()
 
     def close(self) -> None:
-        """Stops the worker once its queued jobs are done."""
+        """Stops the worker once its queued jobs are done; the GIL switch interval it set goes back."""
         self.pending.clear()
         self.worker.shutdown(wait=True)
+        if self._switch is not None:
+            sys.setswitchinterval(self._switch)
+            self._switch = None
 
 
 class SyncJobs:

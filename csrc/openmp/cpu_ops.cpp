@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <exception>
 #include <memory>
 #include <numeric>
 #include <optional>
@@ -475,6 +476,22 @@ struct StaggerInputs {
   std::vector<void*> keys, values;  // the caches' data pointers
 };
 
+// timings[5] (when given) receives the whole call's seconds, entry to return (checks, plans, frees included), set
+// as the call returns: against the caller's wall time it separates the call's own costs from the caller's.
+class CallTimer {
+ public:
+  ~CallTimer() {
+    if (slot_ != nullptr) *slot_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+  void report_to(const at::Tensor& timings) {
+    if (timings.numel() == 6) slot_ = timings.data_ptr<double>() + 5;
+  }
+
+ private:
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
+  double* slot_ = nullptr;
+};
+
 void check_stagger_inputs(StaggerInputs& in, const at::Tensor& staged, at::TensorList key_caches,
                           at::TensorList value_caches, const at::Tensor& cache_index,
                           const std::optional<at::Tensor>& rows, int64_t num_heads, const at::Tensor& out,
@@ -483,8 +500,9 @@ void check_stagger_inputs(StaggerInputs& in, const at::Tensor& staged, at::Tenso
   check_cpu(out, "out");
   check_cpu(timings, "timings");
   APEX_CHECK(timings.scalar_type() == at::kDouble &&
-                 (timings.numel() == 2 || timings.numel() == 4 || timings.numel() == 5) && timings.is_contiguous(),
-             "timings must be a contiguous float64 tensor of 2, 4 or 5 elements, got ", timings.scalar_type(), " ",
+                 (timings.numel() == 2 || timings.numel() == 4 || timings.numel() == 5 || timings.numel() == 6) &&
+                 timings.is_contiguous(),
+             "timings must be a contiguous float64 tensor of 2, 4, 5 or 6 elements, got ", timings.scalar_type(), " ",
              shape_of(timings));
   APEX_CHECK(staged.dim() == 4 && staged.is_contiguous(),
              "staged must be a contiguous [layers, width, heads, head_dim] tensor, got ", shape_of(staged));
@@ -528,15 +546,17 @@ void check_stagger_inputs(StaggerInputs& in, const at::Tensor& staged, at::Tenso
 // side by side; rows (int64, into the flattened [layers * width]) picks the rows holding a request (none: all,
 // in order); cache_index / block_tables / context_lens / slot_mapping describe those rows.
 // timings (float64 [2], or [4] with the running time by part: append, attention, or [5] with the team's
-// thread-seconds inside work items after them: NaN where not measured) receives (seconds waiting for the flags,
-// seconds running[, its parts[, busy thread-seconds]]).
+// thread-seconds inside work items after them: NaN where not measured, or [6] with the whole call's seconds last)
+// receives (seconds waiting for the flags, seconds running[, its parts[, busy thread-seconds[, the call]]]).
 void stagger_cpu_job(const at::Tensor& staged, at::TensorList key_caches, at::TensorList value_caches,
                      const at::Tensor& cache_index, const at::Tensor& block_tables, const at::Tensor& context_lens,
                      const at::Tensor& slot_mapping, const std::optional<at::Tensor>& rows, int64_t num_heads,
                      double scale, at::Tensor& out, const at::Tensor& ready_flags, at::IntArrayRef ready_values,
                      double timeout_s, at::Tensor& timings) {
+  CallTimer call_timer;  // declared first: it reports after everything else is freed
   StaggerInputs in;
   check_stagger_inputs(in, staged, key_caches, value_caches, cache_index, rows, num_heads, out, timings);
+  call_timer.report_to(timings);
   const int64_t count = in.count;
 
   // Everything is checked and planned before the wait, so that from the inputs' arrival the job only computes.
@@ -593,7 +613,7 @@ void stagger_cpu_job(const at::Tensor& staged, at::TensorList key_caches, at::Te
     seconds[2] = std::chrono::duration<double>(appended - start).count();
     seconds[3] = std::chrono::duration<double>(end - appended).count();
   }
-  if (timings.numel() == 5) seconds[4] = std::nan("");  // busy thread-seconds: measured by the flow schedule only
+  if (timings.numel() >= 5) seconds[4] = std::nan("");  // busy thread-seconds: measured by the flow schedule only
 }
 
 // A barrier for the threads of a parallel region that spins (pause, a yield every 64 rounds) instead of sleeping:
@@ -676,7 +696,7 @@ void run_layer_flow(const std::vector<std::unique_ptr<LayerWork>>& work, int64_t
   std::atomic<int64_t> next{0};
   std::atomic<bool> failed{false};
   std::string error;
-  const bool timed_items = timings.numel() == 5;  // each item timed: the team's busy thread-seconds
+  const bool timed_items = timings.numel() >= 5;  // each item timed: the team's busy thread-seconds
   std::vector<double> busy(team, 0.0);
   const auto start = clock::now();
   const auto deadline = start + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(timeout_s));
@@ -755,8 +775,10 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
                        const at::Tensor& slot_mapping, const std::optional<at::Tensor>& rows, int64_t num_heads,
                        double scale, at::Tensor& out, const at::Tensor& ready_flags, at::Tensor& done_flags,
                        int64_t turn, double timeout_s, at::Tensor& timings) {
+  CallTimer call_timer;  // declared first: it reports after everything else is freed
   StaggerInputs in;
   check_stagger_inputs(in, staged, key_caches, value_caches, cache_index, rows, num_heads, out, timings);
+  call_timer.report_to(timings);
   const int64_t layers = in.layers, width = in.width, count = in.count;
   for (const at::Tensor* flags : {&ready_flags, static_cast<const at::Tensor*>(&done_flags)}) {
     check_cpu(*flags, "ready_flags / done_flags");
@@ -782,22 +804,47 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
   for (int64_t l = layers - 1; l >= 0; --l) first[l] = std::min(first[l], first[l + 1]);
 
   const int team = std::max(1, at::get_num_threads());
+  // The layers are checked and planned by the team, a layer per thread at a time: planned by the calling thread
+  // alone they took ~0.6 ms a job on the GPU machine's host while the other threads idled, the CPU already behind
+  // the GPU (notes item 51). The first failing layer's error is raised, as a serial loop would.
+  // APEX_STAGGER_SERIAL_PLAN=1 (read on every call, for A/Bs): the calling thread plans and frees alone.
+  const char* serial_env = std::getenv("APEX_STAGGER_SERIAL_PLAN");
+  const int planners = serial_env != nullptr && serial_env[0] == '1' ? 1 : team;
   std::vector<std::unique_ptr<LayerWork>> work(layers);
+  std::vector<std::exception_ptr> failures(layers);
+#pragma omp parallel for num_threads(planners) schedule(dynamic, 1) if (planners > 1)
   for (int64_t l = 0; l < layers; ++l) {
     const int64_t begin = first[l], n = first[l + 1] - first[l];
     if (n == 0) continue;
-    work[l] = std::make_unique<LayerWork>();
-    LayerWork& w = *work[l];
-    w.slots = slot_mapping.narrow(0, begin, n);
-    w.tables = block_tables.narrow(0, begin, n);
-    w.lens = context_lens.narrow(0, begin, n);
-    w.index = cache_index.narrow(0, begin, n);
-    prepare_append(w.append, in.key, in.value, key_caches[0], value_caches[0], w.slots, &in.keys, &in.values,
-                   &w.index, row_ptr + begin, team);
-    w.append.args.team_nowait = true;  // the team meets at a SpinBarrier instead
-    prepare_attention(w.attention, in.query, key_caches[0], value_caches[0], w.tables, w.lens, scale, &in.keys,
-                      &in.values, &w.index, out.data_ptr(), row_ptr + begin, team);
+    try {
+      auto planned = std::make_unique<LayerWork>();
+      LayerWork& w = *planned;
+      w.slots = slot_mapping.narrow(0, begin, n);
+      w.tables = block_tables.narrow(0, begin, n);
+      w.lens = context_lens.narrow(0, begin, n);
+      w.index = cache_index.narrow(0, begin, n);
+      prepare_append(w.append, in.key, in.value, key_caches[0], value_caches[0], w.slots, &in.keys, &in.values,
+                     &w.index, row_ptr + begin, team);
+      w.append.args.team_nowait = true;  // the team meets at a SpinBarrier instead
+      prepare_attention(w.attention, in.query, key_caches[0], value_caches[0], w.tables, w.lens, scale, &in.keys,
+                        &in.values, &w.index, out.data_ptr(), row_ptr + begin, team);
+      work[l] = std::move(planned);
+    } catch (...) {
+      failures[l] = std::current_exception();
+    }
   }
+  for (const std::exception_ptr& failure : failures) {
+    if (failure) std::rethrow_exception(failure);
+  }
+  // and freed by the team too (each layer's scratch and plan), after the job
+  struct FreeByTeam {
+    std::vector<std::unique_ptr<LayerWork>>& work;
+    int team;
+    ~FreeByTeam() {
+#pragma omp parallel for num_threads(team) schedule(dynamic, 1) if (team > 1)
+      for (int64_t l = 0; l < int64_t(work.size()); ++l) work[l].reset();
+    }
+  } free_by_team{work, planners};
 
   if (g_layer_schedule.load(std::memory_order_relaxed) == 1) {
     run_layer_flow(work, layers, ready_flags, done_flags, turn, timeout_s, team, timings);
@@ -864,7 +911,7 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
     seconds[2] = appending;
     seconds[3] = ran - appending;
   }
-  if (timings.numel() == 5) seconds[4] = std::nan("");  // busy thread-seconds: measured by the flow schedule only
+  if (timings.numel() >= 5) seconds[4] = std::nan("");  // busy thread-seconds: measured by the flow schedule only
 }
 
 // Sets the layered job's schedule (0 barrier, 1 flow; a negative mode keeps it); returns the one now in effect.

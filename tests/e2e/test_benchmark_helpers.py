@@ -130,8 +130,19 @@ def test_windows_of_compared_modes_start_at_the_same_step():
     # a CPU engine runs synchronously: no window step was queued ahead, none counted as declined
     assert run["queued_ahead"] == [False] * 3 and run["not_ahead"] == {} and run["unqueued_excess_s"] >= 0
     assert len(run["window_events"]) == 3 and all(isinstance(e, dict) for e in run["window_events"])
-    run = e2e_hybrid.steady_state(engine, prompts, SamplingParams(max_new_tokens=3), warm_steps=2, window_steps=3)
-    assert run["window_start"] == 2
+    # Python's collections in the window, per generation: [count, seconds, longest]; the hook removed after it
+    import gc
+
+    hooks, thresholds = len(gc.callbacks), gc.get_threshold()
+    gc.set_threshold(50, 2, 2)  # collections every few dozen allocations: some fall in the window
+    try:
+        run = e2e_hybrid.steady_state(engine, prompts, SamplingParams(max_new_tokens=3), warm_steps=2,
+                                      window_steps=3)
+    finally:
+        gc.set_threshold(*thresholds)
+    assert run["window_start"] == 2 and len(gc.callbacks) == hooks
+    assert run["window_gc"] and "0" in run["window_gc"]
+    assert all(n >= 1 and 0 <= longest <= total for n, total, longest in run["window_gc"].values())
 
 
 def test_a_piecewise_mode_differs_from_its_mode_only_in_its_mixed_steps():
@@ -192,6 +203,9 @@ def test_a_mode_can_name_its_block_size_its_cpu_work_split_and_an_inline_exchang
                                                                    ("auto/joinlanded", False))),
         (lambda: e2e_hybrid.perf_model_module.LEARN_CPU_JOB, (("auto/profilejob", False), ("auto/learnjob", True))),
         (lambda: e2e_hybrid.stagger_module.JOB_SHARE, (("auto/share=0.97", 0.97), ("staggered:4/share=1.0", 1.0))),
+        (lambda: e2e_hybrid.stagger_module.GIL_SWITCH_S, (("auto/gil=0.1", 1e-4), ("auto/gil=0.5", 5e-4))),
+        (lambda: os.environ.get("APEX_STAGGER_SERIAL_PLAN"), (("auto/serialplan", "1"), ("auto/teamplan", "0"))),
+        (lambda: e2e_hybrid.FREEZE_GC, (("auto/gcfreeze", True),)),
     ]
     for read, cases in settings:
         before, during = read(), []
@@ -208,7 +222,8 @@ def test_modes_with_an_unknown_suffix_or_named_twice_are_refused():
     """check_modes: every suffix of e2e_hybrid's modes is known (a typo would run the defaults under an A/B arm's
     name); a mode named twice is refused, "/r2" runs it again."""
     e2e_hybrid.check_modes(["never", "auto", "auto/share=0.95", "auto/r2", "staggered:4/t14/split=4-32768-65536",
-                            "0.5/pw/bs64/pin", "auto/1lane/inline/syncmoves/barrier/timefit/joinwait/profilejob"])
+                            "0.5/pw/bs64/pin", "auto/1lane/inline/syncmoves/barrier/timefit/joinwait/profilejob",
+                            "auto/gil=0.1/serialplan/gcfreeze", "auto/teamplan"])
     assert e2e_hybrid.parse_mode("auto/r2") == e2e_hybrid.parse_mode("auto")
     for modes, message in ((["auto", "auto"], "named twice"), (["auto/shar=1.0"], "unknown suffix '/shar=1.0'"),
                            (["auto/r"], "unknown suffix"), (["auto/share=1.0x"], "unknown suffix")):

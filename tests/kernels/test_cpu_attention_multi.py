@@ -1,6 +1,7 @@
 """The multi-cache CPU ops (every layer's rows in one call): each row appends to and attends the cache pair its
 cache_index names, equal to one call per pair and to float64 attention; bad lists and indices are errors."""
 import math
+import time
 
 import pytest
 import torch
@@ -305,7 +306,21 @@ def test_layer_job_times_its_items_in_the_flow_schedule(threads, schedule):
         assert 0 < busy <= ran * 3 + 1e-4
     else:
         assert math.isnan(busy)
-    with pytest.raises(RuntimeError, match="2, 4 or 5 elements"):
+    # 6: the whole call last, its checks, plans and frees included (at least its waits and running time), within
+    # the caller's wall time; the Python wrapper returns it after the busy thread-seconds
+    from apex_compile.ops.cpu_attention import stagger_layer_job
+
+    timings = torch.zeros(6, dtype=torch.float64)
+    begin = time.perf_counter()
+    torch.ops.apex.stagger_layer_job(*args, torch.ones(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), 1,
+                                     10.0, timings)
+    wall = time.perf_counter() - begin
+    waited, ran, call = timings[0].item(), timings[1].item(), timings[5].item()
+    assert waited + ran <= call <= wall
+    values = stagger_layer_job(*args, torch.ones(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), 1,
+                               with_busy=True, with_call=True)
+    assert len(values) == 4 and values[0] + values[1] <= values[3]
+    with pytest.raises(RuntimeError, match="2, 4, 5 or 6 elements"):
         torch.ops.apex.stagger_layer_job(*args, torch.ones(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64),
                                          1, 10.0, torch.zeros(3, dtype=torch.float64))
 
@@ -359,6 +374,35 @@ def test_layer_job_checks_its_rows_and_times_out_clearly(threads, schedule):
     with pytest.raises(RuntimeError, match="layer 1 of turn 1"):
         run_layer_job(caches, staged, meta, None, ready, done, 1, timeout_s=0.05)
     assert done.tolist() == [1, 0]
+
+
+def test_layer_job_planned_by_the_team_equals_the_serial_plan_and_raises_the_first_layers_error(
+        threads, schedule, monkeypatch):
+    """The layers are checked and planned by the job's team (APEX_STAGGER_SERIAL_PLAN=1: by the calling thread
+    alone): the outputs and caches are the same bit for bit, and with bad rows in two layers the error raised is
+    the first layer's, as the serial plan raises it."""
+    torch.set_num_threads(3)
+    caches, staged, meta = stagger_job_case(37, layers=4, width=2)
+    pristine = [(k.clone(), v.clone()) for k, v in caches]
+    flags = lambda: (torch.ones(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64))  # noqa: E731
+    results = {}
+    for serial in ("1", "0"):
+        monkeypatch.setenv("APEX_STAGGER_SERIAL_PLAN", serial)
+        run = [(k.clone(), v.clone()) for k, v in pristine]
+        out, _ = run_layer_job(run, staged, meta, None, *flags(), 1)
+        results[serial] = out, run
+    (a, caches_a), (b, caches_b) = results["1"], results["0"]
+    assert torch.equal(a.nan_to_num(-7.0), b.nan_to_num(-7.0)) and not torch.isnan(a).any()
+    for (k, v), (k1, v1) in zip(caches_a, caches_b):
+        assert torch.equal(k.nan_to_num(-7.0), k1.nan_to_num(-7.0)) and torch.equal(v.nan_to_num(-7.0),
+                                                                                    v1.nan_to_num(-7.0))
+    bad = dict(meta, block_tables=meta["block_tables"].clone(), slot_mapping=meta["slot_mapping"].clone())
+    bad["block_tables"][2 * 1, 0] = 10 ** 6  # layer 1: a block out of range
+    bad["slot_mapping"][2 * 3] = 10 ** 9  # layer 3: a slot out of range
+    for serial in ("1", "0"):
+        monkeypatch.setenv("APEX_STAGGER_SERIAL_PLAN", serial)
+        with pytest.raises(RuntimeError, match="block_tables.* out of range"):
+            run_layer_job([(k.clone(), v.clone()) for k, v in pristine], staged, bad, None, *flags(), 1)
 
 
 @pytest.mark.parametrize("team", [1, 4])

@@ -207,6 +207,32 @@ def test_the_staggered_verdict_follows_the_measured_cpu_job_over_the_profile(mon
     assert slow_probe.cpu_job is None and slow_probe.stagger_rows(12, 576, 8) == capped
 
 
+def test_the_staggered_verdict_prices_the_job_at_the_host_rows_context():
+    """A staggered host request gains a token per num_layers + 1 steps, so the job's rows run at a context of
+    their own (near their prompt's) while the device rows' grows: the job is priced at `host_context`, the
+    device rows' attention at `context`. Priced at the device rows' longer context, the job fits fewer rows."""
+    policy = AutoOffload(calibrated(cpu_gbps=90), stagger_groups=GROUPS)
+    model = policy.model
+    short, long = 560, 800
+    gpu = model.predict("staggered", 12, 5, long, cpu_context=0).step_s  # a job without work: the GPU's step
+    assert model.predict("staggered", 12, 5, long, cpu_context=short).step_s == pytest.approx(
+        max(gpu, model.cpu_job_s(5 * short)))
+    assert model.predict("staggered", 12, 5, long, cpu_context=10 ** 6).step_s == pytest.approx(
+        model.cpu_job_s(5 * 10 ** 6))
+    assert model.predict("staggered", 12, 5, long, cpu_context=long).step_s == model.predict(
+        "staggered", 12, 5, long).step_s
+    # a job near the step: the host rows' shorter context allows more rows than the device rows' would
+    policy.learn_cpu_job((0.0, gpu / (5.5 * short)))  # 5.5 rows of `short` tokens fill the GPU's step
+    at_host = policy.stagger_rows(12, long, 8, host_context=short)
+    assert policy.stagger_rows(12, long, 8) < at_host
+    # the gap it learns is taken at the same two contexts: a measured step equal to that prediction adds none
+    for _ in range(policy.gap.min_steps):
+        policy.observe_staggered(12, at_host, long, policy._model_step(12, at_host, long, short).step_s,
+                                 host_context=short)
+    assert policy.gap.seconds(True) == pytest.approx(0.0, abs=1e-9)
+    assert policy.stagger_rows(12, long, 8, host_context=short) == at_host
+
+
 def test_the_staggered_plan_needs_its_margin_over_gpu_only():
     """A predicted gain below `stagger_margin` (default STAGGER_MARGIN: the plan's unmodelled costs) takes no
     host rows; above it the best count; explain() shows the best prediction and the margin."""

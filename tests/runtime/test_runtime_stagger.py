@@ -666,7 +666,7 @@ class StubPolicy:
         self.gap = HostGap()
         self.fits = []  # the pipeline's job fits the engine handed over (`AutoOffload.learn_cpu_job`)
 
-    def observe_staggered(self, gpu_requests, cpu_rows, context, measured_s, job_s=None):
+    def observe_staggered(self, gpu_requests, cpu_rows, context, measured_s, job_s=None, host_context=None):
         pass
 
     def learn_cpu_job(self, fit):
@@ -688,7 +688,7 @@ def test_auto_refills_a_pipeline_its_ceiling_emptied_after_the_probe(monkeypatch
     engine, stagger = apex.engine, apex.engine.stagger
 
     class Policy(StubPolicy):
-        def stagger_rows(self, gpu_requests, context, width, keep=False):
+        def stagger_rows(self, gpu_requests, context, width, keep=False, host_context=None):
             return width if width >= 2 else 0
 
     engine.auto_policy = Policy()
@@ -741,19 +741,20 @@ def test_auto_learns_the_host_gap_from_its_decode_steps_only():
     torch.manual_seed(5)
     apex = staggered(sharp_model(), width="auto")
     engine = apex.engine
-    seen, prompt_steps, call = [], set(), [0]
+    seen, prompt_steps, call, hosts = [], set(), [0], []
 
     class Policy:
         gap = HostGap()
 
-        def stagger_rows(self, gpu_requests, context, width, keep=False):
+        def stagger_rows(self, gpu_requests, context, width, keep=False, host_context=None):
             return width
 
         def learn_cpu_job(self, fit):
             pass
 
-        def observe_staggered(self, gpu_requests, cpu_rows, context, measured_s, job_s=None):
+        def observe_staggered(self, gpu_requests, cpu_rows, context, measured_s, job_s=None, host_context=None):
             seen.append((call[0], gpu_requests, cpu_rows, context, measured_s))
+            hosts.append((cpu_rows, host_context))
 
     engine.auto_policy = Policy()
     engine.config.offload = "auto"
@@ -778,6 +779,8 @@ def test_auto_learns_the_host_gap_from_its_decode_steps_only():
     assert not {step for step, *_ in seen} & set(prompt_steps)
     assert any(rows for _, _, rows, _, _ in seen)  # steps with host rows in the block were measured
     assert all(seconds > 0 and context >= 1 and gpu >= 0 for _, gpu, _, context, seconds in seen)
+    # steps with host rows are priced at the job's rows' own context (the pipeline's, not the device rows')
+    assert all(host is not None and host >= 1 for rows, host in hosts if rows)
     # an idle pipeline keeps its last prompt turns (nothing counts them down): GPU-only steps are still measured
     engine.add_request(torch.randint(3, 96, (5,)).tolist(), sampling)
     engine.step()
@@ -915,7 +918,7 @@ def test_auto_ceiling_is_chosen_among_the_rows_the_cpu_job_fits(monkeypatch):
     asked = []
 
     class Policy(StubPolicy):  # pays from 3 rows on (the plan's overhead needs them)
-        def stagger_rows(self, gpu_requests, context, width, keep=False):
+        def stagger_rows(self, gpu_requests, context, width, keep=False, host_context=None):
             asked.append(width)
             return width if width >= 3 else 0
 
@@ -978,7 +981,7 @@ def test_a_running_pipeline_is_kept_by_the_lower_margin(monkeypatch):
     asked = []
 
     class Policy(StubPolicy):  # a gain between the two margins: rows only when keeping
-        def stagger_rows(self, gpu_requests, context, width, keep=False):
+        def stagger_rows(self, gpu_requests, context, width, keep=False, host_context=None):
             asked.append(keep)
             return width if keep else 0
 
