@@ -11,6 +11,10 @@ Per configuration also: ideal_gain (the tokens/s the CPU's measured attention
 bandwidth could add: B_cpu / KV bytes a host request reads per step) with its inputs, auto's
 offload efficiency (auto - never) / ideal_gain, the model's predicted decode step against the measured one, and
 HF generate with its offloaded cache (KV in host memory) over as many requests as the device pool holds.
+ideal_gain comes twice: at the workload's nominal mean context (prompt + new/2) and at the mean context of the
+window's host tokens ("eff@host", the figure to judge by). A staggered host request gains a token per
+num_layers + 1 steps, so within a window it stays near its prompt's length and reads less KV per token than the
+nominal context says.
 
 Steady state: a window's tokens come partly from requests prefilled before it (the staggered pipeline's members,
 parked requests resuming without a prefill), and a mode whose window happens to hold fewer prefill steps reads
