@@ -370,13 +370,13 @@ GIL_SUFFIX = re.compile(r"/gil=([0-9.]+)")
 PLAN_SUFFIXES = {"/serialplan": "1", "/teamplan": "0"}
 # "/gcfreeze": a mode whose objects alive before its window are frozen out of Python's collector (gc.freeze, as
 # vLLM does after start-up): the A/B for the collections the window records ("window_gc")
-GC_FREEZE_SUFFIX = "/gcfreeze"
+GC_FREEZE_SUFFIXES = {"/gcfreeze": True}
 FREEZE_GC = False  # set while a "/gcfreeze" mode runs
 # "/r2": a mode run again under its own name and otherwise the same settings, for an A-B-A order (the first hybrid
 # mode of a run came out lowest in three of session 35's four A/B runs)
 REPEAT_SUFFIX = re.compile(r"/r\d+")
 _SUFFIX_NAMES = {PIECEWISE_SUFFIX, PIN_SUFFIX, *LANE_SUFFIXES, *EXCHANGE_SUFFIXES, *MOVE_SUFFIXES, *SCHEDULE_SUFFIXES,
-                 *FIT_SUFFIXES, *JOIN_SUFFIXES, *LEARN_SUFFIXES, *PLAN_SUFFIXES, GC_FREEZE_SUFFIX}
+                 *FIT_SUFFIXES, *JOIN_SUFFIXES, *LEARN_SUFFIXES, *PLAN_SUFFIXES, *GC_FREEZE_SUFFIXES}
 _SUFFIX_PATTERNS = (THREADS_SUFFIX, SPLIT_SUFFIX, BLOCK_SUFFIX, SHARE_SUFFIX, REPEAT_SUFFIX, GIL_SUFFIX)
 
 
@@ -505,8 +505,8 @@ def process_settings(mode):
     serial_plan = os.environ.get("APEX_STAGGER_SERIAL_PLAN")
     global FREEZE_GC
     try:
-        if GC_FREEZE_SUFFIX in mode:
-            FREEZE_GC, mode = True, mode.replace(GC_FREEZE_SUFFIX, "")
+        mode, freeze = _take_suffix(mode, GC_FREEZE_SUFFIXES)
+        FREEZE_GC = bool(freeze)
         mode, named_plan = _take_suffix(mode, PLAN_SUFFIXES)
         if named_plan is not None:
             os.environ["APEX_STAGGER_SERIAL_PLAN"] = named_plan

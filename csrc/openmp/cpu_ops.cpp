@@ -805,8 +805,8 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
 
   const int team = std::max(1, at::get_num_threads());
   // The layers are checked and planned by the team, a layer per thread at a time: planned by the calling thread
-  // alone they took ~0.6 ms a job on the GPU machine's host while the other threads idled, the CPU already behind
-  // the GPU (notes item 51). The first failing layer's error is raised, as a serial loop would.
+  // alone, the other threads idle through it while the CPU is already behind the GPU (notes item 51). The first
+  // failing layer's error is raised, as a serial loop would.
   // APEX_STAGGER_SERIAL_PLAN=1 (read on every call, for A/Bs): the calling thread plans and frees alone.
   const char* serial_env = std::getenv("APEX_STAGGER_SERIAL_PLAN");
   const int planners = serial_env != nullptr && serial_env[0] == '1' ? 1 : team;
