@@ -52,7 +52,8 @@ from apex_compile.runtime import stagger as stagger_module  # noqa: E402
 from apex_compile.runtime import perf_model as perf_model_module  # noqa: E402
 from apex_compile.runtime.engine import PHASES  # noqa: E402
 from apex_compile.runtime.kv_manager import HOST_POOL  # noqa: E402
-from apex_compile.runtime.perf_model import PerfModel, StepCalibration, online_predictions  # noqa: E402
+from apex_compile.runtime.perf_model import (PerfModel, StepCalibration, online_predictions,  # noqa: E402
+                                             step_host_context)
 from apex_compile.runtime.perf_profile import cpu_attention_bandwidth, engine_profile  # noqa: E402
 
 GiB = 1 << 30
@@ -108,6 +109,8 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
         staggered = (round(sum(g.size for g in stagger.groups) / len(stagger.groups))
                      if stagger is not None and stagger.active else 0)
         context = sum(r.num_tokens for r in running) / max(len(running), 1)
+        # the context the step's CPU job prices its rows at (a staggered host request lags the device rows')
+        host_context = stagger.rows.context if staggered else None
         before = dict(engine.stats.phase_seconds)
         counts = _event_counts(engine)
         scheduled_before = len(scheduled)
@@ -132,7 +135,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
         events.append({k: v - counts[k] for k, v in _event_counts(engine).items() if v != counts[k]})
         # each host token's context: the KV its attention read (ideal_gain at the window's own host contexts)
         hosted = [r.num_tokens - 1 for r in sampled if r.request_id in host_ids]
-        return (len(running) - on_host, on_host + staggered, context, seconds, prefill_tokens), hosted
+        return (len(running) - on_host, on_host + staggered, context, seconds, prefill_tokens, host_context), hosted
 
     phases = []  # per step: the main thread's seconds per part of engine.step() (EngineStats.phase_seconds)
     limits = []  # per step with the staggered plan: its RowLimit after the step (job fit + guard, guard, ceiling)
@@ -643,8 +646,8 @@ def prediction_error(model: PerfModel, steps, plan="overlap", online=False):
     if online:
         pairs = online_predictions(model, steps, plan)
     else:
-        pairs = [(model.predict(plan if cpu else "never", gpu, cpu, context).step_s, seconds)
-                 for gpu, cpu, context, seconds, prefill_tokens in steps if not prefill_tokens]
+        pairs = [(model.predict(plan if s[1] else "never", *s[:3], cpu_context=step_host_context(s)).step_s, s[3])
+                 for s in steps if not s[4]]
     errors = [abs(predicted - seconds) / seconds for predicted, seconds in pairs]
     return statistics.median(errors) if errors else None
 
@@ -735,6 +738,10 @@ def main():
                     cpu += "; Python's collector in the window: " + ", ".join(
                         f"gen {g} {n}x {t * 1e3:.0f} ms (longest {m * 1e3:.1f})"
                         for g, (n, t, m) in r["window_gc"].items())
+                # the window's time outside engine.step(): this benchmark's own records of each step (a user's
+                # loop would not pay it; whether the GPU idled meanwhile depends on the step queued ahead)
+                cpu += (f"; the benchmark's own time between steps "
+                        f"{(r['window_s'] - sum(s[3] for s in r['steps'])) * 1e3:.0f} ms")
                 if r.get("collect_waits_s"):
                     cpu += f", the GPU waited {sum(r['collect_waits_s']) * 1e3:.0f} ms for the CPU in all"
                 if r.get("job_gaps"):

@@ -261,18 +261,25 @@ class HostGap:
         self.residuals[bool(host)].append(measured_s - predicted_s)
 
 
+def step_host_context(step) -> Optional[float]:
+    """The host rows' own context of a recorded step (device rows, host rows, context, seconds, prefill tokens[,
+    host context]); None (the step's context) for a record without it."""
+    return step[5] if len(step) > 5 and step[5] else None
+
+
 def online_predictions(model: "PerfModel", steps, plan: str = "staggered", history: int = 32) -> List[Tuple[float,
                                                                                                        float]]:
     """(predicted, measured) seconds of each decode-only step of `steps` ((device rows, host rows, context,
-    seconds, prefill tokens) in the order they ran): the model's step plus the `HostGap` learned from the decode
-    steps before it (none from the step itself or later); the first steps of each kind, before the gap has its
-    minimum of samples, are predicted without it."""
+    seconds, prefill tokens[, the host rows' context]) in the order they ran): the model's step plus the `HostGap`
+    learned from the decode steps before it (none from the step itself or later); the first steps of each kind,
+    before the gap has its minimum of samples, are predicted without it."""
     gap = HostGap(history)
     pairs = []
-    for gpu, cpu, context, seconds, prefill_tokens in steps:
+    for step in steps:
+        gpu, cpu, context, seconds, prefill_tokens = step[:5]
         if prefill_tokens:
             continue
-        base = model.predict(plan if cpu else "never", gpu, cpu, context).step_s
+        base = model.predict(plan if cpu else "never", gpu, cpu, context, cpu_context=step_host_context(step)).step_s
         pairs.append((base + gap.seconds(bool(cpu)), seconds))
         gap.observe(bool(cpu), base, seconds)
     return pairs

@@ -160,6 +160,50 @@ struct AttentionCall {
   std::unique_ptr<std::atomic<int32_t>[]> merge_pending;
 };
 
+// The arguments of an attention over num_seqs sequences of query ([seqs, heads, head_dim], head_dim contiguous);
+// keys / values / index (or null): the cache pair of each sequence, as PagedAttentionArgs::cache_index.
+void fill_attention_args(apex_cpu::PagedAttentionArgs& args, const at::Tensor& query, const void* key_cache,
+                         const void* value_cache, const int32_t* tables, int64_t table_stride, const int32_t* lens,
+                         void* out, int64_t num_seqs, int64_t num_kv_heads, int64_t block_size, int64_t head_dim,
+                         double scale, const int64_t* rows, void* const* keys, void* const* values,
+                         const int32_t* index) {
+  args.dtype = kernel_dtype(query.scalar_type());
+  args.query = query.data_ptr();
+  args.query_seq_stride = query.stride(0);
+  args.query_head_stride = query.stride(1);
+  args.key_cache = key_cache;
+  args.value_cache = value_cache;
+  args.block_tables = tables;
+  args.block_table_stride = table_stride;
+  args.context_lens = lens;
+  args.out = out;
+  args.num_seqs = int(num_seqs);
+  args.num_heads = int(query.size(1));
+  args.num_kv_heads = int(num_kv_heads);
+  args.head_dim = int(head_dim);
+  args.block_size = int(block_size);
+  args.scale = float(scale);
+  args.rows = rows;
+  args.key_caches = const_cast<const void* const*>(keys);
+  args.value_caches = const_cast<const void* const*>(values);
+  args.cache_index = index;
+}
+
+// Points the call's view at its plan: the items, the merges and their pending counts (the scratch is set by the
+// caller).
+void view_plan(AttentionCall& call, int num_threads, bool in_team) {
+  apex_cpu::WorkPlanView& view = call.view;
+  view.items = call.plan.items.data();
+  view.num_items = int64_t(call.plan.items.size());
+  view.merges = call.plan.merges.data();
+  view.num_merges = int64_t(call.plan.merges.size());
+  view.num_threads = num_threads;
+  view.in_team = in_team;
+  call.merge_pending.reset(new std::atomic<int32_t>[call.plan.merges.size()]);
+  for (size_t i = 0; i < call.plan.merges.size(); ++i) call.merge_pending[i].store(call.plan.merges[i].num_partials);
+  view.merge_pending = call.merge_pending.get();
+}
+
 // Checks an attention call and plans its work. With cache_index defined each sequence reads the pair it names
 // (key_cache / value_cache are then the first pair, for geometry). With rows defined (int64 [num_seqs], checked
 // by the caller to lie in query's rows), sequence s reads query row rows[s] and writes output row rows[s] of
@@ -213,48 +257,21 @@ void prepare_attention(AttentionCall& call, const at::Tensor& query, const at::T
   call.isa = select_isa();
   const int threads = team > 0 ? team : std::max(1, at::get_num_threads());
   const int group = int(num_heads / num_kv_heads);
-  apex_cpu::PagedAttentionArgs& args = call.args;
-  args.dtype = kernel_dtype(query.scalar_type());
-  args.query = call.query.data_ptr();
-  args.query_seq_stride = call.query.stride(0);
-  args.query_head_stride = call.query.stride(1);
-  args.key_cache = key_cache.data_ptr();
-  args.value_cache = value_cache.data_ptr();
-  args.block_tables = tables_ptr;
-  args.block_table_stride = call.tables.stride(0);
-  args.context_lens = lens_ptr;
-  args.out = out;
-  args.num_seqs = int(num_seqs);
-  args.num_heads = int(num_heads);
-  args.num_kv_heads = int(num_kv_heads);
-  args.head_dim = int(head_dim);
-  args.block_size = int(block_size);
-  args.scale = float(scale.has_value() ? *scale : 1.0 / std::sqrt(double(head_dim)));
-  args.rows = rows;
-  if (cache_index != nullptr) {
-    args.key_caches = const_cast<const void* const*>(keys->data());
-    args.value_caches = const_cast<const void* const*>(values->data());
-    args.cache_index = cache_index->data_ptr<int32_t>();
-  }
-
+  fill_attention_args(call.args, call.query, key_cache.data_ptr(), value_cache.data_ptr(), tables_ptr,
+                      call.tables.stride(0), lens_ptr, out, num_seqs, num_kv_heads, block_size, head_dim,
+                      scale.has_value() ? *scale : 1.0 / std::sqrt(double(head_dim)), rows,
+                      cache_index != nullptr ? keys->data() : nullptr, cache_index != nullptr ? values->data() : nullptr,
+                      cache_index != nullptr ? cache_index->data_ptr<int32_t>() : nullptr);
   call.plan = apex_cpu::plan_work(lens_ptr, int(num_seqs), int(num_kv_heads),
                                   2 * head_dim * int64_t(key_cache.element_size()), threads);
+  view_plan(call, team > 0 ? team : call.plan.num_threads, team > 0);  // every thread of a team needs its scratch
   apex_cpu::WorkPlanView& view = call.view;
-  view.items = call.plan.items.data();
-  view.num_items = int64_t(call.plan.items.size());
-  view.merges = call.plan.merges.data();
-  view.num_merges = int64_t(call.plan.merges.size());
   view.scratch = apex_cpu::scratch_layout(group, int(head_dim), int(block_size), call.plan.max_splits);
-  view.num_threads = team > 0 ? team : call.plan.num_threads;  // every thread of a team needs its scratch
-  view.in_team = team > 0;
   const int64_t partial_floats = int64_t(group) * (head_dim + 2);
   call.scratch = at::empty({view.num_threads * view.scratch.total + call.plan.num_partials * partial_floats},
                            at::TensorOptions().dtype(at::kFloat));
   view.thread_scratch = call.scratch.data_ptr<float>();
   view.partials = view.thread_scratch + view.num_threads * view.scratch.total;
-  call.merge_pending.reset(new std::atomic<int32_t>[call.plan.merges.size()]);
-  for (size_t i = 0; i < call.plan.merges.size(); ++i) call.merge_pending[i].store(call.plan.merges[i].num_partials);
-  view.merge_pending = call.merge_pending.get();
 }
 
 void run_attention(const AttentionCall& call) {
@@ -314,6 +331,34 @@ struct AppendCall {
   at::Tensor key, value, slots;
 };
 
+// The arguments of an append of num_tokens slots, read from key / value ([tokens, kv_heads, head_dim] strided
+// views); keys / values / index (or null): the cache pair of each token, as CacheAppendArgs::cache_index.
+void fill_append_args(apex_cpu::CacheAppendArgs& args, const at::Tensor& key, const at::Tensor& value, void* key_cache,
+                      void* value_cache, int64_t element_size, const int64_t* slots, int64_t num_tokens,
+                      int64_t num_kv_heads, int64_t block_size, int64_t head_dim, int threads, const int64_t* rows,
+                      bool in_team, void* const* keys, void* const* values, const int32_t* index) {
+  args.element_size = int(element_size);
+  args.key = key.data_ptr();
+  args.key_token_stride = key.stride(0);
+  args.key_head_stride = key.stride(1);
+  args.value = value.data_ptr();
+  args.value_token_stride = value.stride(0);
+  args.value_head_stride = value.stride(1);
+  args.key_cache = key_cache;
+  args.value_cache = value_cache;
+  args.slot_mapping = slots;
+  args.num_tokens = num_tokens;
+  args.num_kv_heads = int(num_kv_heads);
+  args.head_dim = int(head_dim);
+  args.block_size = int(block_size);
+  args.num_threads = threads;
+  args.rows = rows;
+  args.in_team = in_team;
+  args.key_caches = keys;
+  args.value_caches = values;
+  args.cache_index = index;
+}
+
 // Checks a cache append. With rows defined (int64 [num_tokens], checked by the caller to lie in key's rows),
 // token t reads key/value row rows[t]; without, key and value have one row per slot. team > 0: it runs inside
 // a parallel region of that many threads.
@@ -344,29 +389,11 @@ void prepare_append(AppendCall& call, const at::Tensor& key, const at::Tensor& v
     APEX_CHECK(slots_ptr[i] < num_slots, "slot_mapping[", i, "] = ", slots_ptr[i],
                " is out of range for a cache of ", num_blocks, " blocks of ", block_size, " tokens");
   }
-  apex_cpu::CacheAppendArgs& args = call.args;
-  args.element_size = int(key_cache.element_size());
-  args.key = call.key.data_ptr();
-  args.key_token_stride = call.key.stride(0);
-  args.key_head_stride = call.key.stride(1);
-  args.value = call.value.data_ptr();
-  args.value_token_stride = call.value.stride(0);
-  args.value_head_stride = call.value.stride(1);
-  args.key_cache = key_cache.data_ptr();
-  args.value_cache = value_cache.data_ptr();
-  args.slot_mapping = slots_ptr;
-  args.num_tokens = call.slots.size(0);
-  args.num_kv_heads = int(num_kv_heads);
-  args.head_dim = int(head_dim);
-  args.block_size = int(block_size);
-  args.num_threads = team > 0 ? team : std::max(1, at::get_num_threads());
-  args.rows = rows;
-  args.in_team = team > 0;
-  if (cache_index != nullptr) {
-    args.key_caches = keys->data();
-    args.value_caches = values->data();
-    args.cache_index = cache_index->data_ptr<int32_t>();
-  }
+  fill_append_args(call.args, call.key, call.value, key_cache.data_ptr(), value_cache.data_ptr(),
+                   key_cache.element_size(), slots_ptr, call.slots.size(0), num_kv_heads, block_size, head_dim,
+                   team > 0 ? team : std::max(1, at::get_num_threads()), rows, team > 0,
+                   cache_index != nullptr ? keys->data() : nullptr, cache_index != nullptr ? values->data() : nullptr,
+                   cache_index != nullptr ? cache_index->data_ptr<int32_t>() : nullptr);
 }
 
 void cache_append_impl(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
@@ -645,12 +672,68 @@ class SpinBarrier {
 // thread finishing its last item: no barrier, and a thread that is done with layer l goes on to layer l + 1.
 std::atomic<int64_t> g_layer_schedule{1};
 
-// One layer's share of a layered job: its rows' append and attention, planned before the job's first wait.
+// One layer's share of a layered job: its rows' append and attention, planned before the job's first wait. The
+// calls point into the job's tensors (checked once for the whole job); the team's scratch and the layers'
+// partials are one allocation of the job's.
 struct LayerWork {
   AppendCall append;
   AttentionCall attention;
-  at::Tensor slots, tables, lens, index;  // this layer's rows of the job's metadata
 };
+
+// Layer rows [begin, begin + n) of a layered job planned: its append and attention arguments (raw pointers into
+// the job's checked tensors) and its work split. The scratch is assigned by the caller once every layer is planned.
+void plan_layer(LayerWork& w, const StaggerInputs& in, const std::array<int64_t, 4>& geometry, int64_t element_size,
+                const int32_t* tables, int64_t table_stride, const int32_t* lens, const int64_t* slots,
+                const int32_t* index, const int64_t* rows, int64_t begin, int64_t n, double scale, void* out, Isa isa,
+                int team) {
+  const int64_t num_kv_heads = geometry[1], block_size = geometry[2], head_dim = geometry[3];
+  fill_append_args(w.append.args, in.key, in.value, in.keys[0], in.values[0], element_size, slots + begin, n,
+                   num_kv_heads, block_size, head_dim, team, rows + begin, true, in.keys.data(), in.values.data(),
+                   index + begin);
+  w.append.args.team_nowait = true;  // the team meets at a SpinBarrier instead
+
+  AttentionCall& call = w.attention;
+  call.isa = isa;
+  fill_attention_args(call.args, in.query, in.keys[0], in.values[0], tables + begin * table_stride, table_stride,
+                      lens + begin, out, n, num_kv_heads, block_size, head_dim, scale, rows + begin, in.keys.data(),
+                      in.values.data(), index + begin);
+  call.plan = apex_cpu::plan_work(lens + begin, int(n), int(num_kv_heads), 2 * head_dim * element_size, team);
+  view_plan(call, team, true);
+}
+
+// Checks a layered job's shapes and dtypes, and with rows [begin, end) the metadata of those rows (what
+// prepare_attention and prepare_append check per call): context lengths, the blocks they need, the slots appended to.
+void check_layer_rows(const StaggerInputs& in, const std::array<int64_t, 4>& geometry, const at::Tensor& tables,
+                      const at::Tensor& lens, const at::Tensor& slots, int64_t begin = 0, int64_t end = 0) {
+  const int64_t num_blocks = geometry[0], num_kv_heads = geometry[1], block_size = geometry[2], head_dim = geometry[3];
+  const int64_t num_heads = in.query.size(1);
+  APEX_CHECK(in.query.size(2) == head_dim, "query head_dim ", in.query.size(2), " differs from the cache's ", head_dim);
+  APEX_CHECK(num_heads % num_kv_heads == 0 && in.key.size(1) == num_kv_heads, "staged holds ", in.key.size(1),
+             " kv heads and ", num_heads, " query heads; the caches have ", num_kv_heads, " kv heads");
+  APEX_CHECK(tables.scalar_type() == at::kInt && tables.dim() == 2, "block_tables must be int32 [rows, max_blocks], got ",
+             tables.scalar_type(), " ", shape_of(tables));
+  APEX_CHECK(lens.scalar_type() == at::kInt, "context_lens must be int32, got ", lens.scalar_type());
+  APEX_CHECK(in.count <= INT32_MAX && num_blocks <= INT32_MAX, "too many sequences or blocks");
+  const int32_t* lens_ptr = lens.data_ptr<int32_t>();
+  const int32_t* tables_ptr = tables.data_ptr<int32_t>();
+  const int64_t* slots_ptr = slots.data_ptr<int64_t>();
+  const int64_t max_blocks = tables.size(1), num_slots = num_blocks * block_size;
+  for (int64_t s = begin; s < end; ++s) {
+    const int64_t context = lens_ptr[s];
+    APEX_CHECK(context >= 1, "context_lens[", s, "] = ", context,
+               ": every sequence must attend to at least its current token (zero-length contexts are an error)");
+    const int64_t needed = (context + block_size - 1) / block_size;
+    APEX_CHECK(needed <= max_blocks, "context_lens[", s, "] = ", context, " needs ", needed, " blocks of ",
+               block_size, " tokens but block_tables has ", max_blocks, " columns");
+    const int32_t* row = tables_ptr + s * tables.stride(0);
+    for (int64_t b = 0; b < needed; ++b) {
+      APEX_CHECK(row[b] >= 0 && row[b] < num_blocks, "block_tables[", s, ", ", b, "] = ", row[b],
+                 " is out of range for a cache of ", num_blocks, " blocks");
+    }
+    APEX_CHECK(slots_ptr[s] < num_slots, "slot_mapping[", s, "] = ", slots_ptr[s], " is out of range for a cache of ",
+               num_blocks, " blocks of ", block_size, " tokens");
+  }
+}
 
 // The "flow" schedule of a layered job (g_layer_schedule 1). Tasks are every layer's attention items in layer
 // order (a layer without rows is one empty task, so that its flags are still waited for and raised). A thread
@@ -804,31 +887,36 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
   for (int64_t l = layers - 1; l >= 0; --l) first[l] = std::min(first[l], first[l + 1]);
 
   const int team = std::max(1, at::get_num_threads());
-  // The layers are checked and planned by the team, a layer per thread at a time: planned by the calling thread
-  // alone, the other threads idle through it while the CPU is already behind the GPU (notes item 51). The first
-  // failing layer's error is raised, as a serial loop would.
-  // APEX_STAGGER_SERIAL_PLAN=1 (read on every call, for A/Bs): the calling thread plans and frees alone.
+  const std::array<int64_t, 4> geometry = check_caches(key_caches[0], value_caches[0]);  // (all alike: checked)
+  APEX_CHECK(in.query.scalar_type() == key_caches[0].scalar_type(), "staged dtype ", in.query.scalar_type(),
+             " must equal the KV cache dtype ", key_caches[0].scalar_type());
+  const at::Tensor tables = block_tables.stride(-1) == 1 ? block_tables : block_tables.contiguous();
+  const at::Tensor lens = context_lens.contiguous();
+  const at::Tensor slots = slot_mapping.contiguous();
+  check_layer_rows(in, geometry, tables, lens, slots);
+  const Isa isa = select_isa();
+  const int64_t element_size = key_caches[0].element_size();
+  // The layers are planned by the team, a layer per thread at a time: planned by the calling thread alone, the
+  // other threads idle through it while the CPU is already behind the GPU (notes item 51).
+  // APEX_STAGGER_SERIAL_PLAN=1 (read on every call, for A/Bs): the calling thread plans alone.
   const char* serial_env = std::getenv("APEX_STAGGER_SERIAL_PLAN");
   const int planners = serial_env != nullptr && serial_env[0] == '1' ? 1 : team;
   std::vector<std::unique_ptr<LayerWork>> work(layers);
-  std::vector<std::exception_ptr> failures(layers);
+  for (int64_t l = 0; l < layers; ++l) {
+    if (first[l + 1] > first[l]) work[l] = std::make_unique<LayerWork>();
+  }
+  const int32_t* tables_ptr = tables.data_ptr<int32_t>();
+  const int32_t* lens_ptr = lens.data_ptr<int32_t>();
+  const int64_t* slots_ptr = slots.data_ptr<int64_t>();
+  void* out_ptr = out.data_ptr();
+  std::vector<std::exception_ptr> failures(layers);  // the first failing layer's error is raised, as in a serial loop
 #pragma omp parallel for num_threads(planners) schedule(dynamic, 1) if (planners > 1)
   for (int64_t l = 0; l < layers; ++l) {
-    const int64_t begin = first[l], n = first[l + 1] - first[l];
-    if (n == 0) continue;
+    if (work[l] == nullptr) continue;
     try {
-      auto planned = std::make_unique<LayerWork>();
-      LayerWork& w = *planned;
-      w.slots = slot_mapping.narrow(0, begin, n);
-      w.tables = block_tables.narrow(0, begin, n);
-      w.lens = context_lens.narrow(0, begin, n);
-      w.index = cache_index.narrow(0, begin, n);
-      prepare_append(w.append, in.key, in.value, key_caches[0], value_caches[0], w.slots, &in.keys, &in.values,
-                     &w.index, row_ptr + begin, team);
-      w.append.args.team_nowait = true;  // the team meets at a SpinBarrier instead
-      prepare_attention(w.attention, in.query, key_caches[0], value_caches[0], w.tables, w.lens, scale, &in.keys,
-                        &in.values, &w.index, out.data_ptr(), row_ptr + begin, team);
-      work[l] = std::move(planned);
+      check_layer_rows(in, geometry, tables, lens, slots, first[l], first[l + 1]);
+      plan_layer(*work[l], in, geometry, element_size, tables_ptr, tables.stride(0), lens_ptr, slots_ptr, index,
+                 row_ptr, first[l], first[l + 1] - first[l], scale, out_ptr, isa, team);
     } catch (...) {
       failures[l] = std::current_exception();
     }
@@ -836,15 +924,30 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
   for (const std::exception_ptr& failure : failures) {
     if (failure) std::rethrow_exception(failure);
   }
-  // and freed by the team too (each layer's scratch and plan), after the job
-  struct FreeByTeam {
-    std::vector<std::unique_ptr<LayerWork>>& work;
-    int team;
-    ~FreeByTeam() {
-#pragma omp parallel for num_threads(team) schedule(dynamic, 1) if (team > 1)
-      for (int64_t l = 0; l < int64_t(work.size()); ++l) work[l].reset();
-    }
-  } free_by_team{work, planners};
+  // One scratch allocation for the job: each team thread's scratch, shared by every layer (a thread runs one
+  // item at a time), laid out for the largest split of any layer; then each layer's partials.
+  const int64_t group = in.query.size(1) / geometry[1];
+  const int64_t partial_floats = group * (geometry[3] + 2);
+  int max_splits = 1;
+  std::vector<int64_t> partial_offset(layers, 0);
+  int64_t partials = 0;
+  for (int64_t l = 0; l < layers; ++l) {
+    if (work[l] == nullptr) continue;
+    max_splits = std::max(max_splits, work[l]->attention.plan.max_splits);
+    partial_offset[l] = partials;
+    partials += apex_cpu::round_up_16(work[l]->attention.plan.num_partials * partial_floats);
+  }
+  const apex_cpu::ScratchLayout layout =
+      apex_cpu::scratch_layout(int(group), int(geometry[3]), int(geometry[2]), max_splits);
+  const at::Tensor scratch = at::empty({team * layout.total + partials}, at::TensorOptions().dtype(at::kFloat));
+  float* scratch_ptr = scratch.data_ptr<float>();
+  for (int64_t l = 0; l < layers; ++l) {
+    if (work[l] == nullptr) continue;
+    apex_cpu::WorkPlanView& view = work[l]->attention.view;
+    view.scratch = layout;
+    view.thread_scratch = scratch_ptr;
+    view.partials = scratch_ptr + team * layout.total + partial_offset[l];
+  }
 
   if (g_layer_schedule.load(std::memory_order_relaxed) == 1) {
     run_layer_flow(work, layers, ready_flags, done_flags, turn, timeout_s, team, timings);

@@ -337,6 +337,23 @@ def test_the_online_host_gap_learns_a_constant_gap_from_earlier_steps_only():
     assert [p for p, _ in online_predictions(model, changed)] == [p for p, _ in pairs]
 
 
+def test_recorded_steps_price_their_host_rows_at_their_own_context():
+    """A recorded step may carry its host rows' own context (a sixth element): the scoring prices the CPU job
+    there, as the engine's model does, and a five-element record (or a None host context) at the step's context.
+    With the host rows at half the device rows' context a staggered step whose job binds is predicted shorter."""
+    from apex_compile.runtime.perf_model import online_predictions, step_host_context
+
+    model = PerfModel(profile(10.0))  # a slow CPU: the job bounds the staggered step
+    device, lagging = (12, 6, 1200.0, 0.01, 0), (12, 6, 1200.0, 0.01, 0, 600.0)
+    assert step_host_context(device) is None and step_host_context(device + (None,)) is None
+    assert step_host_context(lagging) == 600.0
+    at_device = model.predict("staggered", 12, 6, 1200.0).step_s
+    at_host = model.predict("staggered", 12, 6, 1200.0, cpu_context=600.0).step_s
+    assert at_host < at_device
+    assert [p for p, _ in online_predictions(model, [device, device + (None,)])] == [at_device, at_device]
+    assert [p for p, _ in online_predictions(model, [lagging])] == [at_host]
+
+
 def test_the_cpu_attention_bandwidth_is_probed_over_the_host_pool(tiny_llama, monkeypatch):
     """`perf_profile.cpu_attention_bandwidth` (a benchmark's B_cpu in its own run): the bytes the op reads at
     the profile's largest point over the host pool, per second of its best repeat; the host pool bounds it."""
