@@ -13,10 +13,14 @@ setting to the job's, one difference at a time, in one run (rounds interleaved, 
   job_l3    "job" with the same rows every step (its few hundred MB partly still in the last-level cache: session
             37's first run had only this, under the name "job").
 "short" and "job" take --variants sets of rows in turn, as the pipeline's groups do, so none re-reads the KV
-the step before left in the last-level cache.
+the step before left in the last-level cache. With --decode SHAPE, "job15" is also timed while the main thread
+runs an engine's decode loop (offload "never", a randomly initialised model of that shape: the launcher and the
+GPU busy as in a run, no host row), in rounds alternating with the host idle: "job15+decode" against "job15"
+tells whether the run around the staggered job slows it.
 Each prints GB/s (K+V bytes read / median seconds) and its ratio to "probe".
 
     python benchmarks/cpu_probe_gap.py --pool-gib 32 --out probe_gap.json
+    python benchmarks/cpu_probe_gap.py --pool-gib 32 --decode llama3_8b --out probe_gap.json  # GPU machine
 """
 import argparse
 import concurrent.futures
@@ -104,20 +108,66 @@ def job_step(caches, rows, context, blocks, gen, width=8, variants=1):
     return step, 2 * LAYERS * rows * KV_HEADS * DIM * 2 * context
 
 
+TINY = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+            vocab_size=1024, max_position_embeddings=2048)  # --decode tiny: a smoke test without a GPU
+
+
+def decode_engine(shape_name: str, device_gib: float):
+    """An engine (offload "never") over a randomly initialised Llama of that shape, and a step function that keeps
+    it decoding: 512-token prompts topped up so requests always wait, 512 new tokens each."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from apex_compile import ApexConfig, SamplingParams, optimize
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from e2e_throughput import SHAPES
+
+    shape = TINY if shape_name == "tiny" else SHAPES[shape_name]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if device == "cuda" else torch.float32)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(LlamaConfig(**shape)).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    model.generation_config.eos_token_id = None
+    apex = optimize(model, ApexConfig(offload="never", gpu_cache_size=int(device_gib * (1 << 30)),
+                                      cpu_cache_size=1 << 30, max_num_seqs=64))
+    engine = apex.engine
+    engine.warmup()
+    prompt = 512 if device == "cuda" else 32
+    prompts = torch.randint(3, shape["vocab_size"], (16, prompt)).tolist()
+    sampling = SamplingParams(max_new_tokens=512 if device == "cuda" else 16)
+    supplied = [0]
+
+    def step():
+        while len(engine.scheduler.waiting) < 8:
+            engine.add_request(prompts[supplied[0] % len(prompts)], sampling)
+            supplied[0] += 1
+        engine.step()
+    return apex, step
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pool-gib", type=float, default=32.0)
+    parser.add_argument("--probe-gib", type=float, default=1.0, help="the pool of e2e_hybrid's probe (its 1 GiB)")
     parser.add_argument("--rows", type=int, default=5)
     parser.add_argument("--context", type=int, default=563)
     parser.add_argument("--variants", type=int, default=16,
                         help="sets of tables the job's cases take in turn (1: the same rows every step)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--decode", default=None,
+                        help="also time job15 beside an engine's decode loop of this shape (llama3_8b, llama2_7b; "
+                             "tiny: a smoke test)")
+    parser.add_argument("--decode-gib", type=float, default=1.0, help="the decode engine's device KV pool")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     begin = time.perf_counter()
-    small, small_blocks, small_reg = make_pool(1.0, pin=True)
+    small, small_blocks, small_reg = make_pool(args.probe_gib, pin=True)
     big, big_blocks, big_reg = make_pool(args.pool_gib, pin=True)
     print(f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}; pools of {small_blocks} and {big_blocks} "
           f"blocks per layer written and page-locked in {time.perf_counter() - begin:.0f} s", flush=True)
@@ -148,6 +198,32 @@ def main():
                         out.append(time.perf_counter() - t)
                     return out
                 samples[name].extend(run(timed))
+    if args.decode:
+        apex, decode_step = decode_engine(args.decode, args.decode_gib)
+        for _ in range(50):  # the engine full and decoding before the first round
+            decode_step()
+        step, nbytes = cases["job15"]
+        cases["job15+decode"] = (step, nbytes)
+        samples["job15+decode"], samples["job15 idle"] = [], []
+        cases["job15 idle"] = (step, nbytes)
+        steps_beside = 0
+        with torch.inference_mode():
+            for _ in range(args.rounds):
+                for name in ("job15 idle", "job15+decode"):
+                    def timed(step=step):
+                        out = []
+                        for _ in range(args.repeats + 1):
+                            t = time.perf_counter()
+                            step()
+                            out.append(time.perf_counter() - t)
+                        return out[1:]
+                    future = worker.submit(timed)
+                    while name == "job15+decode" and not future.done():
+                        decode_step()
+                        steps_beside += 1
+                    samples[name].extend(future.result())
+        print(f"decode loop beside the job: {args.decode}, {steps_beside} engine steps", flush=True)
+        apex.close()
     rates = {name: cases[name][1] / statistics.median(s) / 1e9 for name, s in samples.items()}
     for name, rate in rates.items():
         print(f"{name:8} {rate:6.1f} GB/s  {rate / rates['probe']:.2f} x probe  (median of {len(samples[name])}, "

@@ -250,6 +250,24 @@ def test_host_contention_times_each_kind_of_work_under_each_worker_load(tmp_path
     assert rows["stream"]["jobs"] > 0 and "jobs" not in rows["idle"]
 
 
+def test_cpu_probe_gap_times_every_case_and_the_job_beside_a_decode_loop(tmp_path):
+    """benchmarks/cpu_probe_gap.py on this machine (small pools, a tiny decode engine): a rate for every case from
+    e2e's probe to the job, and the job's rate with the host idle and beside the engine's decode loop."""
+    import subprocess
+
+    out = tmp_path / "gap.json"
+    script = os.path.join(os.path.dirname(e2e_hybrid.__file__), "cpu_probe_gap.py")
+    done = subprocess.run([sys.executable, script, "--probe-gib", "0.1", "--pool-gib", "0.2", "--rounds", "1",
+                           "--repeats", "1", "--variants", "2", "--context", "64", "--decode", "tiny",
+                           "--decode-gib", "0.01", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert set(result["GBps"]) == {"probe", "wrap4", "big", "scatter", "short", "job", "job15", "job_l3",
+                                   "job15 idle", "job15+decode"}
+    assert all(rate > 0 for rate in result["GBps"].values())
+    assert "engine steps" in done.stdout
+
+
 def test_a_staggered_window_records_which_row_limit_binds():
     """With the staggered plan the window keeps its RowLimit after every step (the job fit with the guard, the
     guard, the model's ceiling, the limit, the step average, the pipeline's members) as (median, min, max) and
