@@ -160,6 +160,34 @@ struct AttentionCall {
   std::unique_ptr<std::atomic<int32_t>[]> merge_pending;
 };
 
+// Rows [begin, end) of an attention's metadata: each attends to at least one token, and the blocks its context
+// needs lie in its block_tables row and in the cache.
+void check_context_rows(const int32_t* lens, const int32_t* tables, int64_t table_stride, int64_t max_blocks,
+                        int64_t num_blocks, int64_t block_size, int64_t begin, int64_t end) {
+  for (int64_t s = begin; s < end; ++s) {
+    const int64_t context = lens[s];
+    APEX_CHECK(context >= 1, "context_lens[", s, "] = ", context,
+               ": every sequence must attend to at least its current token (zero-length contexts are an error)");
+    const int64_t needed = (context + block_size - 1) / block_size;
+    APEX_CHECK(needed <= max_blocks, "context_lens[", s, "] = ", context, " needs ", needed, " blocks of ",
+               block_size, " tokens but block_tables has ", max_blocks, " columns");
+    const int32_t* row = tables + s * table_stride;
+    for (int64_t b = 0; b < needed; ++b) {
+      APEX_CHECK(row[b] >= 0 && row[b] < num_blocks, "block_tables[", s, ", ", b, "] = ", row[b],
+                 " is out of range for a cache of ", num_blocks, " blocks");
+    }
+  }
+}
+
+// Slots [begin, end) of an append lie in the cache.
+void check_slots(const int64_t* slots, int64_t begin, int64_t end, int64_t num_blocks, int64_t block_size) {
+  const int64_t num_slots = num_blocks * block_size;
+  for (int64_t i = begin; i < end; ++i) {
+    APEX_CHECK(slots[i] < num_slots, "slot_mapping[", i, "] = ", slots[i], " is out of range for a cache of ",
+               num_blocks, " blocks of ", block_size, " tokens");
+  }
+}
+
 // The arguments of an attention over num_seqs sequences of query ([seqs, heads, head_dim], head_dim contiguous);
 // keys / values / index (or null): the cache pair of each sequence, as PagedAttentionArgs::cache_index.
 void fill_attention_args(apex_cpu::PagedAttentionArgs& args, const at::Tensor& query, const void* key_cache,
@@ -240,19 +268,7 @@ void prepare_attention(AttentionCall& call, const at::Tensor& query, const at::T
   const int32_t* lens_ptr = call.lens.data_ptr<int32_t>();
   const int32_t* tables_ptr = call.tables.data_ptr<int32_t>();
   const int64_t max_blocks = call.tables.size(1);
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t context = lens_ptr[s];
-    APEX_CHECK(context >= 1, "context_lens[", s, "] = ", context,
-               ": every sequence must attend to at least its current token (zero-length contexts are an error)");
-    const int64_t needed = (context + block_size - 1) / block_size;
-    APEX_CHECK(needed <= max_blocks, "context_lens[", s, "] = ", context, " needs ", needed, " blocks of ",
-               block_size, " tokens but block_tables has ", max_blocks, " columns");
-    const int32_t* row = tables_ptr + s * call.tables.stride(0);
-    for (int64_t b = 0; b < needed; ++b) {
-      APEX_CHECK(row[b] >= 0 && row[b] < num_blocks, "block_tables[", s, ", ", b, "] = ", row[b],
-                 " is out of range for a cache of ", num_blocks, " blocks");
-    }
-  }
+  check_context_rows(lens_ptr, tables_ptr, call.tables.stride(0), max_blocks, num_blocks, block_size, 0, num_seqs);
 
   call.isa = select_isa();
   const int threads = team > 0 ? team : std::max(1, at::get_num_threads());
@@ -384,11 +400,7 @@ void prepare_append(AppendCall& call, const at::Tensor& key, const at::Tensor& v
   call.value = value.stride(2) == 1 ? value : value.contiguous();
   call.slots = slot_mapping.contiguous();
   const int64_t* slots_ptr = call.slots.data_ptr<int64_t>();
-  const int64_t num_slots = num_blocks * block_size;
-  for (int64_t i = 0; i < call.slots.size(0); ++i) {
-    APEX_CHECK(slots_ptr[i] < num_slots, "slot_mapping[", i, "] = ", slots_ptr[i],
-               " is out of range for a cache of ", num_blocks, " blocks of ", block_size, " tokens");
-  }
+  check_slots(slots_ptr, 0, call.slots.size(0), num_blocks, block_size);
   fill_append_args(call.args, call.key, call.value, key_cache.data_ptr(), value_cache.data_ptr(),
                    key_cache.element_size(), slots_ptr, call.slots.size(0), num_kv_heads, block_size, head_dim,
                    team > 0 ? team : std::max(1, at::get_num_threads()), rows, team > 0,
@@ -701,11 +713,10 @@ void plan_layer(LayerWork& w, const StaggerInputs& in, const std::array<int64_t,
   view_plan(call, team, true);
 }
 
-// Checks a layered job's shapes and dtypes, and with rows [begin, end) the metadata of those rows (what
-// prepare_attention and prepare_append check per call): context lengths, the blocks they need, the slots appended to.
-void check_layer_rows(const StaggerInputs& in, const std::array<int64_t, 4>& geometry, const at::Tensor& tables,
-                      const at::Tensor& lens, const at::Tensor& slots, int64_t begin = 0, int64_t end = 0) {
-  const int64_t num_blocks = geometry[0], num_kv_heads = geometry[1], block_size = geometry[2], head_dim = geometry[3];
+// Checks a layered job's shapes and dtypes against the caches' geometry (its rows are checked per layer).
+void check_layer_shapes(const StaggerInputs& in, const std::array<int64_t, 4>& geometry, const at::Tensor& tables,
+                        const at::Tensor& lens) {
+  const int64_t num_blocks = geometry[0], num_kv_heads = geometry[1], head_dim = geometry[3];
   const int64_t num_heads = in.query.size(1);
   APEX_CHECK(in.query.size(2) == head_dim, "query head_dim ", in.query.size(2), " differs from the cache's ", head_dim);
   APEX_CHECK(num_heads % num_kv_heads == 0 && in.key.size(1) == num_kv_heads, "staged holds ", in.key.size(1),
@@ -714,25 +725,6 @@ void check_layer_rows(const StaggerInputs& in, const std::array<int64_t, 4>& geo
              tables.scalar_type(), " ", shape_of(tables));
   APEX_CHECK(lens.scalar_type() == at::kInt, "context_lens must be int32, got ", lens.scalar_type());
   APEX_CHECK(in.count <= INT32_MAX && num_blocks <= INT32_MAX, "too many sequences or blocks");
-  const int32_t* lens_ptr = lens.data_ptr<int32_t>();
-  const int32_t* tables_ptr = tables.data_ptr<int32_t>();
-  const int64_t* slots_ptr = slots.data_ptr<int64_t>();
-  const int64_t max_blocks = tables.size(1), num_slots = num_blocks * block_size;
-  for (int64_t s = begin; s < end; ++s) {
-    const int64_t context = lens_ptr[s];
-    APEX_CHECK(context >= 1, "context_lens[", s, "] = ", context,
-               ": every sequence must attend to at least its current token (zero-length contexts are an error)");
-    const int64_t needed = (context + block_size - 1) / block_size;
-    APEX_CHECK(needed <= max_blocks, "context_lens[", s, "] = ", context, " needs ", needed, " blocks of ",
-               block_size, " tokens but block_tables has ", max_blocks, " columns");
-    const int32_t* row = tables_ptr + s * tables.stride(0);
-    for (int64_t b = 0; b < needed; ++b) {
-      APEX_CHECK(row[b] >= 0 && row[b] < num_blocks, "block_tables[", s, ", ", b, "] = ", row[b],
-                 " is out of range for a cache of ", num_blocks, " blocks");
-    }
-    APEX_CHECK(slots_ptr[s] < num_slots, "slot_mapping[", s, "] = ", slots_ptr[s], " is out of range for a cache of ",
-               num_blocks, " blocks of ", block_size, " tokens");
-  }
 }
 
 // The "flow" schedule of a layered job (g_layer_schedule 1). Tasks are every layer's attention items in layer
@@ -893,7 +885,7 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
   const at::Tensor tables = block_tables.stride(-1) == 1 ? block_tables : block_tables.contiguous();
   const at::Tensor lens = context_lens.contiguous();
   const at::Tensor slots = slot_mapping.contiguous();
-  check_layer_rows(in, geometry, tables, lens, slots);
+  check_layer_shapes(in, geometry, tables, lens);
   const Isa isa = select_isa();
   const int64_t element_size = key_caches[0].element_size();
   // The layers are planned by the team, a layer per thread at a time: planned by the calling thread alone, the
@@ -914,7 +906,9 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
   for (int64_t l = 0; l < layers; ++l) {
     if (work[l] == nullptr) continue;
     try {
-      check_layer_rows(in, geometry, tables, lens, slots, first[l], first[l + 1]);
+      check_slots(slots_ptr, first[l], first[l + 1], geometry[0], geometry[2]);  // (prepare_append's order)
+      check_context_rows(lens_ptr, tables_ptr, tables.stride(0), tables.size(1), geometry[0], geometry[2], first[l],
+                         first[l + 1]);
       plan_layer(*work[l], in, geometry, element_size, tables_ptr, tables.stride(0), lens_ptr, slots_ptr, index,
                  row_ptr, first[l], first[l + 1] - first[l], scale, out_ptr, isa, team);
     } catch (...) {
