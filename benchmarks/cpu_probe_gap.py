@@ -10,6 +10,8 @@ setting to the job's, one difference at a time, in one run (rounds interleaved, 
   short     + the job's rows: --rows x 32 layers' sequences of --context tokens (one call per layer);
   job       `stagger_layer_job` on those rows (the flow schedule: items claimed across layers), every thread;
   job15     the same on the worker's threads (all cores but the first, pinned as the engine pins them);
+  job15/split=a-b-c  "job15" with the attention's work split set to (items_per_thread, min_item_bytes,
+            min_thread_bytes) (--splits: whether the items' size is what the short rows lose);
   job_l3    "job" with the same rows every step (its few hundred MB partly still in the last-level cache: session
             37's first run had only this, under the name "job").
 "short" and "job" take --variants sets of rows in turn, as the pipeline's groups do, so none re-reads the KV
@@ -34,7 +36,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from apex_compile.ops import allocate_kv_cache_cpu, paged_attention_cpu  # noqa: E402
+from apex_compile.ops import allocate_kv_cache_cpu, cpu_attention_work_split, paged_attention_cpu  # noqa: E402
 from apex_compile.runtime.stagger import _pin_worker, worker_cores  # noqa: E402
 
 LAYERS, KV_HEADS, HEADS, DIM, BLOCK = 32, 8, 32, 128, 16  # Llama-3-8B, bf16
@@ -159,6 +161,9 @@ def main():
                         help="sets of tables the job's cases take in turn (1: the same rows every step)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--splits", default="",
+                        help="comma-separated work splits 'a-b-c' (items_per_thread-min_item_bytes-min_thread_bytes) "
+                             "to time job15 with, each its own case")
     parser.add_argument("--decode", default=None,
                         help="also time job15 beside an engine's decode loop of this shape (llama3_8b, llama2_7b; "
                              "tiny: a smoke test)")
@@ -183,11 +188,19 @@ def main():
         "job15": job_step(big, args.rows, args.context, big_blocks, gen, variants=args.variants),
         "job_l3": job_step(big, args.rows, args.context, big_blocks, gen),  # the same rows every step
     }
+    default_split = list(cpu_attention_work_split().values())
+    splits = {}
+    for text in filter(None, args.splits.split(",")):
+        values = [int(v) for v in text.split("-")]
+        if len(values) != 3 or min(values) <= 0:
+            parser.error(f"--splits: {text!r} is not three positive integers a-b-c")
+        splits[f"job15/split={text}"] = values
+        cases[f"job15/split={text}"] = cases["job15"]
     samples = {name: [] for name in cases}
     with torch.inference_mode():
         for _ in range(args.rounds):
             for name, (step, _) in cases.items():
-                run = (lambda f: worker.submit(f).result()) if name == "job15" else (lambda f: f())
+                run = (lambda f: worker.submit(f).result()) if name.startswith("job15") else (lambda f: f())
 
                 def timed(step=step):
                     out = []
@@ -197,7 +210,11 @@ def main():
                         step()
                         out.append(time.perf_counter() - t)
                     return out
-                samples[name].extend(run(timed))
+                cpu_attention_work_split(*splits.get(name, default_split))
+                try:
+                    samples[name].extend(run(timed))
+                finally:
+                    cpu_attention_work_split(*default_split)
     if args.decode:
         apex, decode_step = decode_engine(args.decode, args.decode_gib)
         for _ in range(50):  # the engine full and decoding before the first round
@@ -226,7 +243,7 @@ def main():
         apex.close()
     rates = {name: cases[name][1] / statistics.median(s) / 1e9 for name, s in samples.items()}
     for name, rate in rates.items():
-        print(f"{name:8} {rate:6.1f} GB/s  {rate / rates['probe']:.2f} x probe  (median of {len(samples[name])}, "
+        print(f"{name:12} {rate:6.1f} GB/s  {rate / rates['probe']:.2f} x probe  (median of {len(samples[name])}, "
               f"{cases[name][1] / 1e6:.0f} MB a step)", flush=True)
     if args.out:
         with open(args.out, "w") as f:

@@ -374,12 +374,16 @@ PLAN_SUFFIXES = {"/serialplan": "1", "/teamplan": "0"}
 # "/gcfreeze": a mode whose objects alive before its window are frozen out of Python's collector (gc.freeze, as
 # vLLM does after start-up): the A/B for the collections the window records ("window_gc")
 GC_FREEZE_SUFFIXES = {"/gcfreeze": True}
+# a mode run with the layered jobs on the C++ runner's thread ("/cxxrunner", the default since session 38) or
+# called by a Python worker thread ("/pyrunner", before): stagger.NATIVE_RUNNER for that run
+RUNNER_SUFFIXES = {"/cxxrunner": True, "/pyrunner": False}
 FREEZE_GC = False  # set while a "/gcfreeze" mode runs
 # "/r2": a mode run again under its own name and otherwise the same settings, for an A-B-A order (the first hybrid
 # mode of a run came out lowest in three of session 35's four A/B runs)
 REPEAT_SUFFIX = re.compile(r"/r\d+")
 _SUFFIX_NAMES = {PIECEWISE_SUFFIX, PIN_SUFFIX, *LANE_SUFFIXES, *EXCHANGE_SUFFIXES, *MOVE_SUFFIXES, *SCHEDULE_SUFFIXES,
-                 *FIT_SUFFIXES, *JOIN_SUFFIXES, *LEARN_SUFFIXES, *PLAN_SUFFIXES, *GC_FREEZE_SUFFIXES}
+                 *FIT_SUFFIXES, *JOIN_SUFFIXES, *LEARN_SUFFIXES, *PLAN_SUFFIXES, *GC_FREEZE_SUFFIXES,
+                 *RUNNER_SUFFIXES}
 _SUFFIX_PATTERNS = (THREADS_SUFFIX, SPLIT_SUFFIX, BLOCK_SUFFIX, SHARE_SUFFIX, REPEAT_SUFFIX, GIL_SUFFIX)
 
 
@@ -504,7 +508,7 @@ def process_settings(mode):
     overlap, schedule = kv_manager.OVERLAP_MOVES, stagger_layer_schedule()
     busy_fit, join_waits = stagger_module.BUSY_FIT, scheduler_module.JOIN_WAITS_FOR_PARKS
     job_share, learn_job = stagger_module.JOB_SHARE, perf_model_module.LEARN_CPU_JOB
-    switch = stagger_module.GIL_SWITCH_S
+    switch, native_runner = stagger_module.GIL_SWITCH_S, stagger_module.NATIVE_RUNNER
     serial_plan = os.environ.get("APEX_STAGGER_SERIAL_PLAN")
     global FREEZE_GC
     try:
@@ -517,6 +521,9 @@ def process_settings(mode):
         if named:
             stagger_module.GIL_SWITCH_S = float(named.group(1)) / 1e3
             mode = GIL_SUFFIX.sub("", mode)
+        mode, named_runner = _take_suffix(mode, RUNNER_SUFFIXES)
+        if named_runner is not None:
+            stagger_module.NATIVE_RUNNER = named_runner
         mode, named_learn = _take_suffix(mode, LEARN_SUFFIXES)
         if named_learn is not None:
             perf_model_module.LEARN_CPU_JOB = named_learn
@@ -553,6 +560,7 @@ def process_settings(mode):
         stagger_module.JOB_SHARE = job_share
         perf_model_module.LEARN_CPU_JOB = learn_job
         stagger_module.GIL_SWITCH_S = switch
+        stagger_module.NATIVE_RUNNER = native_runner
         if FREEZE_GC:
             gc.unfreeze()
             FREEZE_GC = False
@@ -753,7 +761,8 @@ def main():
                         cpu += (f" (of which waiting for prompt exports {g['exports_s'] * 1e3:.0f} ms in "
                                 f"{g['exports_jobs']} jobs, the C++ calls' checks, plans and frees "
                                 f"{g['planning_s'] * 1e3:.0f} ms (median {g['planning_median_s'] * 1e6:.0f} us), "
-                                f"their Python glue and GIL {g['glue_s'] * 1e3:.0f} ms (median "
+                                f"the worker's time outside them (a Python worker's glue and GIL; the C++ "
+                                f"runner's own) {g['glue_s'] * 1e3:.0f} ms (median "
                                 f"{g['glue_median_s'] * 1e6:.0f} us))")
                 if "stagger_rows" in r:
                     cpu += f", rows in use {r['stagger_rows'][0]} of {r['stagger_rows'][1]}"

@@ -58,6 +58,16 @@ LIB.define("wait_host_flags(Tensor flags, int[] values, float timeout_s) -> ()")
 LIB.define("cpu_isa_code() -> int")
 LIB.define("cpu_attention_work_split(int items_per_thread, int min_item_bytes, int min_thread_bytes) -> int[]")
 LIB.define("stagger_layer_schedule(int mode) -> int")
+# The layered jobs' C++ runner (`StaggerRunner`): runtime only, never traced.
+LIB.define("stagger_runner_start(Tensor[] key_caches, Tensor[] value_caches, int[] cores) -> int")
+LIB.define(
+    "stagger_runner_submit(int runner, int turn, Tensor? staged, Tensor? cache_index, Tensor? block_tables, "
+    "Tensor? context_lens, Tensor? slot_mapping, Tensor? rows, int num_heads, float scale, Tensor(a!) out, "
+    "Tensor ready_flags, Tensor(b!) done_flags, float timeout_s, Tensor? gate, int gate_value) -> ()"
+)
+LIB.define("stagger_runner_poll(int runner) -> Tensor")
+LIB.define("stagger_runner_drain(int runner) -> ()")
+LIB.define("stagger_runner_stop(int runner) -> ()")
 
 _ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 _MADV_HUGEPAGE = 14
@@ -250,6 +260,52 @@ def stagger_layer_job(staged: torch.Tensor, key_caches: List[torch.Tensor], valu
     values = timings.tolist()
     extra = ([values[4]] if with_busy else []) + ([values[5]] if with_call else [])
     return (values[0], values[1], *extra)
+
+
+class StaggerRunner:
+    """The layered jobs' C++ runner: one thread, pinned to `cores` (empty: not pinned) with an OpenMP team that
+    wide, runs `stagger_layer_job` for each submitted turn in submission order over the host pool's caches given
+    here. Once submitted, a job needs no Python (nor its GIL) to start, finish or report. `poll` returns the
+    finished jobs' records (RECORD_FIELDS) and raises the first failed job's error; a failed job sets its done flags
+    to 1 << 62 so the device does not wait for it."""
+
+    RECORD_FIELDS = ("turn", "waited", "ran", "busy", "call", "gate_wait", "submitted", "started", "ended")
+
+    def __init__(self, key_caches: List[torch.Tensor], value_caches: List[torch.Tensor], cores: Sequence[int]):
+        self.handle: Optional[int] = torch.ops.apex.stagger_runner_start(list(key_caches), list(value_caches),
+                                                                         [int(c) for c in cores])
+
+    def submit(self, turn: int, out: torch.Tensor, ready_flags: torch.Tensor, done_flags: torch.Tensor,
+               staged: Optional[torch.Tensor] = None, cache_index: Optional[torch.Tensor] = None,
+               block_tables: Optional[torch.Tensor] = None, context_lens: Optional[torch.Tensor] = None,
+               slot_mapping: Optional[torch.Tensor] = None, rows: Optional[torch.Tensor] = None, num_heads: int = 0,
+               scale: float = 1.0, timeout_s: float = READY_TIMEOUT_S, gate: Optional[torch.Tensor] = None,
+               gate_value: int = 0) -> None:
+        """Queues turn's job (`stagger_layer_job`'s arguments; staged None: a turn without rows, whose done flags
+        are set to turn once the jobs before it are done), to start once gate[0] >= gate_value when a gate is
+        given. The tensors are held until the job is done."""
+        torch.ops.apex.stagger_runner_submit(self._handle(), int(turn), staged, cache_index, block_tables,
+                                             context_lens, slot_mapping, rows, int(num_heads), float(scale), out,
+                                             ready_flags, done_flags, float(timeout_s), gate, int(gate_value))
+
+    def poll(self) -> List[Tuple[float, ...]]:
+        """The records of the jobs finished since the last poll, in order (raises a failed job's error once)."""
+        return [tuple(r) for r in torch.ops.apex.stagger_runner_poll(self._handle()).tolist()]
+
+    def drain(self) -> None:
+        """Returns once every submitted job is done (releasing the GIL meanwhile)."""
+        torch.ops.apex.stagger_runner_drain(self._handle())
+
+    def close(self) -> None:
+        """Runs the jobs still queued, then stops the thread (a second close does nothing)."""
+        if self.handle is not None:
+            handle, self.handle = self.handle, None
+            torch.ops.apex.stagger_runner_stop(handle)
+
+    def _handle(self) -> int:
+        if self.handle is None:
+            raise RuntimeError("StaggerRunner: closed")
+        return self.handle
 
 
 def wait_host_flags(flags: torch.Tensor, values: Sequence[int], timeout_s: float = READY_TIMEOUT_S) -> float:

@@ -20,7 +20,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import os
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -391,12 +391,25 @@ class KVExports:
                                                              initargs=(min(4, os.cpu_count() or 1),))
                        if background else None)
         self.pending: List[concurrent.futures.Future] = []
+        # exports submitted, and landed (raised by the worker after each, in order, failed ones too): a thread
+        # that must not take the GIL waits for landed[0] >= submitted (`gate`)
+        self.submitted = 0
+        self.landed = torch.zeros(1, dtype=torch.int64)
+        self._landed = self.landed.numpy()
+
+    def gate(self) -> Tuple[torch.Tensor, int]:
+        """(counter, value): every export submitted so far is in the host cache once counter[0] >= value."""
+        return self.landed, self.submitted
 
     def submit(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                slots: torch.Tensor) -> None:
         """Queues the append of key/value [n, Hkv, D] at `slots` (read now: the step's buffers are reused)."""
+        self.submitted += 1
         if self.worker is None:
-            self.append(key.cpu(), value.cpu(), key_cache, value_cache, slots)
+            try:
+                self.append(key.cpu(), value.cpu(), key_cache, value_cache, slots)
+            finally:
+                self._landed[0] += 1
             return
         on_cuda = key.is_cuda
         host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=on_cuda) for t in (key, value)]
@@ -409,10 +422,13 @@ class KVExports:
         slots = slots.to("cpu", copy=True)
 
         def run():
-            if copied is not None:
-                copied.synchronize()
-            with torch.inference_mode():
-                self.append(host[0], host[1], key_cache, value_cache, slots)
+            try:
+                if copied is not None:
+                    copied.synchronize()
+                with torch.inference_mode():
+                    self.append(host[0], host[1], key_cache, value_cache, slots)
+            finally:
+                self._landed[0] += 1  # (a failed export raises at the launching thread's `wait`)
 
         self.pending.append(self.worker.submit(run))
 

@@ -41,7 +41,7 @@ import torch
 
 from apex_compile.kernels._common import INTERPRET
 from apex_compile.kernels.stagger import WAIT_TIMEOUT_S, exchange_rows, exchange_rows_waiting, raise_flag, swap_rows
-from apex_compile.ops.cpu_attention import stagger_cpu_job, stagger_layer_job
+from apex_compile.ops.cpu_attention import StaggerRunner, stagger_cpu_job, stagger_layer_job
 from apex_compile.runtime.kv_manager import HOST_POOL, KVManager
 from apex_compile.runtime.request import Request
 
@@ -72,6 +72,10 @@ MAX_IDLE_HOLD = 16384
 # two jobs the worker needs the GIL (the job's Python glue, its return, the next job's call) while the launching
 # thread mostly holds it; a thread waiting for the GIL gets it only when the holder blocks or the interval ends.
 GIL_SWITCH_S: Optional[float] = None
+# The layered jobs run on a C++ thread of their own (`StaggerRunner`): a job needs no GIL to start, return or hand
+# over its timings, which the launching thread reads at the next step. False: a Python worker thread calls each job
+# (the way before session 38; e2e_hybrid "/pyrunner").
+NATIVE_RUNNER = True
 
 
 class RowLimit:
@@ -388,7 +392,9 @@ class StaggerPipeline:
         self._block_host = torch.zeros(layers * width + 2, dtype=torch.int64, pin_memory=on_cuda)
         self._positions_copied: Optional[torch.cuda.Event] = None
         if layered:
-            self.executor = LayerJobs(self.staged, self.outputs, pin_memory=on_cuda, threads=threads)
+            host = kv.pools[HOST_POOL]
+            self.executor = LayerJobs(self.staged, self.outputs, pin_memory=on_cuda, threads=threads,
+                                      caches=(host.key_caches, host.value_caches) if NATIVE_RUNNER else None)
         else:
             self.executor = AsyncJobs(CudaCopies(device), threads=threads) if on_cuda else SyncJobs()
 
@@ -632,6 +638,17 @@ class StaggerPipeline:
         decode = not (self._prompt_turns or exports)
         num_heads = self.heads[0]
 
+        if self.layered and self.executor.runner is not None:
+            def observe(waited, ran, busy, work=work, decode=decode):
+                fit = busy / len(self.executor.cores) if BUSY_FIT and busy > 0 else ran  # (busy: NaN unless flow)
+                self.rows.observe_job(fit, work, decode)
+
+            gate, landed = runner.exports.gate() if exports else (None, 0)
+            self.executor.submit(self.steps, observe, cache_index=plan.cache_index, block_tables=plan.block_tables,
+                                 context_lens=plan.context_lens, slot_mapping=plan.slots, rows=plan.rows,
+                                 num_heads=num_heads, scale=runner.stagger_scale, gate=gate, gate_value=landed)
+            return
+
         if self.layered:
             turn = self.steps
 
@@ -765,7 +782,10 @@ ABORTED = 1 << 62  # a failed layered job's done flags: the device waits pass at
 
 class LayerJobs:
     """The one-lane plan's CPU jobs: one per turn on a worker thread (pinned like `AsyncJobs`'), appending and
-    attending layer by layer as the GPU step stages the layers (`stagger_layer_job`). The device reads and
+    attending layer by layer as the GPU step stages the layers (`stagger_layer_job`). With `caches` (the host
+    pool's per-layer key and value caches) the worker is a C++ thread (`StaggerRunner`) and jobs are queued with
+    `submit`; their timings reach this object when the launching thread next calls `collect`, `launch` or
+    `submit` (and a job's `observe` callback then), else a Python thread calls each `launch`ed job. The device reads and
     writes host buffers directly (pinned on a GPU): every layer's staged q/k/v and outputs, and per layer two
     counters, `ready` (raised by the step behind its staging of the layer) and `done` (raised by the job once it
     wrote the layer's outputs; the next step's layer waits for it on the device). `stalls`: each layer's last
@@ -773,7 +793,8 @@ class LayerJobs:
     flag to ABORTED, so the GPU goes on (its block rows wrong) and the next `collect` or `launch` raises."""
 
     def __init__(self, staged: torch.Tensor, outputs: torch.Tensor, pin_memory: bool = True,
-                 threads: Optional[int] = None):
+                 threads: Optional[int] = None,
+                 caches: Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]] = None):
         layers = staged.shape[0]
         self.staged = torch.zeros(staged.shape, dtype=staged.dtype, pin_memory=pin_memory)
         self.outputs = torch.zeros(outputs.shape, dtype=outputs.dtype, pin_memory=pin_memory)
@@ -783,9 +804,12 @@ class LayerJobs:
         self._stalls, self._status = self.stalls.numpy(), self.status.numpy()  # read each step: no torch op
         self.stall_unit = 1e-9 if pin_memory else 0.0  # seconds per unit of `stalls` (polls under the interpreter)
         self.cores = worker_cores(threads)
-        self.worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="apex-stagger",
-                                                            initializer=_pin_worker, initargs=(self.cores,))
+        self.runner = StaggerRunner(caches[0], caches[1], self.cores) if caches is not None else None
+        self.worker = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="apex-stagger",
+                                                             initializer=_pin_worker, initargs=(self.cores,))
+                       if self.runner is None else None)
         self.pending: Deque[concurrent.futures.Future] = collections.deque()
+        self._observers: Dict[int, object] = {}  # submitted turn -> its observe(waited, ran, busy) callback
         # recent timings, seconds: (waiting for the layers' flags, running) per job, and per step the device's
         # waits for the CPU (how far the CPU is behind the GPU), as AsyncJobs' collect waits
         self.job_seconds: Deque[Tuple[float, float]] = collections.deque(maxlen=4096)
@@ -804,18 +828,48 @@ class LayerJobs:
             sys.setswitchinterval(GIL_SWITCH_S)
 
     def _raise_errors(self) -> None:
-        """Raises a finished job's error, or a device wait that timed out."""
+        """Takes the C++ runner's finished jobs' records; raises a finished job's error, or a device wait that timed
+        out."""
+        if self.runner is not None:
+            for record in self.runner.poll():
+                self._record(*record)
         while self.pending and self.pending[0].done():
             self.pending.popleft().result()
         if self._status[0]:
             raise RuntimeError(f"the GPU waited more than {WAIT_TIMEOUT_S:.0f} s for the staggered CPU job of turn "
                                f"{int(self._status[0])}: the CPU worker is stuck or gone")
 
+    def _record(self, turn, waited, ran, busy, call, gate_wait, submitted, started, ended) -> None:
+        """A C++ runner job's record (StaggerRunner.RECORD_FIELDS) into the same timings a Python job keeps."""
+        self.job_times.append((submitted, started, ended))
+        observe = self._observers.pop(int(turn), None)
+        if observe is None:  # a turn without rows
+            return
+        self.job_seconds.append((waited, ran))
+        # exports waited for, the C++ call beyond its waits and running, the rest of the runner's time on the job
+        self.job_parts.append((gate_wait, call - waited - ran, max(ended - started - gate_wait - call, 0.0)))
+        self.job_busy.append(busy)
+        observe(waited, ran, busy)
+
+    def submit(self, turn: int, observe, **job) -> None:
+        """Queues `turn`'s job on the C++ runner: `stagger_layer_job` over the staged rows into the outputs with
+        these flags, `job` naming its other arguments (cache_index, block_tables, context_lens, slot_mapping,
+        rows, num_heads, scale; gate and gate_value: what it waits for before it starts); observe(waited, ran,
+        busy) is called with its timings once it is done."""
+        self._raise_errors()
+        self._observers[int(turn)] = observe
+        self.runner.submit(turn, self.outputs, self.ready, self.done, staged=self.staged, **job)
+
     def launch(self, turn: int, job, inputs: List[torch.Tensor], output: torch.Tensor) -> None:
         """Runs job(staged, outputs, ready, done) for `turn` after the jobs before it (None: a turn without rows,
         whose done flags rise as soon as the jobs before it are done). inputs / output: unused (the device
         reads and writes the host buffers itself)."""
         self._raise_errors()
+        if self.runner is not None:
+            if job is not None:
+                raise RuntimeError("LayerJobs with a C++ runner takes jobs by `submit`, not as Python callables")
+            self.runner.submit(turn, self.outputs, self.ready, self.done)
+            return
         submitted = time.perf_counter()
 
         def run():
@@ -844,13 +898,20 @@ class LayerJobs:
 
     def drain(self) -> None:
         """Waits for every launched job (their steps are queued: each job's flags come)."""
+        if self.runner is not None:
+            self.runner.drain()
+            self._raise_errors()
         while self.pending:
             self.pending.popleft().result()
 
     def close(self) -> None:
         """Stops the worker once its queued jobs are done; the GIL switch interval it set goes back."""
         self.pending.clear()
-        self.worker.shutdown(wait=True)
+        if self.runner is not None:
+            self.runner.close()
+            self._observers.clear()
+        if self.worker is not None:
+            self.worker.shutdown(wait=True)
         if self._switch is not None:
             sys.setswitchinterval(self._switch)
             self._switch = None

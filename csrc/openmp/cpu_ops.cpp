@@ -10,14 +10,23 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdlib>
+#include <deque>
 #include <exception>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <numeric>
 #include <optional>
 #include <string>
 #include <thread>
 #include <vector>
+
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#endif
 
 #include "cpu_attention.h"
 
@@ -1011,6 +1020,293 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
   if (timings.numel() >= 5) seconds[4] = std::nan("");  // busy thread-seconds: measured by the flow schedule only
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// The layered jobs' runner (`stagger_runner_*`): one C++ thread, pinned to its cores with an OpenMP team that wide,
+// runs the queued jobs in submission order. No job needs Python to start, return or hand over its timings, so the
+// team never idles while the worker thread waits for the GIL, which the launching thread holds for most of a step.
+
+constexpr int64_t kAbortedFlag = int64_t(1) << 62;  // a failed job's done flags (stagger.ABORTED): the GPU goes on
+// Per finished job, doubles: turn, waiting for the layers' flags, running, the team's busy thread-seconds (NaN
+// without rows), the C++ job call's seconds, waiting for the gate, and steady-clock seconds when it was submitted,
+// started and ended (the clock of Python's time.perf_counter on Linux).
+constexpr int kRecordFields = 9;
+
+double clock_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+struct RunnerJob {
+  int64_t turn = 0;
+  std::optional<at::Tensor> staged;  // none: a turn without rows (its done flags rise once the jobs before are done)
+  at::Tensor cache_index, block_tables, context_lens, slot_mapping;
+  std::optional<at::Tensor> rows;
+  int64_t num_heads = 0;
+  double scale = 1.0, timeout_s = 60.0;
+  at::Tensor out, ready, done;
+  std::optional<at::Tensor> gate;  // waited for first: gate[0] >= gate_value (the prompt exports landed)
+  int64_t gate_value = 0;
+  double submitted = 0.0;
+};
+
+class JobRunner {
+ public:
+  JobRunner(std::vector<at::Tensor> keys, std::vector<at::Tensor> values, std::vector<int64_t> cores)
+      : keys_(std::move(keys)), values_(std::move(values)), cores_(std::move(cores)) {
+    thread_ = std::thread([this] { loop(); });
+  }
+
+  ~JobRunner() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  void submit(RunnerJob job) {
+    job.submitted = clock_seconds();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      APEX_CHECK(!stop_, "stagger_runner_submit: the runner is stopped");
+      queue_.push_back(std::move(job));
+      submitted_.fetch_add(1, std::memory_order_release);
+    }
+    wake_.notify_one();
+  }
+
+  // The records of the jobs finished since the last poll. A failed job's error is raised once instead, the
+  // records kept for the next poll. The finished jobs' tensors are let go here, on the caller's thread (`finished_`).
+  at::Tensor poll() {
+    std::vector<std::array<double, kRecordFields>> records;
+    std::vector<RunnerJob> finished;
+    std::string error;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      finished.swap(finished_);
+      if (error_.empty()) {
+        records.swap(records_);
+      } else {
+        error.swap(error_);
+      }
+    }
+    finished.clear();
+    APEX_CHECK(error.empty(), error);
+    at::Tensor out = at::empty({int64_t(records.size()), kRecordFields}, at::TensorOptions().dtype(at::kDouble));
+    double* data = out.data_ptr<double>();
+    for (size_t i = 0; i < records.size(); ++i) std::copy(records[i].begin(), records[i].end(), data + i * kRecordFields);
+    return out;
+  }
+
+  // Returns once every job submitted before is done.
+  void drain() {
+    std::vector<RunnerJob> finished;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      idle_.wait(lock, [this] { return queue_.empty() && !busy_; });
+      finished.swap(finished_);
+    }
+  }
+
+ private:
+  void loop() {
+#if defined(__linux__)
+    pthread_setname_np(pthread_self(), "apex-runner");
+    if (!cores_.empty()) {  // the team the first parallel region starts inherits this thread's cores
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      for (int64_t c : cores_) CPU_SET(int(c), &set);
+      sched_setaffinity(0, sizeof(set), &set);
+    }
+#endif
+    c10::InferenceMode inference;  // as the Python worker ran its jobs: no autograd or version counting on its tensors
+    at::get_num_threads();  // ATen's per-thread set-up first, so that it does not reset the width set here
+    omp_set_num_threads(std::max<int>(1, int(cores_.size())));
+    int64_t taken = 0;
+    for (;;) {
+      RunnerJob job;
+      // The next job is mostly submitted within a step: poll for it ~kSpinPolls rounds before sleeping, so that
+      // picking it up costs no wake-up (the worker's cores are its own).
+      for (int64_t polls = 0; polls < kSpinPolls && submitted_.load(std::memory_order_acquire) == taken; ++polls) {
+        cpu_relax();
+      }
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopped with nothing left to run
+        job = std::move(queue_.front());
+        queue_.pop_front();
+        busy_ = true;
+        ++taken;
+      }
+      std::array<double, kRecordFields> record{};
+      record[0] = double(job.turn);
+      record[3] = std::nan("");
+      record[6] = job.submitted;
+      record[7] = clock_seconds();
+      std::string error;
+      try {
+        run(job, record);
+      } catch (const std::exception& e) {
+        error = message("the staggered CPU job of turn ", job.turn, " failed: ", std::string(e.what()));
+      }
+      if (!error.empty()) {  // the GPU must not wait for layers this job will never finish
+        int64_t* done = job.done.data_ptr<int64_t>();
+        for (int64_t l = 0; l < job.done.numel(); ++l) __atomic_store_n(done + l, kAbortedFlag, __ATOMIC_RELEASE);
+      }
+      record[8] = clock_seconds();
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        records_.push_back(record);
+        finished_.push_back(std::move(job));
+        if (!error.empty() && error_.empty()) error_ = error;
+        busy_ = false;
+      }
+      idle_.notify_all();
+    }
+  }
+
+  void run(RunnerJob& job, std::array<double, kRecordFields>& record) {
+    if (job.gate.has_value()) {
+      const auto begin = std::chrono::steady_clock::now();
+      const int64_t* gate = job.gate->data_ptr<int64_t>();
+      for (int64_t polls = 0; __atomic_load_n(gate, __ATOMIC_ACQUIRE) < job.gate_value; ++polls) {
+        flag_backoff(polls);
+        if (polls >= kSpinPolls && polls % 256 == 0 &&
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count() > job.timeout_s) {
+          APEX_CHECK(false, "waited more than ", int64_t(job.timeout_s), " s for the prompt K/V exports before turn ",
+                     job.turn, " (", __atomic_load_n(gate, __ATOMIC_ACQUIRE), " of ", job.gate_value, " landed)");
+        }
+      }
+      record[5] = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
+    }
+    if (!job.staged.has_value()) {
+      int64_t* done = job.done.data_ptr<int64_t>();
+      for (int64_t l = 0; l < job.done.numel(); ++l) __atomic_store_n(done + l, job.turn, __ATOMIC_RELEASE);
+      return;
+    }
+    if (!timings_.defined()) timings_ = at::zeros({6}, at::TensorOptions().dtype(at::kDouble));  // reused
+    at::Tensor& timings = timings_;
+    std::fill(timings.data_ptr<double>(), timings.data_ptr<double>() + 6, 0.0);
+    stagger_layer_job(*job.staged, keys_, values_, job.cache_index, job.block_tables, job.context_lens,
+                      job.slot_mapping, job.rows, job.num_heads, job.scale, job.out, job.ready, job.done, job.turn,
+                      job.timeout_s, timings);
+    const double* seconds = timings.data_ptr<double>();
+    record[1] = seconds[0];
+    record[2] = seconds[1];
+    record[3] = seconds[4];
+    record[4] = seconds[5];
+  }
+
+  std::vector<at::Tensor> keys_, values_;
+  std::vector<int64_t> cores_;
+  std::mutex mutex_;
+  std::condition_variable wake_, idle_;
+  std::deque<RunnerJob> queue_;
+  std::vector<std::array<double, kRecordFields>> records_;
+  // Jobs done, their tensors still held: most were made in Python, and letting go of the last reference besides
+  // Python's takes the GIL, which this thread must never wait for (the launching thread holds it for most of a
+  // step); `poll`, `drain` and the destructor let go of them on their caller's thread.
+  std::vector<RunnerJob> finished_;
+  std::string error_;
+  bool stop_ = false, busy_ = false;
+  std::atomic<int64_t> submitted_{0};  // jobs ever queued (polled without the lock while the runner is idle)
+  at::Tensor timings_;  // each job's timings (the runner thread's only)
+  std::thread thread_;  // last: started once every member above exists
+};
+
+std::mutex g_runners_mutex;
+std::map<int64_t, std::shared_ptr<JobRunner>> g_runners;
+int64_t g_next_runner = 1;
+
+std::shared_ptr<JobRunner> find_runner(int64_t handle, const char* op) {
+  std::lock_guard<std::mutex> lock(g_runners_mutex);
+  const auto it = g_runners.find(handle);
+  APEX_CHECK(it != g_runners.end(), op, ": no runner ", handle, " (never started, or stopped)");
+  return it->second;
+}
+
+// Starts a runner over the host pool's per-layer caches (every job attends them), pinned to `cores` (none: not
+// pinned) with an OpenMP team that wide; returns its handle.
+int64_t stagger_runner_start(at::TensorList key_caches, at::TensorList value_caches, at::IntArrayRef cores) {
+  APEX_CHECK(key_caches.size() == value_caches.size() && !key_caches.empty(),
+             "stagger_runner_start: key_caches and value_caches must be non-empty and as many, got ",
+             int64_t(key_caches.size()), " and ", int64_t(value_caches.size()));
+  for (size_t i = 0; i < key_caches.size(); ++i) {
+    check_cpu(key_caches[i], "key_caches");
+    check_cpu(value_caches[i], "value_caches");
+  }
+  auto runner = std::make_shared<JobRunner>(key_caches.vec(), value_caches.vec(), cores.vec());
+  std::lock_guard<std::mutex> lock(g_runners_mutex);
+  g_runners[g_next_runner] = std::move(runner);
+  return g_next_runner++;
+}
+
+// Queues `stagger_layer_job` of `turn` (staged None: a turn without rows, whose done flags are set to turn once the
+// jobs before it are done) behind the runner's jobs; gate (optional int64 [1]): it starts once gate[0] >= gate_value.
+// Errors of the job are raised by the next `stagger_runner_poll`; its done flags are then set to 1 << 62.
+void stagger_runner_submit(int64_t handle, int64_t turn, const std::optional<at::Tensor>& staged,
+                           const std::optional<at::Tensor>& cache_index, const std::optional<at::Tensor>& block_tables,
+                           const std::optional<at::Tensor>& context_lens,
+                           const std::optional<at::Tensor>& slot_mapping, const std::optional<at::Tensor>& rows,
+                           int64_t num_heads, double scale, const at::Tensor& out, const at::Tensor& ready_flags,
+                           const at::Tensor& done_flags, double timeout_s, const std::optional<at::Tensor>& gate,
+                           int64_t gate_value) {
+  std::shared_ptr<JobRunner> runner = find_runner(handle, "stagger_runner_submit");
+  for (const at::Tensor* flags : {&ready_flags, &done_flags}) {
+    check_cpu(*flags, "ready_flags / done_flags");
+    APEX_CHECK(flags->scalar_type() == at::kLong && flags->dim() == 1 && flags->is_contiguous(),
+               "stagger_runner_submit: ready_flags and done_flags must be contiguous int64 [layers], got ",
+               flags->scalar_type(), " ", shape_of(*flags));
+  }
+  if (gate.has_value()) {
+    check_cpu(*gate, "gate");
+    APEX_CHECK(gate->scalar_type() == at::kLong && gate->numel() >= 1 && gate->is_contiguous(),
+               "stagger_runner_submit: gate must be a contiguous int64 tensor, got ", gate->scalar_type(), " ",
+               shape_of(*gate));
+  }
+  RunnerJob job;
+  job.turn = turn;
+  if (staged.has_value()) {
+    APEX_CHECK(cache_index.has_value() && block_tables.has_value() && context_lens.has_value() &&
+                   slot_mapping.has_value(),
+               "stagger_runner_submit: a job with staged rows needs cache_index, block_tables, context_lens and "
+               "slot_mapping");
+    job.staged = *staged;
+    job.cache_index = *cache_index;
+    job.block_tables = *block_tables;
+    job.context_lens = *context_lens;
+    job.slot_mapping = *slot_mapping;
+    job.rows = rows;
+  }
+  job.num_heads = num_heads;
+  job.scale = scale;
+  job.timeout_s = timeout_s;
+  job.out = out;
+  job.ready = ready_flags;
+  job.done = done_flags;
+  job.gate = gate;
+  job.gate_value = gate_value;
+  runner->submit(std::move(job));
+}
+
+at::Tensor stagger_runner_poll(int64_t handle) { return find_runner(handle, "stagger_runner_poll")->poll(); }
+
+void stagger_runner_drain(int64_t handle) { find_runner(handle, "stagger_runner_drain")->drain(); }
+
+// Runs the jobs still queued, stops the thread and forgets the handle (a second stop is a no-op).
+void stagger_runner_stop(int64_t handle) {
+  std::shared_ptr<JobRunner> runner;
+  {
+    std::lock_guard<std::mutex> lock(g_runners_mutex);
+    const auto it = g_runners.find(handle);
+    if (it == g_runners.end()) return;
+    runner = std::move(it->second);
+    g_runners.erase(it);
+  }
+  runner.reset();  // joins once the queue is empty
+}
+
 // Sets the layered job's schedule (0 barrier, 1 flow; a negative mode keeps it); returns the one now in effect.
 int64_t stagger_layer_schedule(int64_t mode) {
   APEX_CHECK(mode <= 1, "stagger_layer_schedule: mode must be 0 (barrier), 1 (flow) or negative (query), got ", mode);
@@ -1042,6 +1338,7 @@ TORCH_LIBRARY_IMPL(apex, CPU, m) {
   m.impl("cache_append_cpu_multi", &cache_append_cpu_multi);
   m.impl("stagger_cpu_job", &stagger_cpu_job);
   m.impl("stagger_layer_job", &stagger_layer_job);
+  m.impl("stagger_runner_submit", &stagger_runner_submit);
   m.impl("wait_host_flags", &wait_host_flags);
 }
 
@@ -1049,4 +1346,8 @@ TORCH_LIBRARY_IMPL(apex, CompositeExplicitAutograd, m) {
   m.impl("cpu_isa_code", &cpu_isa_code);
   m.impl("cpu_attention_work_split", &cpu_attention_work_split);
   m.impl("stagger_layer_schedule", &stagger_layer_schedule);
+  m.impl("stagger_runner_start", &stagger_runner_start);
+  m.impl("stagger_runner_poll", &stagger_runner_poll);
+  m.impl("stagger_runner_drain", &stagger_runner_drain);
+  m.impl("stagger_runner_stop", &stagger_runner_stop);
 }

@@ -206,6 +206,7 @@ def test_a_mode_can_name_its_block_size_its_cpu_work_split_and_an_inline_exchang
         (lambda: e2e_hybrid.stagger_module.GIL_SWITCH_S, (("auto/gil=0.1", 1e-4), ("auto/gil=0.5", 5e-4))),
         (lambda: os.environ.get("APEX_STAGGER_SERIAL_PLAN"), (("auto/serialplan", "1"), ("auto/teamplan", "0"))),
         (lambda: e2e_hybrid.FREEZE_GC, (("auto/gcfreeze", True),)),
+        (lambda: e2e_hybrid.stagger_module.NATIVE_RUNNER, (("auto/pyrunner", False), ("auto/cxxrunner", True))),
     ]
     for read, cases in settings:
         before, during = read(), []
@@ -223,7 +224,8 @@ def test_modes_with_an_unknown_suffix_or_named_twice_are_refused():
     name); a mode named twice is refused, "/r2" runs it again."""
     e2e_hybrid.check_modes(["never", "auto", "auto/share=0.95", "auto/r2", "staggered:4/t14/split=4-32768-65536",
                             "0.5/pw/bs64/pin", "auto/1lane/inline/syncmoves/barrier/timefit/joinwait/profilejob",
-                            "auto/gil=0.1/serialplan/gcfreeze", "auto/teamplan"])
+                            "auto/gil=0.1/serialplan/gcfreeze", "auto/teamplan", "auto/pyrunner",
+                            "auto/cxxrunner"])
     assert e2e_hybrid.parse_mode("auto/r2") == e2e_hybrid.parse_mode("auto")
     for modes, message in ((["auto", "auto"], "named twice"), (["auto/shar=1.0"], "unknown suffix '/shar=1.0'"),
                            (["auto/r"], "unknown suffix"), (["auto/share=1.0x"], "unknown suffix")):
@@ -259,13 +261,32 @@ def test_cpu_probe_gap_times_every_case_and_the_job_beside_a_decode_loop(tmp_pat
     script = os.path.join(os.path.dirname(e2e_hybrid.__file__), "cpu_probe_gap.py")
     done = subprocess.run([sys.executable, script, "--probe-gib", "0.1", "--pool-gib", "0.2", "--rounds", "1",
                            "--repeats", "1", "--variants", "2", "--context", "64", "--decode", "tiny",
-                           "--decode-gib", "0.01", "--out", str(out)], capture_output=True, text=True, timeout=600)
+                           "--decode-gib", "0.01", "--splits", "4-65536-65536", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
     assert set(result["GBps"]) == {"probe", "wrap4", "big", "scatter", "short", "job", "job15", "job_l3",
-                                   "job15 idle", "job15+decode"}
+                                   "job15 idle", "job15+decode", "job15/split=4-65536-65536"}
     assert all(rate > 0 for rate in result["GBps"].values())
     assert "engine steps" in done.stdout
+
+
+def test_stagger_runner_benchmark_times_both_workers(tmp_path):
+    """benchmarks/stagger_runner.py on this machine (tiny jobs, short steps): both workers' jobs all ran and each
+    mode reports its time between jobs, its jobs' running time and the main thread's work."""
+    import subprocess
+
+    out = tmp_path / "runner.json"
+    script = os.path.join(os.path.dirname(e2e_hybrid.__file__), "stagger_runner.py")
+    done = subprocess.run([sys.executable, script, "--rows", "1", "--context", "32", "--steps", "14", "--warm", "2",
+                           "--rounds", "1", "--step-ms", "3", "--threads", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert set(result["summary"]) == {"python", "cxx"}
+    for mode in result["summary"].values():
+        assert mode["jobs"] == 12 and mode["job_run_median_ms"] > 0 and mode["python_work_per_step"] > 0
+        assert mode["pickup_median_us"] >= 0 and mode["glue_median_us"] >= 0
 
 
 def test_a_staggered_window_records_which_row_limit_binds():

@@ -207,6 +207,31 @@ def test_exports_keep_their_order_and_report_errors():
     assert not exports.queued()
 
 
+@pytest.mark.parametrize("background", [False, True])
+def test_the_exports_gate_counts_every_export_landed_in_order(background):
+    """gate() = (counter, value): the counter reaches the value once every export submitted so far is in the
+    cache (the C++ runner's jobs wait on it without the GIL), a failed export counted too (its error is raised
+    by `wait`); an export still on its way keeps the counter below."""
+    shape = (3, HKV, D)
+    cache = torch.zeros(4, HKV, 16, D), torch.zeros(4, HKV, 16, D)
+    exports = KVExports(slow_append(0.2) if background else cache_append_cpu, background=background)
+    counter, value = exports.gate()
+    assert value == 0 and int(counter[0]) == 0
+    exports.submit(torch.ones(shape), torch.ones(shape), *cache, torch.tensor([0, 1, 2]))
+    exports.submit(torch.ones(shape), torch.ones(shape), *cache, torch.tensor([3, 4, 5]))
+    counter, value = exports.gate()
+    assert value == 2
+    if background:
+        assert int(counter[0]) < 2 and not torch.equal(cache[1][0, :, 5], torch.ones(HKV, D))
+        exports.wait()
+    assert int(counter[0]) == 2 and torch.equal(cache[1][0, :, 5], torch.ones(HKV, D))
+    with pytest.raises(Exception):
+        exports.submit(torch.ones(shape), torch.ones(shape), *cache, torch.tensor([0, 1, 99999]))
+        exports.wait()
+    assert exports.gate() == (counter, 3) and int(counter[0]) == 3
+    exports.close()
+
+
 def test_launch_device_wait_equals_attention():
     runner, ordered, history, new = build_step(7, MIXES["everything"])
     scale = 0.1

@@ -12,16 +12,21 @@ from tests.runtime.test_runtime_stagger import hf_tokens, sharp_model, staggered
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="the device waits run under TRITON_INTERPRET=1 on a CPU")
 
 
-def test_one_lane_with_layered_jobs_gives_hf_tokens():
-    """The job of turn t runs on the worker while step t's layers stage their rows, and step t + 1's layers each
-    wait for their layer of it: tokens equal HF's, every job ran through its layers' flags."""
+@pytest.mark.parametrize("native", [True, False])
+def test_one_lane_with_layered_jobs_gives_hf_tokens(monkeypatch, native):
+    """The job of turn t runs on the worker (the C++ runner's thread, or a Python thread) while step t's layers
+    stage their rows, and step t + 1's layers each wait for their layer of it: tokens equal HF's, every job ran
+    through its layers' flags."""
+    from apex_compile.runtime import stagger as stagger_module
+
+    monkeypatch.setattr(stagger_module, "NATIVE_RUNNER", native)
     torch.manual_seed(21)
     model = sharp_model()
     prompts = [torch.randint(3, 96, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4, 8, 6, 10)]
     reference = hf_tokens(model, prompts, 9)
     apex = staggered(model, width=2, lanes=1)
     jobs = apex.engine.stagger.executor
-    assert isinstance(jobs, LayerJobs)
+    assert isinstance(jobs, LayerJobs) and (jobs.runner is not None) == native
     done = apex.engine.generate(prompts, SamplingParams(max_new_tokens=9))
     assert [c.token_ids for c in done] == reference
     assert sum(1 for c in done if c.steps_per_pool["host"]) >= 3
@@ -64,20 +69,37 @@ def test_the_row_fit_takes_the_jobs_running_time_or_their_work(monkeypatch, busy
     assert busy_fit == any(abs(f - ran) > 1e-9 for f, (ran, _) in zip(fitted, runs))
 
 
-def test_a_failed_layered_job_raises_at_the_next_step_without_hanging(monkeypatch):
-    """A job that fails on the worker lifts its done flags past any turn (the device waits pass at once) and its
-    error reaches the caller at the next step."""
+@pytest.mark.parametrize("native", [True, False])
+def test_a_failed_layered_job_raises_at_the_next_step_without_hanging(monkeypatch, native):
+    """A job that fails on the worker (the C++ runner's, on rows whose cache_index is not their layer; the Python
+    worker's, on a raising job) lifts its done flags past any turn (the device waits pass at once) and its error
+    reaches the caller at the next step."""
+    from apex_compile.ops.cpu_attention import StaggerRunner
     from apex_compile.runtime import stagger as stagger_module
 
-    def failing(*args, **kwargs):
-        raise RuntimeError("host cache unreadable")
+    monkeypatch.setattr(stagger_module, "NATIVE_RUNNER", native)
+    if native:
+        submit = StaggerRunner.submit
 
-    monkeypatch.setattr(stagger_module, "stagger_layer_job", failing)
+        def corrupted(self, *args, **kwargs):
+            if kwargs.get("cache_index") is not None:
+                kwargs["cache_index"] = kwargs["cache_index"] + 1
+            return submit(self, *args, **kwargs)
+
+        monkeypatch.setattr(StaggerRunner, "submit", corrupted)
+        error = "failed: .*cache_index must name each row's layer"
+    else:
+        def failing(*args, **kwargs):
+            raise RuntimeError("host cache unreadable")
+
+        monkeypatch.setattr(stagger_module, "stagger_layer_job", failing)
+        error = "host cache unreadable"
     torch.manual_seed(22)
     model = sharp_model()
     prompts = [torch.randint(3, 96, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4)]
     apex = staggered(model, width=2, lanes=1)
-    with pytest.raises(RuntimeError, match="host cache unreadable"):
+    assert (apex.engine.stagger.executor.runner is not None) == native
+    with pytest.raises(RuntimeError, match=error):
         apex.engine.generate(prompts, SamplingParams(max_new_tokens=6))
     assert min(apex.engine.stagger.executor.done.tolist()) >= stagger_module.ABORTED
 
