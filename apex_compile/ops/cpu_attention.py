@@ -267,7 +267,7 @@ class StaggerRunner:
     wide, runs `stagger_layer_job` for each submitted turn in submission order over the host pool's caches given
     here. Once submitted, a job needs no Python (nor its GIL) to start, finish or report. `poll` returns the
     finished jobs' records (RECORD_FIELDS) and raises the first failed job's error; a failed job sets its done flags
-    to 1 << 62 so the device does not wait for it."""
+    to 1 << 62 so the device does not wait for it, and its record's "ran" is NaN."""
 
     RECORD_FIELDS = ("turn", "waited", "ran", "busy", "call", "gate_wait", "submitted", "started", "ended")
 

@@ -843,7 +843,7 @@ class LayerJobs:
         """A C++ runner job's record (StaggerRunner.RECORD_FIELDS) into the same timings a Python job keeps."""
         self.job_times.append((submitted, started, ended))
         observe = self._observers.pop(int(turn), None)
-        if observe is None:  # a turn without rows
+        if observe is None or ran != ran:  # a turn without rows, or a failed job (its error was raised by `poll`)
             return
         self.job_seconds.append((waited, ran))
         # exports waited for, the C++ call beyond its waits and running, the rest of the runner's time on the job

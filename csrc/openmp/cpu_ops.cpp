@@ -1026,9 +1026,9 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
 // team never idles while the worker thread waits for the GIL, which the launching thread holds for most of a step.
 
 constexpr int64_t kAbortedFlag = int64_t(1) << 62;  // a failed job's done flags (stagger.ABORTED): the GPU goes on
-// Per finished job, doubles: turn, waiting for the layers' flags, running, the team's busy thread-seconds (NaN
-// without rows), the C++ job call's seconds, waiting for the gate, and steady-clock seconds when it was submitted,
-// started and ended (the clock of Python's time.perf_counter on Linux).
+// Per finished job, doubles: turn, waiting for the layers' flags, running (NaN: the job failed), the team's busy
+// thread-seconds (NaN without rows), the C++ job call's seconds, waiting for the gate, and steady-clock seconds
+// when it was submitted, started and ended (the clock of Python's time.perf_counter on Linux).
 constexpr int kRecordFields = 9;
 
 double clock_seconds() {
@@ -1151,6 +1151,7 @@ class JobRunner {
         error = message("the staggered CPU job of turn ", job.turn, " failed: ", std::string(e.what()));
       }
       if (!error.empty()) {  // the GPU must not wait for layers this job will never finish
+        record[2] = std::nan("");  // a failed job's record: its running time tells nothing
         int64_t* done = job.done.data_ptr<int64_t>();
         for (int64_t l = 0; l < job.done.numel(); ++l) __atomic_store_n(done + l, kAbortedFlag, __ATOMIC_RELEASE);
       }

@@ -135,7 +135,9 @@ def test_a_failed_job_is_raised_once_releases_the_device_and_the_next_job_runs(t
         runner.drain()
         with pytest.raises(RuntimeError, match="turn 1 failed: .*sorted by layer"):
             runner.poll()
-        assert [r[0] for r in runner.poll()] == [1.0, 2.0] and runner.poll() == []
+        records = runner.poll()
+        assert [r[0] for r in records] == [1.0, 2.0] and runner.poll() == []
+        assert math.isnan(records[0][2]) and records[1][2] > 0  # the failed job's running time is NaN
         assert done.tolist() == [2, 2] and not torch.isnan(out).any()
     finally:
         runner.close()
