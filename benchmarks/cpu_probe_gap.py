@@ -18,7 +18,9 @@ setting to the job's, one difference at a time, in one run (rounds interleaved, 
 the step before left in the last-level cache. With --decode SHAPE, "job15" is also timed while the main thread
 runs an engine's decode loop (offload "never", a randomly initialised model of that shape: the launcher and the
 GPU busy as in a run, no host row), in rounds alternating with the host idle: "job15+decode" against "job15"
-tells whether the run around the staggered job slows it.
+tells whether the run around the staggered job slows it; "job15+decode/pin" runs the decode loop with its thread
+kept off the worker's cores (`LauncherPin`, the engine's pin_launcher): whether the launcher landing on a worker
+core is what slows it.
 Each prints GB/s (K+V bytes read / median seconds) and its ratio to "probe".
 
     python benchmarks/cpu_probe_gap.py --pool-gib 32 --out probe_gap.json
@@ -37,7 +39,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from apex_compile.ops import allocate_kv_cache_cpu, cpu_attention_work_split, paged_attention_cpu  # noqa: E402
-from apex_compile.runtime.stagger import _pin_worker, worker_cores  # noqa: E402
+from apex_compile.runtime.stagger import LauncherPin, _pin_worker, worker_cores  # noqa: E402
 
 LAYERS, KV_HEADS, HEADS, DIM, BLOCK = 32, 8, 32, 128, 16  # Llama-3-8B, bf16
 BLOCK_BYTES = 2 * KV_HEADS * BLOCK * DIM * 2  # K+V of one block of one layer
@@ -220,13 +222,15 @@ def main():
         for _ in range(50):  # the engine full and decoding before the first round
             decode_step()
         step, nbytes = cases["job15"]
-        cases["job15+decode"] = (step, nbytes)
-        samples["job15+decode"], samples["job15 idle"] = [], []
-        cases["job15 idle"] = (step, nbytes)
+        arms = ("job15 idle", "job15+decode", "job15+decode/pin")
+        for name in arms:
+            cases[name] = (step, nbytes)
+            samples[name] = []
+        pin = LauncherPin(cores)
         steps_beside = 0
         with torch.inference_mode():
             for _ in range(args.rounds):
-                for name in ("job15 idle", "job15+decode"):
+                for name in arms:
                     def timed(step=step):
                         out = []
                         for _ in range(args.repeats + 1):
@@ -234,11 +238,16 @@ def main():
                             step()
                             out.append(time.perf_counter() - t)
                         return out[1:]
-                    future = worker.submit(timed)
-                    while name == "job15+decode" and not future.done():
-                        decode_step()
-                        steps_beside += 1
-                    samples[name].extend(future.result())
+                    if name.endswith("/pin"):
+                        pin.ensure()
+                    try:
+                        future = worker.submit(timed)
+                        while name != "job15 idle" and not future.done():
+                            decode_step()
+                            steps_beside += 1
+                        samples[name].extend(future.result())
+                    finally:
+                        pin.release()
         print(f"decode loop beside the job: {args.decode}, {steps_beside} engine steps", flush=True)
         apex.close()
     rates = {name: cases[name][1] / statistics.median(s) / 1e9 for name, s in samples.items()}

@@ -266,7 +266,7 @@ def test_cpu_probe_gap_times_every_case_and_the_job_beside_a_decode_loop(tmp_pat
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
     assert set(result["GBps"]) == {"probe", "wrap4", "big", "scatter", "short", "job", "job15", "job_l3",
-                                   "job15 idle", "job15+decode", "job15/split=4-65536-65536"}
+                                   "job15 idle", "job15+decode", "job15+decode/pin", "job15/split=4-65536-65536"}
     assert all(rate > 0 for rate in result["GBps"].values())
     assert "engine steps" in done.stdout
 
