@@ -785,8 +785,8 @@ class LayerJobs:
     attending layer by layer as the GPU step stages the layers (`stagger_layer_job`). With `caches` (the host
     pool's per-layer key and value caches) the worker is a C++ thread (`StaggerRunner`) and jobs are queued with
     `submit`; their timings reach this object when the launching thread next calls `collect`, `launch` or
-    `submit` (and a job's `observe` callback then), else a Python thread calls each `launch`ed job. The device reads and
-    writes host buffers directly (pinned on a GPU): every layer's staged q/k/v and outputs, and per layer two
+    `submit` (and a job's `observe` callback then); else a Python thread calls each `launch`ed job. The device
+    reads and writes host buffers directly (pinned on a GPU): every layer's staged q/k/v and outputs, and per layer two
     counters, `ready` (raised by the step behind its staging of the layer) and `done` (raised by the job once it
     wrote the layer's outputs; the next step's layer waits for it on the device). `stalls`: each layer's last
     device wait (ns on a GPU); `status`: a turn whose device wait timed out. A job that fails raises every done

@@ -1094,7 +1094,9 @@ class JobRunner {
     APEX_CHECK(error.empty(), error);
     at::Tensor out = at::empty({int64_t(records.size()), kRecordFields}, at::TensorOptions().dtype(at::kDouble));
     double* data = out.data_ptr<double>();
-    for (size_t i = 0; i < records.size(); ++i) std::copy(records[i].begin(), records[i].end(), data + i * kRecordFields);
+    for (size_t i = 0; i < records.size(); ++i) {
+      std::copy(records[i].begin(), records[i].end(), data + i * kRecordFields);
+    }
     return out;
   }
 
