@@ -638,19 +638,18 @@ class StaggerPipeline:
         decode = not (self._prompt_turns or exports)
         num_heads = self.heads[0]
 
-        if self.layered and self.executor.runner is not None:
-            def observe(waited, ran, busy, work=work, decode=decode):
+        if self.layered:
+            def observe(waited, ran, busy):  # a job's timings into the row fit
                 fit = busy / len(self.executor.cores) if BUSY_FIT and busy > 0 else ran  # (busy: NaN unless flow)
                 self.rows.observe_job(fit, work, decode)
 
-            gate, landed = runner.exports.gate() if exports else (None, 0)
-            self.executor.submit(self.steps, observe, cache_index=plan.cache_index, block_tables=plan.block_tables,
-                                 context_lens=plan.context_lens, slot_mapping=plan.slots, rows=plan.rows,
-                                 num_heads=num_heads, scale=runner.stagger_scale, gate=gate, gate_value=landed)
-            return
-
-        if self.layered:
             turn = self.steps
+            if self.executor.runner is not None:
+                gate, landed = runner.exports.gate() if exports else (None, 0)
+                self.executor.submit(turn, observe, cache_index=plan.cache_index, block_tables=plan.block_tables,
+                                     context_lens=plan.context_lens, slot_mapping=plan.slots, rows=plan.rows,
+                                     num_heads=num_heads, scale=runner.stagger_scale, gate=gate, gate_value=landed)
+                return
 
             def layer_job(staged, out, ready, done):
                 begin = time.perf_counter()
@@ -665,8 +664,7 @@ class StaggerPipeline:
                 # checks, plans and frees, and the rest of the Python call (its glue, the GIL taken back)
                 self.executor.job_parts.append((called - begin, call - waited - ran,
                                                 time.perf_counter() - called - call))
-                fit = busy / len(self.executor.cores) if BUSY_FIT and busy > 0 else ran  # (busy: NaN unless flow)
-                self.rows.observe_job(fit, work, decode)
+                observe(waited, ran, busy)
                 self.executor.job_busy.append(busy)
                 return waited, ran
 

@@ -1031,6 +1031,12 @@ constexpr int64_t kAbortedFlag = int64_t(1) << 62;  // a failed job's done flags
 // when it was submitted, started and ended (the clock of Python's time.perf_counter on Linux).
 constexpr int kRecordFields = 9;
 
+// Sets every counter of flags (int64, contiguous) to value, release order: what it stands for is visible first.
+void set_flags(const at::Tensor& flags, int64_t value) {
+  int64_t* data = flags.data_ptr<int64_t>();
+  for (int64_t i = 0; i < flags.numel(); ++i) __atomic_store_n(data + i, value, __ATOMIC_RELEASE);
+}
+
 double clock_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
@@ -1154,8 +1160,7 @@ class JobRunner {
       }
       if (!error.empty()) {  // the GPU must not wait for layers this job will never finish
         record[2] = std::nan("");  // a failed job's record: its running time tells nothing
-        int64_t* done = job.done.data_ptr<int64_t>();
-        for (int64_t l = 0; l < job.done.numel(); ++l) __atomic_store_n(done + l, kAbortedFlag, __ATOMIC_RELEASE);
+        set_flags(job.done, kAbortedFlag);
       }
       record[8] = clock_seconds();
       {
@@ -1170,22 +1175,9 @@ class JobRunner {
   }
 
   void run(RunnerJob& job, std::array<double, kRecordFields>& record) {
-    if (job.gate.has_value()) {
-      const auto begin = std::chrono::steady_clock::now();
-      const int64_t* gate = job.gate->data_ptr<int64_t>();
-      for (int64_t polls = 0; __atomic_load_n(gate, __ATOMIC_ACQUIRE) < job.gate_value; ++polls) {
-        flag_backoff(polls);
-        if (polls >= kSpinPolls && polls % 256 == 0 &&
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count() > job.timeout_s) {
-          APEX_CHECK(false, "waited more than ", int64_t(job.timeout_s), " s for the prompt K/V exports before turn ",
-                     job.turn, " (", __atomic_load_n(gate, __ATOMIC_ACQUIRE), " of ", job.gate_value, " landed)");
-        }
-      }
-      record[5] = std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count();
-    }
+    if (job.gate.has_value()) record[5] = wait_flags(*job.gate, {job.gate_value}, job.timeout_s);
     if (!job.staged.has_value()) {
-      int64_t* done = job.done.data_ptr<int64_t>();
-      for (int64_t l = 0; l < job.done.numel(); ++l) __atomic_store_n(done + l, job.turn, __ATOMIC_RELEASE);
+      set_flags(job.done, job.turn);
       return;
     }
     if (!timings_.defined()) timings_ = at::zeros({6}, at::TensorOptions().dtype(at::kDouble));  // reused
@@ -1264,8 +1256,8 @@ void stagger_runner_submit(int64_t handle, int64_t turn, const std::optional<at:
   }
   if (gate.has_value()) {
     check_cpu(*gate, "gate");
-    APEX_CHECK(gate->scalar_type() == at::kLong && gate->numel() >= 1 && gate->is_contiguous(),
-               "stagger_runner_submit: gate must be a contiguous int64 tensor, got ", gate->scalar_type(), " ",
+    APEX_CHECK(gate->scalar_type() == at::kLong && gate->dim() == 1 && gate->size(0) == 1,
+               "stagger_runner_submit: gate must be an int64 [1] counter, got ", gate->scalar_type(), " ",
                shape_of(*gate));
   }
   RunnerJob job;
