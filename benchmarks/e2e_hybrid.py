@@ -45,9 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_throughput import SHAPES, kv_bytes_per_token, random_llama, timed_generate, write_json  # noqa: E402
 
 from apex_compile import ApexConfig, SamplingParams, optimize  # noqa: E402
-from apex_compile.ops import cpu_attention_work_split, stagger_layer_schedule  # noqa: E402
+from apex_compile.ops import cpu_attention_work_split  # noqa: E402
 from apex_compile.runtime import attention_runner, kv_manager  # noqa: E402
-from apex_compile.runtime import scheduler as scheduler_module  # noqa: E402
 from apex_compile.runtime import stagger as stagger_module  # noqa: E402
 from apex_compile.runtime import perf_model as perf_model_module  # noqa: E402
 from apex_compile.runtime.engine import PHASES  # noqa: E402
@@ -163,9 +162,6 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     fill_s = time.perf_counter() - begin
     filled_share = (stagger.num_members / max(stagger.capacity, 1) if stagger is not None and stagger.capacity
                     else None)  # < 1: cut by fill_steps
-    if FREEZE_GC:  # "/gcfreeze": what is alive now (model, graphs, compiled code) is never scanned again
-        gc.collect()
-        gc.freeze()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     # Python's collections in the window (any thread: the collector holds the GIL), per generation
@@ -351,15 +347,9 @@ BLOCK_SUFFIX = re.compile(r"/bs(\d+)\b")  # "/bs64": a mode run with KV blocks o
 # a mode run with block moves overlapped ("/overlapmoves") or waited for on the host ("/syncmoves"):
 # kv_manager.OVERLAP_MOVES for that run
 MOVE_SUFFIXES = {"/overlapmoves": True, "/syncmoves": False}
-# a mode run with the layered CPU job's work shared out by layer barriers ("/barrier") or claimed across layers
-# ("/flow"): stagger_layer_schedule for that run
-SCHEDULE_SUFFIXES = {"/barrier": "barrier", "/flow": "flow"}
 # a mode run with the adaptive rows fitted to the flow job's work ("/busyfit") or its running time ("/timefit"):
 # stagger.BUSY_FIT for that run
 FIT_SUFFIXES = {"/busyfit": True, "/timefit": False}
-# a mode run whose parked requests join the staggered pipeline after waiting for their park's copy ("/joinwait",
-# before session 34) or once it has landed ("/joinlanded", the default): scheduler.JOIN_WAITS_FOR_PARKS
-JOIN_SUFFIXES = {"/joinwait": True, "/joinlanded": False}
 # a mode run whose auto model predicts the staggered CPU job from the pipeline's measured job ("/learnjob", the
 # default since session 35) or from the profile's bandwidth only ("/profilejob"): perf_model.LEARN_CPU_JOB
 LEARN_SUFFIXES = {"/learnjob": True, "/profilejob": False}
@@ -368,22 +358,14 @@ SHARE_SUFFIX = re.compile(r"/share=([0-9.]+)")
 # "/gil=0.1": a mode run with the interpreter's GIL switch interval at that many milliseconds while its layered job
 # worker runs (stagger.GIL_SWITCH_S)
 GIL_SUFFIX = re.compile(r"/gil=([0-9.]+)")
-# a mode run with the layered job's layers planned by the calling thread alone ("/serialplan", before session 36)
-# or by the team ("/teamplan", the default): the op reads APEX_STAGGER_SERIAL_PLAN on every call
-PLAN_SUFFIXES = {"/serialplan": "1", "/teamplan": "0"}
-# "/gcfreeze": a mode whose objects alive before its window are frozen out of Python's collector (gc.freeze, as
-# vLLM does after start-up): the A/B for the collections the window records ("window_gc")
-GC_FREEZE_SUFFIXES = {"/gcfreeze": True}
 # a mode run with the layered jobs on the C++ runner's thread ("/cxxrunner", the default since session 38) or
 # called by a Python worker thread ("/pyrunner", before): stagger.NATIVE_RUNNER for that run
 RUNNER_SUFFIXES = {"/cxxrunner": True, "/pyrunner": False}
-FREEZE_GC = False  # set while a "/gcfreeze" mode runs
 # "/r2": a mode run again under its own name and otherwise the same settings, for an A-B-A order (the first hybrid
 # mode of a run came out lowest in three of session 35's four A/B runs)
 REPEAT_SUFFIX = re.compile(r"/r\d+")
-_SUFFIX_NAMES = {PIECEWISE_SUFFIX, PIN_SUFFIX, *LANE_SUFFIXES, *EXCHANGE_SUFFIXES, *MOVE_SUFFIXES, *SCHEDULE_SUFFIXES,
-                 *FIT_SUFFIXES, *JOIN_SUFFIXES, *LEARN_SUFFIXES, *PLAN_SUFFIXES, *GC_FREEZE_SUFFIXES,
-                 *RUNNER_SUFFIXES}
+_SUFFIX_NAMES = {PIECEWISE_SUFFIX, PIN_SUFFIX, *LANE_SUFFIXES, *EXCHANGE_SUFFIXES, *MOVE_SUFFIXES, *FIT_SUFFIXES,
+                 *LEARN_SUFFIXES, *RUNNER_SUFFIXES}
 _SUFFIX_PATTERNS = (THREADS_SUFFIX, SPLIT_SUFFIX, BLOCK_SUFFIX, SHARE_SUFFIX, REPEAT_SUFFIX, GIL_SUFFIX)
 
 
@@ -502,21 +484,13 @@ def _take_suffix(mode, suffixes):
 @contextlib.contextmanager
 def process_settings(mode):
     """The process-wide settings a mode's suffixes name (the exchange's stream, the block moves, the CPU
-    attention's work split, the layered job's schedule and what its row fit reads) in effect; yields the mode
+    attention's work split, what the layered job's row fit reads, its worker) in effect; yields the mode
     without those suffixes and restores the settings after it."""
     beside, split = attention_runner.EXCHANGE_BESIDE, list(cpu_attention_work_split().values())
-    overlap, schedule = kv_manager.OVERLAP_MOVES, stagger_layer_schedule()
-    busy_fit, join_waits = stagger_module.BUSY_FIT, scheduler_module.JOIN_WAITS_FOR_PARKS
+    overlap, busy_fit = kv_manager.OVERLAP_MOVES, stagger_module.BUSY_FIT
     job_share, learn_job = stagger_module.JOB_SHARE, perf_model_module.LEARN_CPU_JOB
     switch, native_runner = stagger_module.GIL_SWITCH_S, stagger_module.NATIVE_RUNNER
-    serial_plan = os.environ.get("APEX_STAGGER_SERIAL_PLAN")
-    global FREEZE_GC
     try:
-        mode, freeze = _take_suffix(mode, GC_FREEZE_SUFFIXES)
-        FREEZE_GC = bool(freeze)
-        mode, named_plan = _take_suffix(mode, PLAN_SUFFIXES)
-        if named_plan is not None:
-            os.environ["APEX_STAGGER_SERIAL_PLAN"] = named_plan
         named = GIL_SUFFIX.search(mode)
         if named:
             stagger_module.GIL_SWITCH_S = float(named.group(1)) / 1e3
@@ -533,12 +507,6 @@ def process_settings(mode):
         mode, named_fit = _take_suffix(mode, FIT_SUFFIXES)
         if named_fit is not None:
             stagger_module.BUSY_FIT = named_fit
-        mode, named_join = _take_suffix(mode, JOIN_SUFFIXES)
-        if named_join is not None:
-            scheduler_module.JOIN_WAITS_FOR_PARKS = named_join
-        mode, named_schedule = _take_suffix(mode, SCHEDULE_SUFFIXES)
-        if named_schedule is not None:
-            stagger_layer_schedule(named_schedule)
         mode, exchange = _take_suffix(mode, EXCHANGE_SUFFIXES)
         if exchange is not None:
             attention_runner.EXCHANGE_BESIDE = exchange
@@ -554,20 +522,11 @@ def process_settings(mode):
         attention_runner.EXCHANGE_BESIDE = beside
         kv_manager.OVERLAP_MOVES = overlap
         cpu_attention_work_split(*split)
-        stagger_layer_schedule(schedule)
         stagger_module.BUSY_FIT = busy_fit
-        scheduler_module.JOIN_WAITS_FOR_PARKS = join_waits
         stagger_module.JOB_SHARE = job_share
         perf_model_module.LEARN_CPU_JOB = learn_job
         stagger_module.GIL_SWITCH_S = switch
         stagger_module.NATIVE_RUNNER = native_runner
-        if FREEZE_GC:
-            gc.unfreeze()
-            FREEZE_GC = False
-        if serial_plan is None:
-            os.environ.pop("APEX_STAGGER_SERIAL_PLAN", None)
-        else:
-            os.environ["APEX_STAGGER_SERIAL_PLAN"] = serial_plan
 
 
 def _run_engine_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seqs, args, start_step):
@@ -673,14 +632,14 @@ def main():
                              "its mixed steps piecewise (mixed_graphs=False), the A/B of whole mixed graphs; "
                              "'/split=a-b-c' sets the CPU attention's work split, '/bs64' the KV block size, '/beside' "
                              "or '/inline' runs the layered exchange on a side or the compute stream, '/overlapmoves' "
-                             "or '/syncmoves' overlaps the block moves or waits for them on the host, '/flow' or '/barrier' "
-                             "the layered CPU job's schedule, '/busyfit' or '/timefit' fits the adaptive rows to "
-                             "the flow job's work or its running time (stagger.BUSY_FIT), '/joinwait' or "
-                             "'/joinlanded' has parked requests join the pipeline after waiting for their park's "
-                             "copy or once it landed (scheduler.JOIN_WAITS_FOR_PARKS), '/learnjob' or '/profilejob' "
-                             "has auto predict the CPU job from its measured fit or the profile, '/share=0.95' sets "
-                             "the CPU job's share of a step (stagger.JOB_SHARE), for that mode; '/r2' runs a mode "
-                             "again (an A-B-A order)")
+                             "or '/syncmoves' overlaps the block moves or waits for them on the host, '/busyfit' or "
+                             "'/timefit' fits the adaptive rows to the layered job's work or its running time "
+                             "(stagger.BUSY_FIT), '/learnjob' or '/profilejob' has auto predict the CPU job from its "
+                             "measured fit or the profile, '/share=0.95' sets the CPU job's share of a step "
+                             "(stagger.JOB_SHARE), '/t14' the CPU attention threads, '/pin' pins the launching "
+                             "thread, '/1lane' or '/2lane' the staggered lanes, '/cxxrunner' or '/pyrunner' runs the "
+                             "layered jobs on the C++ runner or a Python worker (stagger.NATIVE_RUNNER), '/gil=0.1' "
+                             "the GIL switch interval in ms, for that mode; '/r2' runs a mode again (an A-B-A order)")
     parser.add_argument("--fill-steps", type=int, default=600,
                         help="at most this many steps to fill the staggered pipeline before --warm-steps")
     parser.add_argument("--warm-steps", type=int, default=100, help="steps before the measured window")

@@ -4,11 +4,10 @@ engine pins it, called three ways:
   hot   back to back, its ready flags already raised;
   gap   the same after a 4 ms sleep on the worker (its OpenMP team idles as it does between two turns);
   flag  as the engine calls it: the job waits in C++ for a flag another thread raises 4 ms after submission;
-  layer the one-lane plan's layered job (`apex::stagger_layer_job`): the main thread raises layer l's ready flag
+  flow  the one-lane plan's layered job (`apex::stagger_layer_job`): the main thread raises layer l's ready flag
         l x --layer-us after submission (busy-waiting, as the launching thread keeps one core busy), the job
         appends and attends each layer once its flag is up (its waits are not in its running time), its team
-        meeting at barriers twice a layer (stagger_layer_schedule "barrier");
-  flow  the same job with its items claimed across layers, no barrier (schedule "flow", the default);
+        claiming the layers' items in order with no barrier;
   multi the same rows' attention (no append) as one `paged_attention_cpu_multi` call over every layer, no flag:
         the op's own rate on the job's shape, the yardstick for the job's (the op's profile probes read longer
         contexts).
@@ -34,10 +33,11 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from apex_compile.ops import allocate_kv_cache_cpu, paged_attention_cpu_multi, stagger_layer_schedule  # noqa: E402
+from apex_compile.ops import allocate_kv_cache_cpu, paged_attention_cpu_multi  # noqa: E402
 from apex_compile.runtime.stagger import _pin_worker, worker_cores  # noqa: E402
 
 PARTS = ("append", "attention")
+MODES = ("hot", "gap", "flag", "flow", "multi")
 
 
 def fit(xs, ys):
@@ -73,8 +73,8 @@ def main():
     parser.add_argument("--gap-ms", type=float, default=4.0)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--layer-us", type=float, default=170.0,
-                        help="'layer' mode: microseconds between two layers' ready flags (a GPU step / layers)")
-    parser.add_argument("--modes", default="hot,gap,flag,layer,flow,multi")
+                        help="'flow' mode: microseconds between two layers' ready flags (a GPU step / layers)")
+    parser.add_argument("--modes", default="hot,gap,flag,flow,multi")
     parser.add_argument("--split", default=None,
                         help="items_per_thread,min_item_bytes,min_thread_bytes of the attention's work split (all "
                              "calls; default: the op's): a layer's few rows split finer over the team")
@@ -84,6 +84,10 @@ def main():
     parser.add_argument("--tables", default="scattered", help="scattered | contiguous | runs:N (see above)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        sys.exit(f"--modes: unknown {unknown}; known: {','.join(MODES)}")
     layers, hk, hq, dim, bs, width = args.layers, 8, 32, 128, args.block_size, args.width
     block_bytes = 2 * hk * bs * dim * 2
     blocks = max(int(args.pool_gib * (1 << 30) / (block_bytes * layers)), 64)
@@ -116,7 +120,6 @@ def main():
           f"{args.context}, pool {blocks} blocks of {bs} tokens per layer, pinned={pin}, work split {list(split)}",
           flush=True)
     results = []
-    modes = args.modes.split(",")
     for rows in [int(r) for r in args.rows.split(",")]:
         # the first `rows` block rows of every layer hold a request (as a lane's job picks them)
         picked = torch.tensor([layer * width + r for layer in range(layers) for r in range(rows)], dtype=torch.int64)
@@ -128,9 +131,7 @@ def main():
         query = staged.view(layers * width, hq + 2 * hk, dim)[picked, :hq].contiguous()  # "multi"'s queries
         for how in modes:
             samples = []
-            layered = how in ("layer", "flow")
-            if layered:  # "layer": the team meets at barriers twice a layer; "flow": items claimed across layers
-                stagger_layer_schedule("flow" if how == "flow" else "barrier")
+            layered = how == "flow"
             for i in range(args.repeats + 2):
                 flags = torch.zeros(layers if layered else 1, dtype=torch.int64)
                 done = torch.zeros(layers, dtype=torch.int64)
@@ -175,7 +176,7 @@ def main():
                     samples.append(timings.tolist() + wall)
             run = statistics.median(s[1] for s in samples)
             parts = {p: statistics.median(s[2 + j] for s in samples) for j, p in enumerate(PARTS)}
-            busy = statistics.median(s[4] for s in samples)  # NaN where the schedule does not time its items
+            busy = statistics.median(s[4] for s in samples)  # NaN where the call does not time its items
             # the layered call's wall time beyond its waits and running time: the C++ call's checks, plans and
             # frees, then the Python glue around it
             prep = statistics.median(s[5] - s[0] - s[1] for s in samples)

@@ -3,7 +3,7 @@ apex_compile.kernels, C++ from csrc/openmp), all registered on import; plus the 
 
     cpu_attention   cache_append_cpu(_multi), paged_attention_cpu(_multi), stagger_cpu_job, stagger_layer_job,
                     StaggerRunner (stagger_runner_*: the layered jobs' C++ thread), wait_host_flags,
-                    cpu_isa_code, cpu_attention_work_split, stagger_layer_schedule (C++)
+                    cpu_isa_code, cpu_attention_work_split (C++)
     gpu_attention   cache_append_gpu, paged_attention_gpu, paged_decode_append_gpu, paged_prefill_attention_gpu
                     (Triton)
     norm            rms_norm (Triton)
@@ -25,7 +25,6 @@ from apex_compile.ops.cpu_attention import (
     paged_attention_cpu_multi,
     stagger_cpu_job,
     stagger_layer_job,
-    stagger_layer_schedule,
     wait_host_flags,
 )
 from apex_compile.ops.gpu_attention import (
@@ -43,7 +42,7 @@ __all__ = [
     "StaggerRunner", "allocate_kv_cache_cpu", "allocate_kv_cache_gpu", "attention", "cache_append_cpu", "cache_append_cpu_multi",
     "cache_append_gpu", "copy_blocks", "copy_blocks_layers", "cpu_attention_work_split", "cpu_isa", "gather_kv",
     "paged_attention_cpu", "paged_attention_cpu_multi", "paged_attention_gpu", "paged_decode_append_gpu",
-    "paged_prefill_attention_gpu", "stagger_cpu_job", "stagger_layer_job", "stagger_layer_schedule",
+    "paged_prefill_attention_gpu", "stagger_cpu_job", "stagger_layer_job",
     "wait_host_flags",
     "qkv_linear", "rms_norm", "silu_mul", "swiglu",
 ]

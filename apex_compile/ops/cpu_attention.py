@@ -57,7 +57,6 @@ LIB.define(
 LIB.define("wait_host_flags(Tensor flags, int[] values, float timeout_s) -> ()")
 LIB.define("cpu_isa_code() -> int")
 LIB.define("cpu_attention_work_split(int items_per_thread, int min_item_bytes, int min_thread_bytes) -> int[]")
-LIB.define("stagger_layer_schedule(int mode) -> int")
 # The layered jobs' C++ runner (`StaggerRunner`): runtime only, never traced.
 LIB.define("stagger_runner_start(Tensor[] key_caches, Tensor[] value_caches, int[] cores) -> int")
 LIB.define(
@@ -251,7 +250,7 @@ def stagger_layer_job(staged: torch.Tensor, key_caches: List[torch.Tensor], valu
     layer's flags are waited for and raised, with rows or without. Raises RuntimeError if the whole job waits
     more than timeout_s (done flags of the layers not reached stay as they were). Returns (seconds waiting for
     the flags, summed over layers, seconds running without them), with_busy: and the team's thread-seconds
-    inside work items (NaN unless the "flow" schedule runs it), with_call: and the whole C++ call's seconds (its
+    inside work items, with_call: and the whole C++ call's seconds (its
     checks, plans and frees included; against the caller's wall time, what the call costs beyond its work)."""
     timings = torch.zeros(6 if with_call else 5 if with_busy else 2, dtype=torch.float64)
     torch.ops.apex.stagger_layer_job(staged, key_caches, value_caches, cache_index, block_tables, context_lens,
@@ -332,16 +331,3 @@ def cpu_attention_work_split(items_per_thread: int = 0, min_item_bytes: int = 0,
     value; returns the values now in effect."""
     values = torch.ops.apex.cpu_attention_work_split(items_per_thread, min_item_bytes, min_thread_bytes)
     return dict(zip(("items_per_thread", "min_item_bytes", "min_thread_bytes"), values))
-
-
-STAGGER_LAYER_SCHEDULES = ("barrier", "flow")
-
-
-def stagger_layer_schedule(schedule: Optional[str] = None) -> str:
-    """Process-wide way `stagger_layer_job` shares its work out (results never depend on it): "flow" (default)
-    claims every layer's attention items in layer order from one counter, with no barrier, so threads done with
-    a layer go on to the next; "barrier" meets the team twice a layer. None keeps it; returns the one in effect."""
-    if schedule is not None and schedule not in STAGGER_LAYER_SCHEDULES:
-        raise ValueError(f"stagger_layer_schedule: {schedule!r} is not one of {STAGGER_LAYER_SCHEDULES}")
-    mode = -1 if schedule is None else STAGGER_LAYER_SCHEDULES.index(schedule)
-    return STAGGER_LAYER_SCHEDULES[torch.ops.apex.stagger_layer_schedule(mode)]

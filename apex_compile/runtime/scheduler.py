@@ -26,12 +26,6 @@ from apex_compile.runtime.request import Request, RequestStatus
 # (its blocks held) the free blocks still cover the steps queued ahead meanwhile (2 tokens left none: each park
 # cost a step scheduled on the host waiting for that copy)
 LOOKAHEAD_TOKENS = 8
-# Whether a parked request joins the staggered pipeline after the host waits for its park's copy (True, before
-# session 34: the copy queues behind the step in flight, so the launching thread waited for that step too) or only
-# once the copy has landed (False); kept for e2e_hybrid's "/joinwait" A/B on the GPU (notes item 50)
-JOIN_WAITS_FOR_PARKS = False
-
-
 @dataclasses.dataclass
 class ScheduledChunk:
     """Tokens start..start+num_tokens-1 of a request, computed this step in pool `pool`."""
@@ -275,9 +269,7 @@ class Scheduler:
             if not self.kv.landed(request.request_id):
                 # its park's copy (queued behind the step in flight) has not landed: it joins at a later step;
                 # waiting here would hold the launching thread for that whole step and the copy, the GPU idle after
-                if not JOIN_WAITS_FOR_PARKS:
-                    continue
-                self.kv.host_ready(request.request_id)
+                continue
             if not (self._pipeline_takes(request)
                     and self.kv.grow(request.request_id, HOST_POOL, self.max_tokens(request))):
                 break  # the host pool has no room for its whole length (nor, mostly, for the earlier parked)

@@ -58,7 +58,7 @@ REGROW_STEPS = 16  # steps without waiting for the CPU before a row taken away c
 # and the rows collapsed for good; a flat noisy fit read as a nearly free CPU whose fixed part took the step.
 # A CPU really slower than the profile's (another process) is caught by the waits (the guard).
 PRIOR_SPREAD = 1.5
-# The adaptive rows fit the one-lane flow job's work (its team's thread-seconds inside work items over the team's
+# The adaptive rows fit the one-lane layered job's work (its team's thread-seconds inside work items over the team's
 # threads) instead of its running time, which also counts threads waiting for a layer's flag while the GPU paces
 # the job, so a job with slack reads as costly as a full one. On since the A/B of notes item 49 (e2e_hybrid
 # "/timefit" runs the other); the guard still cuts rows that make the GPU wait.
@@ -640,7 +640,7 @@ class StaggerPipeline:
 
         if self.layered:
             def observe(waited, ran, busy):  # a job's timings into the row fit
-                fit = busy / len(self.executor.cores) if BUSY_FIT and busy > 0 else ran  # (busy: NaN unless flow)
+                fit = busy / len(self.executor.cores) if BUSY_FIT and busy > 0 else ran  # (0: no rows)
                 self.rows.observe_job(fit, work, decode)
 
             turn = self.steps

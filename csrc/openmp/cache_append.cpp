@@ -37,20 +37,14 @@ inline void append_row(const CacheAppendArgs& a, int64_t row, int64_t slab_elems
   std::memcpy(value_cache + slab + int64_t(offset) * a.head_dim, v, sizeof(T) * a.head_dim);
 }
 
-// The rows shared out over the threads of the enclosing parallel region (an orphaned loop, ending at its barrier
-// unless a.team_nowait: the caller then synchronises the team itself; outside a region the calling thread copies
-// them all).
+// The rows shared out over the threads of the enclosing parallel region (an orphaned loop, ending at its
+// barrier; outside a region the calling thread copies them all).
 template <class T>
 void append_loop(const CacheAppendArgs& a) {
   const int64_t rows = a.num_tokens * a.num_kv_heads;
   const int64_t slab_elems = int64_t(a.block_size) * a.head_dim;
-  if (a.team_nowait) {
-#pragma omp for schedule(static) nowait
-    for (int64_t row = 0; row < rows; ++row) append_row<T>(a, row, slab_elems);
-  } else {
 #pragma omp for schedule(static)
-    for (int64_t row = 0; row < rows; ++row) append_row<T>(a, row, slab_elems);
-  }
+  for (int64_t row = 0; row < rows; ++row) append_row<T>(a, row, slab_elems);
 }
 
 template <class T>

@@ -267,8 +267,6 @@ struct CacheAppendArgs {
   // As WorkPlanView::in_team: every thread of the enclosing parallel region calls cache_append, which shares the
   // rows out and ends at a barrier (an attention after it reads what other threads appended).
   bool in_team = false;
-  // In a team: no barrier at the end (the caller synchronises the team before anything reads the rows).
-  bool team_nowait = false;
 };
 
 void cache_append(const CacheAppendArgs& args);

@@ -661,37 +661,8 @@ void stagger_cpu_job(const at::Tensor& staged, at::TensorList key_caches, at::Te
     seconds[2] = std::chrono::duration<double>(appended - start).count();
     seconds[3] = std::chrono::duration<double>(end - appended).count();
   }
-  if (timings.numel() >= 5) seconds[4] = std::nan("");  // busy thread-seconds: measured by the flow schedule only
+  if (timings.numel() >= 5) seconds[4] = std::nan("");  // busy thread-seconds: measured by the layered job only
 }
-
-// A barrier for the threads of a parallel region that spins (pause, a yield every 64 rounds) instead of sleeping:
-// libgomp's barriers put a team to sleep after ~100 rounds when the process has more OpenMP threads than cores,
-// and waking 15 threads cost up to ~1 ms on the GPU machine's virtual CPUs (notes item 37); a layered job meets
-// 64 times a step.
-class SpinBarrier {
- public:
-  // team: the threads of the enclosing region (omp_get_num_threads(): OpenMP may give fewer than asked).
-  void wait(int team) {
-    if (team <= 1) return;
-    const int64_t generation = generation_.load(std::memory_order_acquire);
-    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == team - 1) {
-      arrived_.store(0, std::memory_order_relaxed);
-      generation_.store(generation + 1, std::memory_order_release);
-      return;
-    }
-    for (int64_t polls = 0; generation_.load(std::memory_order_acquire) == generation; ++polls) team_backoff(polls);
-  }
-
- private:
-  std::atomic<int> arrived_{0};
-  std::atomic<int64_t> generation_{0};
-};
-
-// How a layered job shares its work out (`stagger_layer_schedule`): 0 "barrier", every layer's appends, a team
-// barrier, its attention, a second barrier; 1 "flow", the layers' attention items claimed in layer order from
-// one counter, each row's append done by the item holding its last token, a layer's done flag raised by the
-// thread finishing its last item: no barrier, and a thread that is done with layer l goes on to layer l + 1.
-std::atomic<int64_t> g_layer_schedule{1};
 
 // One layer's share of a layered job: its rows' append and attention, planned before the job's first wait. The
 // calls point into the job's tensors (checked once for the whole job); the team's scratch and the layers'
@@ -711,7 +682,6 @@ void plan_layer(LayerWork& w, const StaggerInputs& in, const std::array<int64_t,
   fill_append_args(w.append.args, in.key, in.value, in.keys[0], in.values[0], element_size, slots + begin, n,
                    num_kv_heads, block_size, head_dim, team, rows + begin, true, in.keys.data(), in.values.data(),
                    index + begin);
-  w.append.args.team_nowait = true;  // the team meets at a SpinBarrier instead
 
   AttentionCall& call = w.attention;
   call.isa = isa;
@@ -736,8 +706,8 @@ void check_layer_shapes(const StaggerInputs& in, const std::array<int64_t, 4>& g
   APEX_CHECK(in.count <= INT32_MAX && num_blocks <= INT32_MAX, "too many sequences or blocks");
 }
 
-// The "flow" schedule of a layered job (g_layer_schedule 1). Tasks are every layer's attention items in layer
-// order (a layer without rows is one empty task, so that its flags are still waited for and raised). A thread
+// How a layered job shares its work out over its team (no barrier). Tasks are every layer's attention items in
+// layer order (a layer without rows is one empty task, so that its flags are still waited for and raised). A thread
 // claims the next task; the first to claim one of layer l waits for ready_flags[l] and opens the layer, the
 // others wait for it to open. An item holding a row's last token first appends that row's K/V (only that item
 // reads it). The thread finishing a layer's last task raises done_flags[l] (acq_rel count: every item's writes
@@ -899,9 +869,6 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
   const int64_t element_size = key_caches[0].element_size();
   // The layers are planned by the team, a layer per thread at a time: planned by the calling thread alone, the
   // other threads idle through it while the CPU is already behind the GPU (notes item 51).
-  // APEX_STAGGER_SERIAL_PLAN=1 (read on every call, for A/Bs): the calling thread plans alone.
-  const char* serial_env = std::getenv("APEX_STAGGER_SERIAL_PLAN");
-  const int planners = serial_env != nullptr && serial_env[0] == '1' ? 1 : team;
   std::vector<std::unique_ptr<LayerWork>> work(layers);
   for (int64_t l = 0; l < layers; ++l) {
     if (first[l + 1] > first[l]) work[l] = std::make_unique<LayerWork>();
@@ -911,7 +878,7 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
   const int64_t* slots_ptr = slots.data_ptr<int64_t>();
   void* out_ptr = out.data_ptr();
   std::vector<std::exception_ptr> failures(layers);  // the first failing layer's error is raised, as in a serial loop
-#pragma omp parallel for num_threads(planners) schedule(dynamic, 1) if (planners > 1)
+#pragma omp parallel for num_threads(team) schedule(dynamic, 1) if (team > 1)
   for (int64_t l = 0; l < layers; ++l) {
     if (work[l] == nullptr) continue;
     try {
@@ -952,72 +919,7 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
     view.partials = scratch_ptr + team * layout.total + partial_offset[l];
   }
 
-  if (g_layer_schedule.load(std::memory_order_relaxed) == 1) {
-    run_layer_flow(work, layers, ready_flags, done_flags, turn, timeout_s, team, timings);
-    return;
-  }
-
-  // One parallel region: thread 0 waits for each layer's flag while the team polls, then the team appends,
-  // meets at a barrier, attends, meets again, and thread 0 raises the layer's done flag (spinning barriers).
-  using clock = std::chrono::steady_clock;
-  const int64_t* ready = ready_flags.data_ptr<int64_t>();
-  int64_t* done = done_flags.data_ptr<int64_t>();
-  double waited = 0.0, ran = 0.0, appending = 0.0;
-  std::string error;
-  std::atomic<int64_t> released{-1};  // the last layer whose inputs are ready; -2: a wait failed
-  SpinBarrier barrier;
-  const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(
-                                           std::chrono::duration<double>(timeout_s));
-#pragma omp parallel num_threads(team) if (team > 1)
-  {
-    const bool leader = omp_get_thread_num() == 0;
-    clock::time_point start, appended;
-    for (int64_t l = 0; l < layers; ++l) {
-      if (leader) {
-        const auto begin = clock::now();
-        for (int64_t polls = 0; __atomic_load_n(ready + l, __ATOMIC_ACQUIRE) < turn; ++polls) {
-          flag_backoff(polls);
-          if (polls >= kSpinPolls && polls % 256 == 0 && clock::now() > deadline) {
-            error = message("waited more than ", int64_t(timeout_s), " s for layer ", l, " of turn ", turn,
-                            " to be staged (its flag is ", __atomic_load_n(ready + l, __ATOMIC_ACQUIRE), ")");
-            break;
-          }
-        }
-        start = clock::now();
-        waited += std::chrono::duration<double>(start - begin).count();
-        released.store(error.empty() ? l : -2, std::memory_order_release);
-      } else {
-        int64_t seen;
-        for (int64_t polls = 0; (seen = released.load(std::memory_order_acquire)) < l && seen != -2; ++polls) {
-          team_backoff(polls);
-        }
-      }
-      if (released.load(std::memory_order_acquire) == -2) break;
-      LayerWork* w = work[l].get();
-      if (w != nullptr) {
-        apex_cpu::cache_append(w->append.args);
-        barrier.wait(omp_get_num_threads());  // the attention reads what other threads appended
-        if (leader) appended = clock::now();
-        run_attention(w->attention);
-        barrier.wait(omp_get_num_threads());  // every row of the layer written before its done flag
-      }
-      if (leader) {
-        const auto end = clock::now();
-        ran += std::chrono::duration<double>(end - start).count();
-        if (w != nullptr) appending += std::chrono::duration<double>(appended - start).count();
-        __atomic_store_n(done + l, turn, __ATOMIC_RELEASE);
-      }
-    }
-  }
-  APEX_CHECK(error.empty(), error);
-  double* seconds = timings.data_ptr<double>();
-  seconds[0] = waited;
-  seconds[1] = ran;
-  if (timings.numel() >= 4) {
-    seconds[2] = appending;
-    seconds[3] = ran - appending;
-  }
-  if (timings.numel() >= 5) seconds[4] = std::nan("");  // busy thread-seconds: measured by the flow schedule only
+  run_layer_flow(work, layers, ready_flags, done_flags, turn, timeout_s, team, timings);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -1302,13 +1204,6 @@ void stagger_runner_stop(int64_t handle) {
   runner.reset();  // joins once the queue is empty
 }
 
-// Sets the layered job's schedule (0 barrier, 1 flow; a negative mode keeps it); returns the one now in effect.
-int64_t stagger_layer_schedule(int64_t mode) {
-  APEX_CHECK(mode <= 1, "stagger_layer_schedule: mode must be 0 (barrier), 1 (flow) or negative (query), got ", mode);
-  if (mode >= 0) g_layer_schedule.store(mode);
-  return g_layer_schedule.load();
-}
-
 // Code of the kernel path the next call will use: 0 scalar, 1 avx2, 2 avx512 (errors like the ops would).
 int64_t cpu_isa_code() { return int64_t(select_isa()); }
 
@@ -1340,7 +1235,6 @@ TORCH_LIBRARY_IMPL(apex, CPU, m) {
 TORCH_LIBRARY_IMPL(apex, CompositeExplicitAutograd, m) {
   m.impl("cpu_isa_code", &cpu_isa_code);
   m.impl("cpu_attention_work_split", &cpu_attention_work_split);
-  m.impl("stagger_layer_schedule", &stagger_layer_schedule);
   m.impl("stagger_runner_start", &stagger_runner_start);
   m.impl("stagger_runner_poll", &stagger_runner_poll);
   m.impl("stagger_runner_drain", &stagger_runner_drain);

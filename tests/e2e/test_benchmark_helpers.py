@@ -197,15 +197,10 @@ def test_a_mode_can_name_its_block_size_its_cpu_work_split_and_an_inline_exchang
     # process-wide settings named by a suffix: in effect during the run, the old value back after it fails
     settings = [
         (lambda: e2e_hybrid.kv_manager.OVERLAP_MOVES, (("never/overlapmoves", True), ("never/syncmoves", False))),
-        (e2e_hybrid.stagger_layer_schedule, (("staggered:4/barrier", "barrier"), ("auto/flow", "flow"))),
         (lambda: e2e_hybrid.stagger_module.BUSY_FIT, (("auto/busyfit", True), ("staggered:4/timefit", False))),
-        (lambda: e2e_hybrid.scheduler_module.JOIN_WAITS_FOR_PARKS, (("auto/joinwait", True),
-                                                                   ("auto/joinlanded", False))),
         (lambda: e2e_hybrid.perf_model_module.LEARN_CPU_JOB, (("auto/profilejob", False), ("auto/learnjob", True))),
         (lambda: e2e_hybrid.stagger_module.JOB_SHARE, (("auto/share=0.97", 0.97), ("staggered:4/share=1.0", 1.0))),
         (lambda: e2e_hybrid.stagger_module.GIL_SWITCH_S, (("auto/gil=0.1", 1e-4), ("auto/gil=0.5", 5e-4))),
-        (lambda: os.environ.get("APEX_STAGGER_SERIAL_PLAN"), (("auto/serialplan", "1"), ("auto/teamplan", "0"))),
-        (lambda: e2e_hybrid.FREEZE_GC, (("auto/gcfreeze", True),)),
         (lambda: e2e_hybrid.stagger_module.NATIVE_RUNNER, (("auto/pyrunner", False), ("auto/cxxrunner", True))),
     ]
     for read, cases in settings:
@@ -223,11 +218,11 @@ def test_modes_with_an_unknown_suffix_or_named_twice_are_refused():
     """check_modes: every suffix of e2e_hybrid's modes is known (a typo would run the defaults under an A/B arm's
     name); a mode named twice is refused, "/r2" runs it again."""
     e2e_hybrid.check_modes(["never", "auto", "auto/share=0.95", "auto/r2", "staggered:4/t14/split=4-32768-65536",
-                            "0.5/pw/bs64/pin", "auto/1lane/inline/syncmoves/barrier/timefit/joinwait/profilejob",
-                            "auto/gil=0.1/serialplan/gcfreeze", "auto/teamplan", "auto/pyrunner",
-                            "auto/cxxrunner"])
+                            "0.5/pw/bs64/pin", "auto/1lane/inline/syncmoves/timefit/profilejob", "auto/gil=0.1",
+                            "auto/pyrunner", "auto/cxxrunner"])
     assert e2e_hybrid.parse_mode("auto/r2") == e2e_hybrid.parse_mode("auto")
     for modes, message in ((["auto", "auto"], "named twice"), (["auto/shar=1.0"], "unknown suffix '/shar=1.0'"),
+                           (["auto/barrier"], "unknown suffix '/barrier'"), (["auto/gcfreeze"], "unknown suffix"),
                            (["auto/r"], "unknown suffix"), (["auto/share=1.0x"], "unknown suffix")):
         with pytest.raises(ValueError, match=message):
             e2e_hybrid.check_modes(modes)

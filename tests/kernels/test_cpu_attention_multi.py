@@ -1,6 +1,5 @@
 """The multi-cache CPU ops (every layer's rows in one call): each row appends to and attends the cache pair its
 cache_index names, equal to one call per pair and to float64 attention; bad lists and indices are errors."""
-import math
 import time
 
 import pytest
@@ -228,17 +227,6 @@ def test_stagger_job_times_out_with_a_clear_error_and_writes_nothing(team, threa
     assert not torch.isnan(out).any()
 
 
-@pytest.fixture(params=["barrier", "flow"])
-def schedule(request):
-    """Each layered-job test under both ways of sharing its work out (restored after)."""
-    from apex_compile.ops import stagger_layer_schedule
-
-    saved = stagger_layer_schedule()
-    stagger_layer_schedule(request.param)
-    yield request.param
-    stagger_layer_schedule(saved)
-
-
 def run_layer_job(caches, staged, meta, picked, ready, done, turn, heads=4, **kwargs):
     """stagger_layer_job over the rows `picked` (None: all) into a NaN-filled output; returns it and the timings."""
     from apex_compile.ops.cpu_attention import stagger_layer_job
@@ -254,7 +242,7 @@ def run_layer_job(caches, staged, meta, picked, ready, done, turn, heads=4, **kw
 
 @pytest.mark.parametrize("picked", [None, [0, 2, 7, 8], [6, 7]])
 @pytest.mark.parametrize("team", [1, 3])
-def test_layer_job_equals_the_whole_job_and_raises_every_layer(picked, team, threads, schedule):
+def test_layer_job_equals_the_whole_job_and_raises_every_layer(picked, team, threads):
     """The one-lane job (layer by layer, each behind its ready flag) writes what the whole-turn job writes, bit
     for bit, into outputs and caches, and raises every layer's done flag to the turn (layers without rows too)."""
     torch.set_num_threads(team)
@@ -273,11 +261,10 @@ def test_layer_job_equals_the_whole_job_and_raises_every_layer(picked, team, thr
     assert done.tolist() == [4, 4, 4] and waited >= 0 and ran >= 0
 
 
-def test_layer_job_in_a_team_is_exact_on_every_call(threads, schedule):
-    """The layered job's team either meets at spinning barriers twice a layer (after the appends, after the
-    attention) or claims items across layers, each row appended by the item holding its last token: 20 calls
-    with a 4-thread team, each equal bit for bit to a 1-thread call (a missing barrier or a misplaced append
-    lets an attention read a slot not yet appended, or a done flag rise before its layer's rows are written)."""
+def test_layer_job_in_a_team_is_exact_on_every_call(threads):
+    """The layered job's team claims items across layers, each row appended by the item holding its last token:
+    20 calls with a 4-thread team, each equal bit for bit to a 1-thread call (a misplaced append lets an
+    attention read a slot not yet appended, or a done flag rise before its layer's rows are written)."""
     picked = [0, 1, 3, 4, 5, 7]
     caches, staged, meta = stagger_job_case(29, layers=4, width=2)
     pristine = [(k.clone(), v.clone()) for k, v in caches]
@@ -290,9 +277,9 @@ def test_layer_job_in_a_team_is_exact_on_every_call(threads, schedule):
         assert torch.equal(got.nan_to_num(-7.0), want.nan_to_num(-7.0))
 
 
-def test_layer_job_times_its_items_in_the_flow_schedule(threads, schedule):
-    """timings of 5: the last is the team's thread-seconds inside work items (flow; at most the running time
-    over the team), NaN where the schedule does not time them (barrier); other sizes are refused."""
+def test_layer_job_times_its_items(threads):
+    """timings of 5: the last is the team's thread-seconds inside work items (more than 0, at most the running
+    time over the team); other sizes are refused."""
     torch.set_num_threads(3)
     caches, staged, meta = stagger_job_case(31, layers=3, width=2)
     args = (staged, [k for k, _ in caches], [v for _, v in caches], meta["cache_index"], meta["block_tables"],
@@ -302,10 +289,7 @@ def test_layer_job_times_its_items_in_the_flow_schedule(threads, schedule):
     torch.ops.apex.stagger_layer_job(*args, torch.ones(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), 1,
                                      10.0, timings)
     waited, ran, _, _, busy = timings.tolist()
-    if schedule == "flow":
-        assert 0 < busy <= ran * 3 + 1e-4
-    else:
-        assert math.isnan(busy)
+    assert 0 < busy <= ran * 3 + 1e-4
     # 6: the whole call last, its checks, plans and frees included (at least its waits and running time), within
     # the caller's wall time; the Python wrapper returns it after the busy thread-seconds
     from apex_compile.ops.cpu_attention import stagger_layer_job
@@ -326,7 +310,7 @@ def test_layer_job_times_its_items_in_the_flow_schedule(threads, schedule):
 
 
 @pytest.mark.parametrize("team", [1, 3])
-def test_layer_job_runs_each_layer_behind_its_flag(team, threads, schedule):
+def test_layer_job_runs_each_layer_behind_its_flag(team, threads):
     """Layer l is written only after ready_flags[l] reaches the turn, and its done flag rises right after it,
     before later layers are staged (the GPU's next step waits for it per layer, not for the whole job)."""
     import concurrent.futures
@@ -355,7 +339,7 @@ def test_layer_job_runs_each_layer_behind_its_flag(team, threads, schedule):
     assert done.tolist() == [turn] * 3 and not torch.isnan(out).any() and waited >= 0.09
 
 
-def test_layer_job_checks_its_rows_and_times_out_clearly(threads, schedule):
+def test_layer_job_checks_its_rows_and_times_out_clearly(threads):
     """Rows out of layer order or a cache_index that is not each row's layer are refused before any wait; a
     layer never staged raises after the timeout, the done flags of the layers before it raised, none after."""
     torch.set_num_threads(2)
@@ -376,42 +360,30 @@ def test_layer_job_checks_its_rows_and_times_out_clearly(threads, schedule):
     assert done.tolist() == [1, 0]
 
 
-def test_layer_job_planned_by_the_team_equals_the_serial_plan_and_raises_the_first_layers_error(
-        threads, schedule, monkeypatch):
-    """The layers are checked and planned by the job's team (APEX_STAGGER_SERIAL_PLAN=1: by the calling thread
-    alone): the outputs and caches are the same bit for bit, and with bad rows in two layers the error raised is
-    the first layer's, as the serial plan raises it."""
+def test_layer_job_planned_by_the_team_raises_the_first_layers_error(threads):
+    """The layers are checked and planned by the job's team, a layer per thread at a time: with bad rows in two
+    layers the error raised is the first layer's, as a serial loop over the layers would raise it, and no done
+    flag rises."""
     torch.set_num_threads(3)
     caches, staged, meta = stagger_job_case(37, layers=4, width=2)
-    pristine = [(k.clone(), v.clone()) for k, v in caches]
-    flags = lambda: (torch.ones(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int64))  # noqa: E731
-    results = {}
-    for serial in ("1", "0"):
-        monkeypatch.setenv("APEX_STAGGER_SERIAL_PLAN", serial)
-        run = [(k.clone(), v.clone()) for k, v in pristine]
-        out, _ = run_layer_job(run, staged, meta, None, *flags(), 1)
-        results[serial] = out, run
-    (a, caches_a), (b, caches_b) = results["1"], results["0"]
-    assert torch.equal(a.nan_to_num(-7.0), b.nan_to_num(-7.0)) and not torch.isnan(a).any()
-    for (k, v), (k1, v1) in zip(caches_a, caches_b):
-        assert torch.equal(k.nan_to_num(-7.0), k1.nan_to_num(-7.0)) and torch.equal(v.nan_to_num(-7.0),
-                                                                                    v1.nan_to_num(-7.0))
     bad = dict(meta, block_tables=meta["block_tables"].clone(), slot_mapping=meta["slot_mapping"].clone())
     bad["block_tables"][2 * 1, 0] = 10 ** 6  # layer 1: a block out of range
     bad["slot_mapping"][2 * 3] = 10 ** 9  # layer 3: a slot out of range
-    for serial in ("1", "0"):
-        monkeypatch.setenv("APEX_STAGGER_SERIAL_PLAN", serial)
+    for _ in range(5):  # the layers are planned in whatever order the team takes them
+        done = torch.zeros(4, dtype=torch.int64)
         with pytest.raises(RuntimeError, match="block_tables.* out of range"):
-            run_layer_job([(k.clone(), v.clone()) for k, v in pristine], staged, bad, None, *flags(), 1)
+            run_layer_job([(k.clone(), v.clone()) for k, v in caches], staged, bad, None,
+                          torch.ones(4, dtype=torch.int64), done, 1)
+        assert done.tolist() == [0] * 4
 
 
 @pytest.mark.parametrize("team", [1, 4])
-def test_layer_job_with_split_items_equals_the_whole_job(team, threads, schedule):
+def test_layer_job_with_split_items_equals_the_whole_job(team, threads):
     """Items cut into several pieces of one (row, kv head), merged by the thread writing the last partial: the
     layered job writes the whole job's caches bit for bit and its outputs to rounding (the pieces depend on the
-    team), the same bits on every call, and the same bits in both schedules (in the flow schedule only the
-    piece holding a row's last token appends it, and later layers' items run beside it)."""
-    from apex_compile.ops import cpu_attention_work_split, stagger_layer_schedule
+    team) and the same bits on every call (only the piece holding a row's last token appends it, and later
+    layers' items run beside it)."""
+    from apex_compile.ops import cpu_attention_work_split
 
     saved = cpu_attention_work_split()
     cpu_attention_work_split(items_per_thread=1 << 20, min_item_bytes=1, min_thread_bytes=1)
@@ -437,30 +409,8 @@ def test_layer_job_with_split_items_equals_the_whole_job(team, threads, schedule
         torch.testing.assert_close(first, want.nan_to_num(-7.0), rtol=1e-5, atol=1e-6)
         for _ in range(10):
             assert torch.equal(layered(), first)
-        other = "barrier" if schedule == "flow" else "flow"
-        stagger_layer_schedule(other)
-        try:
-            assert torch.equal(layered(), first)
-        finally:
-            stagger_layer_schedule(schedule)
     finally:
         cpu_attention_work_split(**saved)
-
-
-def test_layer_schedule_is_set_queried_and_checked():
-    """stagger_layer_schedule names the schedule in effect, sets a known one, and refuses others."""
-    from apex_compile.ops import stagger_layer_schedule
-
-    saved = stagger_layer_schedule()
-    try:
-        assert stagger_layer_schedule("barrier") == "barrier" == stagger_layer_schedule()
-        assert stagger_layer_schedule("flow") == "flow" == stagger_layer_schedule()
-        with pytest.raises(ValueError, match="not one of"):
-            stagger_layer_schedule("fast")
-        with pytest.raises(RuntimeError, match="mode must be"):
-            torch.ops.apex.stagger_layer_schedule(2)
-    finally:
-        stagger_layer_schedule(saved)
 
 
 def written_while_python_holds_the_gil(job, out, flags, window=1.0):
@@ -566,12 +516,12 @@ def test_the_stagger_job_benchmark_runs_on_a_small_pool(tmp_path):
     written = json.loads(out.read_text())
     rows = written["rows"]
     assert [(r["rows"], r["how"]) for r in rows] == [(n, how) for n in (1, 2)
-                                                     for how in ("hot", "gap", "flag", "layer", "flow", "multi")]
+                                                     for how in ("hot", "gap", "flag", "flow", "multi")]
     assert all(r["run_s"] > 0 for r in rows) and written["work_split"] == [2, 32768, 65536]
     assert written["args"]["block_size"] == 32 and "blocks of 32 tokens" in result.stdout
-    assert all(r["parts_s"]["attention"] > 0 for r in rows if r["how"] not in ("layer", "flow"))
-    assert all(f"fit {how}" in result.stdout for how in ("flag", "layer", "flow", "multi"))
-    # the flow schedule times its items (the team's busy share); the others do not
+    assert all(r["parts_s"]["attention"] > 0 for r in rows if r["how"] != "flow")
+    assert all(f"fit {how}" in result.stdout for how in ("flag", "flow", "multi"))
+    # the layered job times its items (the team's busy share); the others do not
     assert all((r["busy_thread_s"] or 0) > 0 for r in rows if r["how"] == "flow")
     assert all(r["busy_thread_s"] is None for r in rows if r["how"] != "flow") and "team busy" in result.stdout
     assert written["args"]["tables"] == "runs:2"

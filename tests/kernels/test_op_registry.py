@@ -28,7 +28,6 @@ EXPECTED_KERNELS = {
     "wait_host_flags": {"CPU"},
     "cpu_isa_code": {"CompositeExplicitAutograd"},
     "cpu_attention_work_split": {"CompositeExplicitAutograd"},
-    "stagger_layer_schedule": {"CompositeExplicitAutograd"},
     "stagger_runner_start": {"CompositeExplicitAutograd"},
     "stagger_runner_submit": {"CPU"},
     "stagger_runner_poll": {"CompositeExplicitAutograd"},
@@ -50,8 +49,7 @@ EXPECTED_KERNELS = {
     "stagger_residual": {"CompositeExplicitAutograd"},
     "stagger_rope_layers": {"CompositeExplicitAutograd"},
 }
-NO_TENSOR_OPS = {"cpu_isa_code": (), "cpu_attention_work_split": (0, 0, 0),  # read-only calls, no fake needed
-                 "stagger_layer_schedule": (-1,)}
+NO_TENSOR_OPS = {"cpu_isa_code": (), "cpu_attention_work_split": (0, 0, 0)}  # read-only calls, no fake needed
 # Stateful ops of the runtime's C++ job runner (a thread behind a handle), never inside a traced graph: no opcheck
 # and no fake (tests/kernels/test_stagger_runner.py runs them).
 RUNTIME_OPS = {"stagger_runner_start", "stagger_runner_submit", "stagger_runner_poll", "stagger_runner_drain",

@@ -832,22 +832,19 @@ def test_a_ceiling_of_zero_admits_nothing_and_parks_the_pipelines_requests(monke
     assert not stagger.members() and apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 
-@pytest.mark.parametrize("overlap, join_waits", [(False, False), (True, False), (True, True)])
-def test_parked_requests_join_the_pipeline_when_it_takes_them(monkeypatch, overlap, join_waits):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_parked_requests_join_the_pipeline_when_it_takes_them(monkeypatch, overlap):
     """Requests parked from the device pool (their KV in the host pool, their last token sampled) join the
     staggered pipeline once it has rows for them, rather than only waiting for the device pool: a pipeline
     emptied by auto's ceiling refills once every request was admitted. Tokens are HF's, no block is lost. With
     overlapped moves (a stand-in swap stream whose copies land late) a request joins only once its park has
-    landed (`KVManager.landed`, before a CPU job reads its host blocks), and the join never waits for a copy;
-    with scheduler.JOIN_WAITS_FOR_PARKS (the e2e "/joinwait" A/B) it waits for one instead."""
+    landed (`KVManager.landed`, before a CPU job reads its host blocks), and the join never waits for a copy."""
     from apex_compile.runtime import kv_manager
-    from apex_compile.runtime import scheduler as scheduler_module
     from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL
     from apex_compile.runtime.scheduler import Scheduler
     from tests.helpers import DeferredSwap
 
     monkeypatch.setattr(kv_manager, "OVERLAP_MOVES", overlap)
-    monkeypatch.setattr(scheduler_module, "JOIN_WAITS_FOR_PARKS", join_waits)
 
     torch.manual_seed(10)
     model = sharp_model()
@@ -875,8 +872,7 @@ def test_parked_requests_join_the_pipeline_when_it_takes_them(monkeypatch, overl
             opened = True
     assert opened and joined and tokens == reference
     assert all(r.num_preemptions and r.steps_per_pool[DEVICE_POOL] and r.steps_per_pool[HOST_POOL] for r in joined)
-    assert not overlap or ({r.request_id for r in joined} <= set(ready) | set(waited) and bool(waited) == join_waits)
-    assert not overlap or join_waits or {r.request_id for r in joined} <= set(ready)
+    assert not overlap or ({r.request_id for r in joined} <= set(ready) and not waited)
     assert not stagger.members() and engine.blocks_in_use() == {"device": 0, "host": 0}
     apex.close()
 
