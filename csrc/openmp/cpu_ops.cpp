@@ -6,6 +6,7 @@
 #include <torch/library.h>
 #include <omp.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -713,117 +714,129 @@ void check_layer_shapes(const StaggerInputs& in, const std::array<int64_t, 4>& g
 // reads it). The thread finishing a layer's last task raises done_flags[l] (acq_rel count: every item's writes
 // are visible before). Timings: the waiting is the time the team had nothing to do (a layer's flag awaited after
 // the layer before was done), the running time the rest of the job's span.
-void run_layer_flow(const std::vector<std::unique_ptr<LayerWork>>& work, int64_t layers,
-                    const at::Tensor& ready_flags, at::Tensor& done_flags, int64_t turn, double timeout_s, int team,
-                    const at::Tensor& timings) {
+class LayerFlow {
+ public:
   using clock = std::chrono::steady_clock;
-  std::vector<int64_t> task_layer, task_item;  // item -1: an empty layer's task
-  std::unique_ptr<std::atomic<int64_t>[]> remaining(new std::atomic<int64_t>[layers]);
-  std::unique_ptr<std::atomic<int>[]> opened(new std::atomic<int>[layers]);  // 0 closed, 1 opening, 2 open
-  std::vector<std::vector<int64_t>> appends(layers);  // per layer, per item: the append row it does first, or -1
-  for (int64_t l = 0; l < layers; ++l) {
-    opened[l].store(0, std::memory_order_relaxed);
-    const LayerWork* w = work[l].get();
-    if (w == nullptr) {
-      task_layer.push_back(l);
-      task_item.push_back(-1);
-      remaining[l].store(1, std::memory_order_relaxed);
-      continue;
-    }
-    const apex_cpu::WorkPlanView& view = w->attention.view;
-    const apex_cpu::PagedAttentionArgs& args = w->attention.args;
-    appends[l].assign(view.num_items, -1);
-    for (int64_t i = 0; i < view.num_items; ++i) {
-      const apex_cpu::WorkItem& item = view.items[i];
-      if (item.token_end == args.context_lens[item.seq]) {
-        appends[l][i] = int64_t(item.seq) * args.num_kv_heads + item.kv_head;
+
+  // The tasks of `work` (planned layers, nullptr: a layer without rows); the job's span starts here.
+  LayerFlow(const std::vector<std::unique_ptr<LayerWork>>& work, int64_t layers, const at::Tensor& ready_flags,
+            at::Tensor& done_flags, int64_t turn, double timeout_s, int team, bool timed_items)
+      : work_(work), layers_(layers), remaining_(new std::atomic<int64_t>[layers]),
+        opened_(new std::atomic<int>[layers]), appends_(layers), ready_(ready_flags.data_ptr<int64_t>()),
+        done_(done_flags.data_ptr<int64_t>()), turn_(turn), timeout_s_(timeout_s), wait_begin_(layers),
+        ready_at_(layers), done_at_(layers), timed_items_(timed_items), busy_(team, 0.0) {
+    for (int64_t l = 0; l < layers; ++l) {
+      opened_[l].store(0, std::memory_order_relaxed);
+      const LayerWork* w = work[l].get();
+      if (w == nullptr) {
+        task_layer_.push_back(l);
+        task_item_.push_back(-1);
+        remaining_[l].store(1, std::memory_order_relaxed);
+        continue;
       }
-      task_layer.push_back(l);
-      task_item.push_back(i);
+      const apex_cpu::WorkPlanView& view = w->attention.view;
+      const apex_cpu::PagedAttentionArgs& args = w->attention.args;
+      appends_[l].assign(view.num_items, -1);
+      for (int64_t i = 0; i < view.num_items; ++i) {
+        const apex_cpu::WorkItem& item = view.items[i];
+        if (item.token_end == args.context_lens[item.seq]) {
+          appends_[l][i] = int64_t(item.seq) * args.num_kv_heads + item.kv_head;
+        }
+        task_layer_.push_back(l);
+        task_item_.push_back(i);
+      }
+      remaining_[l].store(view.num_items, std::memory_order_relaxed);
     }
-    remaining[l].store(view.num_items, std::memory_order_relaxed);
+    start_ = clock::now();
+    deadline_ = start_ + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(timeout_s));
   }
-  const int64_t num_tasks = int64_t(task_layer.size());
-  const int64_t* ready = ready_flags.data_ptr<int64_t>();
-  int64_t* done = done_flags.data_ptr<int64_t>();
-  std::vector<clock::time_point> wait_begin(layers), ready_at(layers), done_at(layers);
-  std::atomic<int64_t> next{0};
-  std::atomic<bool> failed{false};
-  std::string error;
-  const bool timed_items = timings.numel() >= 5;  // each item timed: the team's busy thread-seconds
-  std::vector<double> busy(team, 0.0);
-  const auto start = clock::now();
-  const auto deadline = start + std::chrono::duration_cast<clock::duration>(std::chrono::duration<double>(timeout_s));
-#pragma omp parallel num_threads(team) if (team > 1)
-  {
-    const int thread = omp_get_thread_num();
+
+  // A team thread's share: claims tasks until none is left or a wait failed.
+  void run(int thread) {
+    const int64_t num_tasks = int64_t(task_layer_.size());
     double working = 0.0;  // this thread's seconds inside items (stored once: no shared line written per item)
     for (;;) {
-      const int64_t t = next.fetch_add(1, std::memory_order_relaxed);
-      if (t >= num_tasks || failed.load(std::memory_order_acquire)) break;
-      const int64_t l = task_layer[t];
+      const int64_t t = next_.fetch_add(1, std::memory_order_relaxed);
+      if (t >= num_tasks || failed_.load(std::memory_order_acquire)) break;
+      const int64_t l = task_layer_[t];
       int state = 0;
-      if (opened[l].load(std::memory_order_acquire) != 2 &&
-          opened[l].compare_exchange_strong(state, 1, std::memory_order_acq_rel)) {
-        wait_begin[l] = clock::now();
-        for (int64_t polls = 0; __atomic_load_n(ready + l, __ATOMIC_ACQUIRE) < turn; ++polls) {
+      if (opened_[l].load(std::memory_order_acquire) != 2 &&
+          opened_[l].compare_exchange_strong(state, 1, std::memory_order_acq_rel)) {
+        wait_begin_[l] = clock::now();
+        for (int64_t polls = 0; __atomic_load_n(ready_ + l, __ATOMIC_ACQUIRE) < turn_; ++polls) {
           flag_backoff(polls);
-          if (polls >= kSpinPolls && polls % 256 == 0 && clock::now() > deadline) {
-            if (!failed.exchange(true, std::memory_order_acq_rel)) {  // one message, from the first to fail
-              error = message("waited more than ", int64_t(timeout_s), " s for layer ", l, " of turn ", turn,
-                              " to be staged (its flag is ", __atomic_load_n(ready + l, __ATOMIC_ACQUIRE), ")");
+          if (polls >= kSpinPolls && polls % 256 == 0 && clock::now() > deadline_) {
+            if (!failed_.exchange(true, std::memory_order_acq_rel)) {  // one message, from the first to fail
+              error_ = message("waited more than ", int64_t(timeout_s_), " s for layer ", l, " of turn ", turn_,
+                               " to be staged (its flag is ", __atomic_load_n(ready_ + l, __ATOMIC_ACQUIRE), ")");
             }
             break;
           }
         }
-        ready_at[l] = clock::now();
-        opened[l].store(2, std::memory_order_release);
+        ready_at_[l] = clock::now();
+        opened_[l].store(2, std::memory_order_release);
       } else {
-        for (int64_t polls = 0; opened[l].load(std::memory_order_acquire) != 2; ++polls) {
-          if (failed.load(std::memory_order_acquire)) break;
+        for (int64_t polls = 0; opened_[l].load(std::memory_order_acquire) != 2; ++polls) {
+          if (failed_.load(std::memory_order_acquire)) break;
           team_backoff(polls);
         }
       }
-      if (failed.load(std::memory_order_acquire)) break;
-      const int64_t i = task_item[t];
+      if (failed_.load(std::memory_order_acquire)) break;
+      const int64_t i = task_item_[t];
       if (i >= 0) {
-        LayerWork& w = *work[l];
-        const auto began = timed_items ? clock::now() : clock::time_point();
-        if (appends[l][i] >= 0) apex_cpu::cache_append_row(w.append.args, appends[l][i]);
+        LayerWork& w = *work_[l];
+        const auto began = timed_items_ ? clock::now() : clock::time_point();
+        if (appends_[l][i] >= 0) apex_cpu::cache_append_row(w.append.args, appends_[l][i]);
         run_attention_item(w.attention, i, thread);
-        if (timed_items) working += std::chrono::duration<double>(clock::now() - began).count();
+        if (timed_items_) working += std::chrono::duration<double>(clock::now() - began).count();
       }
-      if (remaining[l].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-        done_at[l] = clock::now();
-        __atomic_store_n(done + l, turn, __ATOMIC_RELEASE);
+      if (remaining_[l].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        done_at_[l] = clock::now();
+        __atomic_store_n(done_ + l, turn_, __ATOMIC_RELEASE);
       }
     }
-    busy[thread] = working;
+    busy_[thread] = working;
   }
-  APEX_CHECK(error.empty(), error);
-  const auto end = clock::now();
-  double waited = 0.0;
-  for (int64_t l = 0; l < layers; ++l) {  // idle: the flag awaited after the layer before was done
-    const auto from = l == 0 ? wait_begin[0] : std::max(wait_begin[l], done_at[l - 1]);
-    waited += std::max(0.0, std::chrono::duration<double>(ready_at[l] - from).count());
-  }
-  double* seconds = timings.data_ptr<double>();
-  seconds[0] = waited;
-  seconds[1] = std::max(0.0, std::chrono::duration<double>(end - start).count() - waited);
-  if (timings.numel() >= 4) {  // the appends run inside the items: all of it counts as attention
-    seconds[2] = 0.0;
-    seconds[3] = seconds[1];
-  }
-  if (timed_items) seconds[4] = std::accumulate(busy.begin(), busy.end(), 0.0);
-}
 
-// The one-lane staggered plan's CPU job: as `stagger_cpu_job`, but layer by layer as the GPU step that stages
-// them runs. Layer l's rows (the rows of [l * width, (l + 1) * width) in use; rows must be sorted by layer and
-// cache_index must name each row's layer) are appended and attended once ready_flags[l] >= turn (raised by the
-// step behind its staging of layer l; it also says the step has read layer l's outputs of the turn before), and
-// done_flags[l] is then set to turn (release order: layer l's rows of `out` are written), which the next step's
-// layer l waits for. Every layer's flags are waited for and raised, with rows or without. timings as in
-// `stagger_cpu_job`, the waiting summed over layers and the running time without it.
+  // After the team is done: raises a failed wait's error, else writes the timings (as `stagger_cpu_job`'s).
+  void report(const at::Tensor& timings) const {
+    APEX_CHECK(error_.empty(), error_);
+    const auto end = clock::now();
+    double waited = 0.0;
+    for (int64_t l = 0; l < layers_; ++l) {  // idle: the flag awaited after the layer before was done
+      const auto from = l == 0 ? wait_begin_[0] : std::max(wait_begin_[l], done_at_[l - 1]);
+      waited += std::max(0.0, std::chrono::duration<double>(ready_at_[l] - from).count());
+    }
+    double* seconds = timings.data_ptr<double>();
+    seconds[0] = waited;
+    seconds[1] = std::max(0.0, std::chrono::duration<double>(end - start_).count() - waited);
+    if (timings.numel() >= 4) {  // the appends run inside the items: all of it counts as attention
+      seconds[2] = 0.0;
+      seconds[3] = seconds[1];
+    }
+    if (timed_items_) seconds[4] = std::accumulate(busy_.begin(), busy_.end(), 0.0);
+  }
+
+ private:
+  const std::vector<std::unique_ptr<LayerWork>>& work_;
+  const int64_t layers_;
+  std::vector<int64_t> task_layer_, task_item_;  // item -1: an empty layer's task
+  std::unique_ptr<std::atomic<int64_t>[]> remaining_;
+  std::unique_ptr<std::atomic<int>[]> opened_;  // 0 closed, 1 opening, 2 open
+  std::vector<std::vector<int64_t>> appends_;  // per layer, per item: the append row it does first, or -1
+  const int64_t* ready_;
+  int64_t* done_;
+  const int64_t turn_;
+  const double timeout_s_;
+  std::vector<clock::time_point> wait_begin_, ready_at_, done_at_;
+  std::atomic<int64_t> next_{0};
+  std::atomic<bool> failed_{false};
+  std::string error_;
+  const bool timed_items_;  // each item timed: the team's busy thread-seconds
+  std::vector<double> busy_;
+  clock::time_point start_, deadline_;
+};
+
 void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::TensorList value_caches,
                        const at::Tensor& cache_index, const at::Tensor& block_tables, const at::Tensor& context_lens,
                        const at::Tensor& slot_mapping, const std::optional<at::Tensor>& rows, int64_t num_heads,
@@ -867,8 +880,6 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
   check_layer_shapes(in, geometry, tables, lens);
   const Isa isa = select_isa();
   const int64_t element_size = key_caches[0].element_size();
-  // The layers are planned by the team, a layer per thread at a time: planned by the calling thread alone, the
-  // other threads idle through it while the CPU is already behind the GPU (notes item 51).
   std::vector<std::unique_ptr<LayerWork>> work(layers);
   for (int64_t l = 0; l < layers; ++l) {
     if (first[l + 1] > first[l]) work[l] = std::make_unique<LayerWork>();
@@ -878,9 +889,9 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
   const int64_t* slots_ptr = slots.data_ptr<int64_t>();
   void* out_ptr = out.data_ptr();
   std::vector<std::exception_ptr> failures(layers);  // the first failing layer's error is raised, as in a serial loop
-#pragma omp parallel for num_threads(team) schedule(dynamic, 1) if (team > 1)
-  for (int64_t l = 0; l < layers; ++l) {
-    if (work[l] == nullptr) continue;
+  // Checks and plans layer l (its rows' errors kept in failures[l]).
+  auto plan = [&](int64_t l) {
+    if (work[l] == nullptr) return;
     try {
       check_slots(slots_ptr, first[l], first[l + 1], geometry[0], geometry[2]);  // (prepare_append's order)
       check_context_rows(lens_ptr, tables_ptr, tables.stride(0), tables.size(1), geometry[0], geometry[2], first[l],
@@ -890,36 +901,76 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
     } catch (...) {
       failures[l] = std::current_exception();
     }
+  };
+  // One scratch allocation for the job: each team thread's scratch, shared by every layer (a thread runs one
+  // item at a time), laid out for the largest split of any layer; then each layer's partials.
+  at::Tensor scratch;
+  auto assign_scratch = [&] {
+    const int64_t group = in.query.size(1) / geometry[1];
+    const int64_t partial_floats = group * (geometry[3] + 2);
+    int max_splits = 1;
+    std::vector<int64_t> partial_offset(layers, 0);
+    int64_t partials = 0;
+    for (int64_t l = 0; l < layers; ++l) {
+      if (work[l] == nullptr) continue;
+      max_splits = std::max(max_splits, work[l]->attention.plan.max_splits);
+      partial_offset[l] = partials;
+      partials += apex_cpu::round_up_16(work[l]->attention.plan.num_partials * partial_floats);
+    }
+    const apex_cpu::ScratchLayout layout =
+        apex_cpu::scratch_layout(int(group), int(geometry[3]), int(geometry[2]), max_splits);
+    scratch = at::empty({team * layout.total + partials}, at::TensorOptions().dtype(at::kFloat));
+    float* scratch_ptr = scratch.data_ptr<float>();
+    for (int64_t l = 0; l < layers; ++l) {
+      if (work[l] == nullptr) continue;
+      apex_cpu::WorkPlanView& view = work[l]->attention.view;
+      view.scratch = layout;
+      view.thread_scratch = scratch_ptr;
+      view.partials = scratch_ptr + team * layout.total + partial_offset[l];
+    }
+  };
+
+  // One parallel region for the whole job, so that its team is woken once (a team asleep since the last job takes
+  // tens of microseconds to wake; a second region after the plans would wake it again). The layers are planned
+  // by the team, a layer per thread at a time (planned by the calling thread alone, the other threads idled through
+  // it while the CPU was already behind the GPU: notes item 51); a thread still waking finds them planned and goes
+  // straight to the flow. Thread 0 then allocates the scratch and lays out the flow while the others poll.
+  std::atomic<int64_t> next_layer{0}, planned{0};
+  std::atomic<int> phase{0};  // 0 planning, 1 the flow runs, 2 failed before it
+  std::exception_ptr setup_failure;
+  std::unique_ptr<LayerFlow> flow;
+#pragma omp parallel num_threads(team) if (team > 1)
+  {
+    const int thread = omp_get_thread_num();
+    for (int64_t l = next_layer.fetch_add(1, std::memory_order_relaxed); l < layers;
+         l = next_layer.fetch_add(1, std::memory_order_relaxed)) {
+      plan(l);
+      planned.fetch_add(1, std::memory_order_release);
+    }
+    if (thread == 0) {
+      for (int64_t polls = 0; planned.load(std::memory_order_acquire) < layers; ++polls) team_backoff(polls);
+      bool ok = std::none_of(failures.begin(), failures.end(), [](const std::exception_ptr& f) { return bool(f); });
+      if (ok) {
+        try {
+          assign_scratch();
+          flow = std::make_unique<LayerFlow>(work, layers, ready_flags, done_flags, turn, timeout_s, team,
+                                             timings.numel() >= 5);
+        } catch (...) {
+          setup_failure = std::current_exception();
+          ok = false;
+        }
+      }
+      phase.store(ok ? 1 : 2, std::memory_order_release);
+    } else {
+      for (int64_t polls = 0; phase.load(std::memory_order_acquire) == 0; ++polls) team_backoff(polls);
+    }
+    if (phase.load(std::memory_order_acquire) == 1) flow->run(thread);
   }
   for (const std::exception_ptr& failure : failures) {
     if (failure) std::rethrow_exception(failure);
   }
-  // One scratch allocation for the job: each team thread's scratch, shared by every layer (a thread runs one
-  // item at a time), laid out for the largest split of any layer; then each layer's partials.
-  const int64_t group = in.query.size(1) / geometry[1];
-  const int64_t partial_floats = group * (geometry[3] + 2);
-  int max_splits = 1;
-  std::vector<int64_t> partial_offset(layers, 0);
-  int64_t partials = 0;
-  for (int64_t l = 0; l < layers; ++l) {
-    if (work[l] == nullptr) continue;
-    max_splits = std::max(max_splits, work[l]->attention.plan.max_splits);
-    partial_offset[l] = partials;
-    partials += apex_cpu::round_up_16(work[l]->attention.plan.num_partials * partial_floats);
-  }
-  const apex_cpu::ScratchLayout layout =
-      apex_cpu::scratch_layout(int(group), int(geometry[3]), int(geometry[2]), max_splits);
-  const at::Tensor scratch = at::empty({team * layout.total + partials}, at::TensorOptions().dtype(at::kFloat));
-  float* scratch_ptr = scratch.data_ptr<float>();
-  for (int64_t l = 0; l < layers; ++l) {
-    if (work[l] == nullptr) continue;
-    apex_cpu::WorkPlanView& view = work[l]->attention.view;
-    view.scratch = layout;
-    view.thread_scratch = scratch_ptr;
-    view.partials = scratch_ptr + team * layout.total + partial_offset[l];
-  }
-
-  run_layer_flow(work, layers, ready_flags, done_flags, turn, timeout_s, team, timings);
+  if (setup_failure) std::rethrow_exception(setup_failure);
+  flow->report(timings);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
