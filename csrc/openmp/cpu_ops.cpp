@@ -837,140 +837,197 @@ class LayerFlow {
   clock::time_point start_, deadline_;
 };
 
+// The one-lane staggered plan's CPU job (`stagger_layer_job`), checked at construction and run by a team:
+// `team_part` is every team thread's share (the thread numbered 0 the one that constructed it), `finish` raises
+// the first error or writes the timings once every thread is done. The op runs one in a parallel region of its
+// own; the runner runs queued jobs one after the other inside one region (`JobRunner::run_chain`).
+class LayerJob {
+ public:
+  LayerJob(const at::Tensor& staged, at::TensorList key_caches, at::TensorList value_caches,
+           const at::Tensor& cache_index, const at::Tensor& block_tables, const at::Tensor& context_lens,
+           const at::Tensor& slot_mapping, const std::optional<at::Tensor>& rows, int64_t num_heads, double scale,
+           at::Tensor& out, const at::Tensor& ready_flags, at::Tensor& done_flags, int64_t turn, double timeout_s,
+           at::Tensor& timings)
+      : ready_flags_(ready_flags), done_flags_(done_flags), timings_(timings), turn_(turn), timeout_s_(timeout_s),
+        scale_(scale) {
+    check_stagger_inputs(in_, staged, key_caches, value_caches, cache_index, rows, num_heads, out, timings);
+    const int64_t layers = in_.layers, width = in_.width, count = in_.count;
+    for (const at::Tensor* flags : {&ready_flags, static_cast<const at::Tensor*>(&done_flags)}) {
+      check_cpu(*flags, "ready_flags / done_flags");
+      APEX_CHECK(flags->scalar_type() == at::kLong && flags->dim() == 1 && flags->is_contiguous() &&
+                     flags->size(0) == layers,
+                 "ready_flags and done_flags must be contiguous int64 [layers=", layers, "], got ",
+                 flags->scalar_type(), " ", shape_of(*flags));
+    }
+    APEX_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == count &&
+                   block_tables.dim() == 2 && block_tables.size(0) == count && context_lens.dim() == 1 &&
+                   context_lens.size(0) == count,
+               "slot_mapping, block_tables and context_lens must have one row per picked row (", count, "), got ",
+               shape_of(slot_mapping), ", ", shape_of(block_tables), " and ", shape_of(context_lens));
+    row_ptr_ = in_.picked.data_ptr<int64_t>();
+    index_ = cache_index.data_ptr<int32_t>();
+    first_.assign(layers + 1, count);  // rows of layer l: [first_[l], first_[l + 1])
+    for (int64_t i = count - 1; i >= 0; --i) {
+      APEX_CHECK(index_[i] == row_ptr_[i] / width && (i == 0 || index_[i - 1] <= index_[i]),
+                 "rows must be sorted by layer and cache_index must name each row's layer: row ", row_ptr_[i],
+                 " has cache_index ", int64_t(index_[i]));
+      first_[index_[i]] = i;
+    }
+    for (int64_t l = layers - 1; l >= 0; --l) first_[l] = std::min(first_[l], first_[l + 1]);
+
+    team_ = std::max(1, at::get_num_threads());
+    geometry_ = check_caches(key_caches[0], value_caches[0]);  // (all alike: checked)
+    APEX_CHECK(in_.query.scalar_type() == key_caches[0].scalar_type(), "staged dtype ", in_.query.scalar_type(),
+               " must equal the KV cache dtype ", key_caches[0].scalar_type());
+    tables_ = block_tables.stride(-1) == 1 ? block_tables : block_tables.contiguous();
+    lens_ = context_lens.contiguous();
+    slots_ = slot_mapping.contiguous();
+    check_layer_shapes(in_, geometry_, tables_, lens_);
+    isa_ = select_isa();
+    element_size_ = key_caches[0].element_size();
+    work_.resize(layers);
+    for (int64_t l = 0; l < layers; ++l) {
+      if (first_[l + 1] > first_[l]) work_[l] = std::make_unique<LayerWork>();
+    }
+    failures_.resize(layers);
+    out_ptr_ = out.data_ptr();
+  }
+
+  // The team's width the job was planned for (the OpenMP width of its caller).
+  int team() const { return team_; }
+
+  // Every team thread's share. The layers are planned by the team, a layer per thread at a time (planned by the
+  // calling thread alone, the other threads idled through it while the CPU was already behind the GPU: notes item
+  // 51); a thread still waking finds them planned and goes straight to the flow. Thread 0 then allocates the
+  // scratch and lays out the flow while the others poll.
+  void team_part(int thread) {
+    const int64_t layers = in_.layers;
+    for (int64_t l = next_layer_.fetch_add(1, std::memory_order_relaxed); l < layers;
+         l = next_layer_.fetch_add(1, std::memory_order_relaxed)) {
+      plan(l);
+      planned_.fetch_add(1, std::memory_order_release);
+    }
+    if (thread == 0) {
+      for (int64_t polls = 0; planned_.load(std::memory_order_acquire) < layers; ++polls) team_backoff(polls);
+      bool ok = std::none_of(failures_.begin(), failures_.end(), [](const std::exception_ptr& f) { return bool(f); });
+      if (ok) {
+        try {
+          assign_scratch();
+          flow_ = std::make_unique<LayerFlow>(work_, layers, ready_flags_, done_flags_, turn_, timeout_s_, team_,
+                                              timings_.numel() >= 5);
+        } catch (...) {
+          setup_failure_ = std::current_exception();
+          ok = false;
+        }
+      }
+      phase_.store(ok ? 1 : 2, std::memory_order_release);
+    } else {
+      for (int64_t polls = 0; phase_.load(std::memory_order_acquire) == 0; ++polls) team_backoff(polls);
+    }
+    if (phase_.load(std::memory_order_acquire) == 1) flow_->run(thread);
+  }
+
+  // Once every thread is out of `team_part`: raises the first failing layer's error (as a serial loop over the
+  // layers would), else the flow's, else writes the timings.
+  void finish() {
+    for (const std::exception_ptr& failure : failures_) {
+      if (failure) std::rethrow_exception(failure);
+    }
+    if (setup_failure_) std::rethrow_exception(setup_failure_);
+    flow_->report(timings_);
+  }
+
+ private:
+  // Checks and plans layer l (its rows' errors kept in failures_[l]).
+  void plan(int64_t l) {
+    if (work_[l] == nullptr) return;
+    try {
+      const int32_t* tables = tables_.data_ptr<int32_t>();
+      const int32_t* lens = lens_.data_ptr<int32_t>();
+      const int64_t* slots = slots_.data_ptr<int64_t>();
+      check_slots(slots, first_[l], first_[l + 1], geometry_[0], geometry_[2]);  // (prepare_append's order)
+      check_context_rows(lens, tables, tables_.stride(0), tables_.size(1), geometry_[0], geometry_[2], first_[l],
+                         first_[l + 1]);
+      plan_layer(*work_[l], in_, geometry_, element_size_, tables, tables_.stride(0), lens, slots, index_, row_ptr_,
+                 first_[l], first_[l + 1] - first_[l], scale_, out_ptr_, isa_, team_);
+    } catch (...) {
+      failures_[l] = std::current_exception();
+    }
+  }
+
+  // One scratch allocation for the job: each team thread's scratch, shared by every layer (a thread runs one
+  // item at a time), laid out for the largest split of any layer; then each layer's partials.
+  void assign_scratch() {
+    const int64_t layers = in_.layers;
+    const int64_t group = in_.query.size(1) / geometry_[1];
+    const int64_t partial_floats = group * (geometry_[3] + 2);
+    int max_splits = 1;
+    std::vector<int64_t> partial_offset(layers, 0);
+    int64_t partials = 0;
+    for (int64_t l = 0; l < layers; ++l) {
+      if (work_[l] == nullptr) continue;
+      max_splits = std::max(max_splits, work_[l]->attention.plan.max_splits);
+      partial_offset[l] = partials;
+      partials += apex_cpu::round_up_16(work_[l]->attention.plan.num_partials * partial_floats);
+    }
+    const apex_cpu::ScratchLayout layout =
+        apex_cpu::scratch_layout(int(group), int(geometry_[3]), int(geometry_[2]), max_splits);
+    scratch_ = at::empty({team_ * layout.total + partials}, at::TensorOptions().dtype(at::kFloat));
+    float* scratch = scratch_.data_ptr<float>();
+    for (int64_t l = 0; l < layers; ++l) {
+      if (work_[l] == nullptr) continue;
+      apex_cpu::WorkPlanView& view = work_[l]->attention.view;
+      view.scratch = layout;
+      view.thread_scratch = scratch;
+      view.partials = scratch + team_ * layout.total + partial_offset[l];
+    }
+  }
+
+  StaggerInputs in_;
+  const at::Tensor& ready_flags_;
+  at::Tensor& done_flags_;
+  at::Tensor& timings_;
+  const int64_t turn_;
+  const double timeout_s_, scale_;
+  const int64_t* row_ptr_ = nullptr;
+  const int32_t* index_ = nullptr;
+  std::vector<int64_t> first_;
+  int team_ = 1;
+  std::array<int64_t, 4> geometry_{};
+  at::Tensor tables_, lens_, slots_, scratch_;
+  Isa isa_ = Isa::Scalar;
+  int64_t element_size_ = 0;
+  void* out_ptr_ = nullptr;
+  std::vector<std::unique_ptr<LayerWork>> work_;
+  std::vector<std::exception_ptr> failures_;  // per layer: its planning error
+  std::exception_ptr setup_failure_;
+  std::atomic<int64_t> next_layer_{0}, planned_{0};
+  std::atomic<int> phase_{0};  // 0 planning, 1 the flow runs, 2 failed before it
+  std::unique_ptr<LayerFlow> flow_;
+};
+
+// The one-lane staggered plan's CPU job: as `stagger_cpu_job`, but layer by layer as the GPU step that stages
+// them runs. Layer l's rows (the rows of [l * width, (l + 1) * width) in use; rows must be sorted by layer and
+// cache_index must name each row's layer) are appended and attended once ready_flags[l] >= turn (raised by the
+// step behind its staging of layer l; it also says the step has read layer l's outputs of the turn before), and
+// done_flags[l] is then set to turn (release order: layer l's rows of `out` are written), which the next step's
+// layer l waits for. Every layer's flags are waited for and raised, with rows or without. timings as in
+// `stagger_cpu_job`, the waiting summed over layers and the running time without it.
 void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::TensorList value_caches,
                        const at::Tensor& cache_index, const at::Tensor& block_tables, const at::Tensor& context_lens,
                        const at::Tensor& slot_mapping, const std::optional<at::Tensor>& rows, int64_t num_heads,
                        double scale, at::Tensor& out, const at::Tensor& ready_flags, at::Tensor& done_flags,
                        int64_t turn, double timeout_s, at::Tensor& timings) {
   CallTimer call_timer;  // declared first: it reports after everything else is freed
-  StaggerInputs in;
-  check_stagger_inputs(in, staged, key_caches, value_caches, cache_index, rows, num_heads, out, timings);
+  LayerJob job(staged, key_caches, value_caches, cache_index, block_tables, context_lens, slot_mapping, rows,
+               num_heads, scale, out, ready_flags, done_flags, turn, timeout_s, timings);
   call_timer.report_to(timings);
-  const int64_t layers = in.layers, width = in.width, count = in.count;
-  for (const at::Tensor* flags : {&ready_flags, static_cast<const at::Tensor*>(&done_flags)}) {
-    check_cpu(*flags, "ready_flags / done_flags");
-    APEX_CHECK(flags->scalar_type() == at::kLong && flags->dim() == 1 && flags->is_contiguous() &&
-                   flags->size(0) == layers,
-               "ready_flags and done_flags must be contiguous int64 [layers=", layers, "], got ",
-               flags->scalar_type(), " ", shape_of(*flags));
-  }
-  APEX_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == count &&
-                 block_tables.dim() == 2 && block_tables.size(0) == count && context_lens.dim() == 1 &&
-                 context_lens.size(0) == count,
-             "slot_mapping, block_tables and context_lens must have one row per picked row (", count, "), got ",
-             shape_of(slot_mapping), ", ", shape_of(block_tables), " and ", shape_of(context_lens));
-  const int64_t* row_ptr = in.picked.data_ptr<int64_t>();
-  const int32_t* index = cache_index.data_ptr<int32_t>();
-  std::vector<int64_t> first(layers + 1, count);  // rows of layer l: [first[l], first[l + 1])
-  for (int64_t i = count - 1; i >= 0; --i) {
-    APEX_CHECK(index[i] == row_ptr[i] / width && (i == 0 || index[i - 1] <= index[i]),
-               "rows must be sorted by layer and cache_index must name each row's layer: row ", row_ptr[i],
-               " has cache_index ", int64_t(index[i]));
-    first[index[i]] = i;
-  }
-  for (int64_t l = layers - 1; l >= 0; --l) first[l] = std::min(first[l], first[l + 1]);
-
-  const int team = std::max(1, at::get_num_threads());
-  const std::array<int64_t, 4> geometry = check_caches(key_caches[0], value_caches[0]);  // (all alike: checked)
-  APEX_CHECK(in.query.scalar_type() == key_caches[0].scalar_type(), "staged dtype ", in.query.scalar_type(),
-             " must equal the KV cache dtype ", key_caches[0].scalar_type());
-  const at::Tensor tables = block_tables.stride(-1) == 1 ? block_tables : block_tables.contiguous();
-  const at::Tensor lens = context_lens.contiguous();
-  const at::Tensor slots = slot_mapping.contiguous();
-  check_layer_shapes(in, geometry, tables, lens);
-  const Isa isa = select_isa();
-  const int64_t element_size = key_caches[0].element_size();
-  std::vector<std::unique_ptr<LayerWork>> work(layers);
-  for (int64_t l = 0; l < layers; ++l) {
-    if (first[l + 1] > first[l]) work[l] = std::make_unique<LayerWork>();
-  }
-  const int32_t* tables_ptr = tables.data_ptr<int32_t>();
-  const int32_t* lens_ptr = lens.data_ptr<int32_t>();
-  const int64_t* slots_ptr = slots.data_ptr<int64_t>();
-  void* out_ptr = out.data_ptr();
-  std::vector<std::exception_ptr> failures(layers);  // the first failing layer's error is raised, as in a serial loop
-  // Checks and plans layer l (its rows' errors kept in failures[l]).
-  auto plan = [&](int64_t l) {
-    if (work[l] == nullptr) return;
-    try {
-      check_slots(slots_ptr, first[l], first[l + 1], geometry[0], geometry[2]);  // (prepare_append's order)
-      check_context_rows(lens_ptr, tables_ptr, tables.stride(0), tables.size(1), geometry[0], geometry[2], first[l],
-                         first[l + 1]);
-      plan_layer(*work[l], in, geometry, element_size, tables_ptr, tables.stride(0), lens_ptr, slots_ptr, index,
-                 row_ptr, first[l], first[l + 1] - first[l], scale, out_ptr, isa, team);
-    } catch (...) {
-      failures[l] = std::current_exception();
-    }
-  };
-  // One scratch allocation for the job: each team thread's scratch, shared by every layer (a thread runs one
-  // item at a time), laid out for the largest split of any layer; then each layer's partials.
-  at::Tensor scratch;
-  auto assign_scratch = [&] {
-    const int64_t group = in.query.size(1) / geometry[1];
-    const int64_t partial_floats = group * (geometry[3] + 2);
-    int max_splits = 1;
-    std::vector<int64_t> partial_offset(layers, 0);
-    int64_t partials = 0;
-    for (int64_t l = 0; l < layers; ++l) {
-      if (work[l] == nullptr) continue;
-      max_splits = std::max(max_splits, work[l]->attention.plan.max_splits);
-      partial_offset[l] = partials;
-      partials += apex_cpu::round_up_16(work[l]->attention.plan.num_partials * partial_floats);
-    }
-    const apex_cpu::ScratchLayout layout =
-        apex_cpu::scratch_layout(int(group), int(geometry[3]), int(geometry[2]), max_splits);
-    scratch = at::empty({team * layout.total + partials}, at::TensorOptions().dtype(at::kFloat));
-    float* scratch_ptr = scratch.data_ptr<float>();
-    for (int64_t l = 0; l < layers; ++l) {
-      if (work[l] == nullptr) continue;
-      apex_cpu::WorkPlanView& view = work[l]->attention.view;
-      view.scratch = layout;
-      view.thread_scratch = scratch_ptr;
-      view.partials = scratch_ptr + team * layout.total + partial_offset[l];
-    }
-  };
-
   // One parallel region for the whole job, so that its team is woken once (a team asleep since the last job takes
-  // tens of microseconds to wake; a second region after the plans would wake it again). The layers are planned
-  // by the team, a layer per thread at a time (planned by the calling thread alone, the other threads idled through
-  // it while the CPU was already behind the GPU: notes item 51); a thread still waking finds them planned and goes
-  // straight to the flow. Thread 0 then allocates the scratch and lays out the flow while the others poll.
-  std::atomic<int64_t> next_layer{0}, planned{0};
-  std::atomic<int> phase{0};  // 0 planning, 1 the flow runs, 2 failed before it
-  std::exception_ptr setup_failure;
-  std::unique_ptr<LayerFlow> flow;
+  // tens of microseconds to wake; a second region after the plans would wake it again).
+  const int team = job.team();
 #pragma omp parallel num_threads(team) if (team > 1)
-  {
-    const int thread = omp_get_thread_num();
-    for (int64_t l = next_layer.fetch_add(1, std::memory_order_relaxed); l < layers;
-         l = next_layer.fetch_add(1, std::memory_order_relaxed)) {
-      plan(l);
-      planned.fetch_add(1, std::memory_order_release);
-    }
-    if (thread == 0) {
-      for (int64_t polls = 0; planned.load(std::memory_order_acquire) < layers; ++polls) team_backoff(polls);
-      bool ok = std::none_of(failures.begin(), failures.end(), [](const std::exception_ptr& f) { return bool(f); });
-      if (ok) {
-        try {
-          assign_scratch();
-          flow = std::make_unique<LayerFlow>(work, layers, ready_flags, done_flags, turn, timeout_s, team,
-                                             timings.numel() >= 5);
-        } catch (...) {
-          setup_failure = std::current_exception();
-          ok = false;
-        }
-      }
-      phase.store(ok ? 1 : 2, std::memory_order_release);
-    } else {
-      for (int64_t polls = 0; phase.load(std::memory_order_acquire) == 0; ++polls) team_backoff(polls);
-    }
-    if (phase.load(std::memory_order_acquire) == 1) flow->run(thread);
-  }
-  for (const std::exception_ptr& failure : failures) {
-    if (failure) std::rethrow_exception(failure);
-  }
-  if (setup_failure) std::rethrow_exception(setup_failure);
-  flow->report(timings);
+  job.team_part(omp_get_thread_num());
+  job.finish();
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -996,13 +1053,13 @@ double clock_seconds() {
 
 struct RunnerJob {
   int64_t turn = 0;
-  std::optional<at::Tensor> staged;  // none: a turn without rows (its done flags rise once the jobs before are done)
+  at::Tensor staged;  // undefined: a turn without rows (its done flags rise once the jobs before are done)
   at::Tensor cache_index, block_tables, context_lens, slot_mapping;
-  std::optional<at::Tensor> rows;
+  at::Tensor rows;  // undefined: every row
   int64_t num_heads = 0;
   double scale = 1.0, timeout_s = 60.0;
   at::Tensor out, ready, done;
-  std::optional<at::Tensor> gate;  // waited for first: gate[0] >= gate_value (the prompt exports landed)
+  at::Tensor gate;  // (if defined) waited for first: gate[0] >= gate_value (the prompt exports landed)
   int64_t gate_value = 0;
   double submitted = 0.0;
 };
@@ -1083,12 +1140,12 @@ class JobRunner {
     c10::InferenceMode inference;  // as the Python worker ran its jobs: no autograd or version counting on its tensors
     at::get_num_threads();  // ATen's per-thread set-up first, so that it does not reset the width set here
     omp_set_num_threads(std::max<int>(1, int(cores_.size())));
-    int64_t taken = 0;
+    timings_ = at::zeros({6}, at::TensorOptions().dtype(at::kDouble));  // every job's (at::zeros per job: ~22 us)
     for (;;) {
       RunnerJob job;
       // The next job is mostly submitted within a step: poll for it ~kSpinPolls rounds before sleeping, so that
       // picking it up costs no wake-up (the worker's cores are its own).
-      for (int64_t polls = 0; polls < kSpinPolls && submitted_.load(std::memory_order_acquire) == taken; ++polls) {
+      for (int64_t polls = 0; polls < kSpinPolls && submitted_.load(std::memory_order_acquire) == taken_; ++polls) {
         cpu_relax();
       }
       {
@@ -1098,52 +1155,133 @@ class JobRunner {
         job = std::move(queue_.front());
         queue_.pop_front();
         busy_ = true;
-        ++taken;
+        ++taken_;
       }
-      std::array<double, kRecordFields> record{};
-      record[0] = double(job.turn);
-      record[3] = std::nan("");
-      record[6] = job.submitted;
-      record[7] = clock_seconds();
-      std::string error;
-      try {
-        run(job, record);
-      } catch (const std::exception& e) {
-        error = message("the staggered CPU job of turn ", job.turn, " failed: ", std::string(e.what()));
-      }
-      if (!error.empty()) {  // the GPU must not wait for layers this job will never finish
-        record[2] = std::nan("");  // a failed job's record: its running time tells nothing
-        set_flags(job.done, kAbortedFlag);
-      }
-      record[8] = clock_seconds();
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        records_.push_back(record);
-        finished_.push_back(std::move(job));
-        if (!error.empty() && error_.empty()) error_ = error;
-        busy_ = false;
-      }
-      idle_.notify_all();
+      run_chain(std::move(job));
     }
   }
 
-  void run(RunnerJob& job, std::array<double, kRecordFields>& record) {
-    if (job.gate.has_value()) record[5] = wait_flags(*job.gate, {job.gate_value}, job.timeout_s);
-    if (!job.staged.has_value()) {
-      set_flags(job.done, job.turn);
-      return;
+  // Runs `job` and the jobs queued after it (or submitted within ~kSpinPolls polls of the last one's end) inside
+  // one parallel region: the team is woken once for the chain, not once a job (waking a team asleep since the last
+  // job takes tens of microseconds, more on the GPU machine's virtual CPUs). This thread (the region's thread 0)
+  // checks each job and publishes it; the others poll for it between jobs, then each job's team part runs.
+  void run_chain(RunnerJob job) {
+    std::unique_ptr<LayerJob> current;
+    std::array<double, kRecordFields> record{};
+    double called = 0.0;  // when the current job's C++ part began
+    std::atomic<LayerJob*> published{nullptr};
+    std::atomic<int64_t> generation{0};
+    std::atomic<int> left{0};  // threads other than 0 out of the current job's team part
+    bool pending = true;  // `job` holds a job not yet run
+    const int width = std::max(1, omp_get_max_threads());
+#pragma omp parallel num_threads(width) if (width > 1)
+    {
+      const int thread = omp_get_thread_num();
+      int64_t seen = 0;
+      for (;;) {
+        if (thread == 0) {
+          LayerJob* next = nullptr;
+          while (pending && next == nullptr) next = start(job, current, record, called, pending);
+          published.store(next, std::memory_order_relaxed);
+          generation.fetch_add(1, std::memory_order_release);
+        } else {
+          for (int64_t polls = 0; generation.load(std::memory_order_acquire) == seen; ++polls) team_backoff(polls);
+        }
+        seen = generation.load(std::memory_order_acquire);
+        LayerJob* running = published.load(std::memory_order_relaxed);
+        if (running == nullptr) break;  // the chain ended: the region ends
+        running->team_part(thread);
+        if (thread != 0) {
+          left.fetch_add(1, std::memory_order_acq_rel);
+          continue;
+        }
+        const int others = omp_get_num_threads() - 1;
+        for (int64_t polls = 0; left.load(std::memory_order_acquire) < others; ++polls) team_backoff(polls);
+        left.store(0, std::memory_order_relaxed);  // (no thread adds to it before the next job is published)
+        std::string error;
+        try {
+          current->finish();
+        } catch (const std::exception& e) {
+          error = e.what();
+        }
+        current.reset();
+        const double* seconds = timings_.data_ptr<double>();
+        record[1] = seconds[0];
+        record[2] = seconds[1];
+        record[3] = seconds[4];
+        record[4] = clock_seconds() - called;
+        done(job, record, error);
+        pending = take_next(job);
+      }
     }
-    if (!timings_.defined()) timings_ = at::zeros({6}, at::TensorOptions().dtype(at::kDouble));  // reused
-    at::Tensor& timings = timings_;
-    std::fill(timings.data_ptr<double>(), timings.data_ptr<double>() + 6, 0.0);
-    stagger_layer_job(*job.staged, keys_, values_, job.cache_index, job.block_tables, job.context_lens,
-                      job.slot_mapping, job.rows, job.num_heads, job.scale, job.out, job.ready, job.done, job.turn,
-                      job.timeout_s, timings);
-    const double* seconds = timings.data_ptr<double>();
-    record[1] = seconds[0];
-    record[2] = seconds[1];
-    record[3] = seconds[4];
-    record[4] = seconds[5];
+  }
+
+  // Thread 0 of a chain: waits for `job`'s gate, then either runs it at once (a turn without rows: its done flags;
+  // a job whose checks fail: recorded as failed) and takes the next job (nullptr returned; `pending` false once
+  // none is left), or returns the checked job for the team (`current` holds it).
+  LayerJob* start(RunnerJob& job, std::unique_ptr<LayerJob>& current, std::array<double, kRecordFields>& record,
+                  double& called, bool& pending) {
+    record.fill(0.0);
+    record[0] = double(job.turn);
+    record[3] = std::nan("");
+    record[6] = job.submitted;
+    record[7] = clock_seconds();
+    std::string error;
+    try {
+      if (job.gate.defined()) record[5] = wait_flags(job.gate, {job.gate_value}, job.timeout_s);
+      if (job.staged.defined()) {
+        std::fill(timings_.data_ptr<double>(), timings_.data_ptr<double>() + 6, 0.0);
+        called = clock_seconds();
+        const std::optional<at::Tensor> rows = job.rows.defined() ? std::optional<at::Tensor>(job.rows) : std::nullopt;
+        current = std::make_unique<LayerJob>(job.staged, keys_, values_, job.cache_index, job.block_tables,
+                                             job.context_lens, job.slot_mapping, rows, job.num_heads, job.scale,
+                                             job.out, job.ready, job.done, job.turn, job.timeout_s, timings_);
+        return current.get();
+      }
+      set_flags(job.done, job.turn);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    done(job, record, error);
+    pending = take_next(job);
+    return nullptr;
+  }
+
+  // A job is over (error: its failure, else empty): its record kept for `poll`, its tensors handed over to be let go
+  // on the polling thread; a failed job's done flags are lifted past any turn (the GPU must not wait for layers it
+  // will never finish) and its running time recorded as NaN (it tells nothing).
+  void done(RunnerJob& job, std::array<double, kRecordFields>& record, const std::string& error) {
+    if (!error.empty()) {
+      record[2] = std::nan("");
+      set_flags(job.done, kAbortedFlag);
+    }
+    record[8] = clock_seconds();
+    std::lock_guard<std::mutex> lock(mutex_);
+    records_.push_back(record);
+    finished_.push_back(std::move(job));
+    if (!error.empty() && error_.empty()) {
+      error_ = message("the staggered CPU job of turn ", int64_t(record[0]), " failed: ", error);
+    }
+  }
+
+  // Takes the next queued job into `job` after polling up to ~kSpinPolls rounds for one to be submitted; false (and
+  // the runner idle) if none came.
+  bool take_next(RunnerJob& job) {
+    for (int64_t polls = 0; polls < kSpinPolls && submitted_.load(std::memory_order_acquire) == taken_; ++polls) {
+      cpu_relax();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!queue_.empty()) {
+        job = std::move(queue_.front());
+        queue_.pop_front();
+        ++taken_;
+        return true;
+      }
+      busy_ = false;
+    }
+    idle_.notify_all();
+    return false;
   }
 
   std::vector<at::Tensor> keys_, values_;
@@ -1159,6 +1297,7 @@ class JobRunner {
   std::string error_;
   bool stop_ = false, busy_ = false;
   std::atomic<int64_t> submitted_{0};  // jobs ever queued (polled without the lock while the runner is idle)
+  int64_t taken_ = 0;  // jobs taken from the queue (the runner thread's only)
   at::Tensor timings_;  // each job's timings (the runner thread's only)
   std::thread thread_;  // last: started once every member above exists
 };
@@ -1225,7 +1364,7 @@ void stagger_runner_submit(int64_t handle, int64_t turn, const std::optional<at:
     job.block_tables = *block_tables;
     job.context_lens = *context_lens;
     job.slot_mapping = *slot_mapping;
-    job.rows = rows;
+    if (rows.has_value()) job.rows = *rows;
   }
   job.num_heads = num_heads;
   job.scale = scale;
@@ -1233,7 +1372,7 @@ void stagger_runner_submit(int64_t handle, int64_t turn, const std::optional<at:
   job.out = out;
   job.ready = ready_flags;
   job.done = done_flags;
-  job.gate = gate;
+  if (gate.has_value()) job.gate = *gate;
   job.gate_value = gate_value;
   runner->submit(std::move(job));
 }

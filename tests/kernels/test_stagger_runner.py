@@ -143,6 +143,47 @@ def test_a_failed_job_is_raised_once_releases_the_device_and_the_next_job_runs(t
         runner.close()
 
 
+def test_jobs_queued_back_to_back_run_on_a_team_as_direct_calls(threads):
+    """Jobs queued back to back run one after the other on the runner's team (two threads here), woken once for
+    them: each writes what a direct one-thread call writes, bit for bit; a failed job among them is raised once
+    and lifts its done flags, and the jobs after it (a turn without rows, a job on fewer rows) still run."""
+    import os
+
+    caches, staged, meta = stagger_job_case(29, layers=LAYERS, width=WIDTH)
+    pristine = [(k.clone(), v.clone()) for k, v in caches]
+    picked = {1: None, 2: None, 3: [4, 1], 5: [0, 1, 4, 8]}  # turn 3: rows out of layer order, it fails
+    torch.set_num_threads(1)
+    expected, want = [(k.clone(), v.clone()) for k, v in pristine], {}
+    for turn in (1, 2, 5):
+        want[turn], _ = run_layer_job(expected, staged, meta, picked[turn], torch.full((LAYERS,), turn),
+                                      torch.zeros(LAYERS, dtype=torch.int64), turn)
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    runner = StaggerRunner([k for k, _ in caches], [v for _, v in caches], cores=cores)
+    ready, done = torch.zeros(LAYERS, dtype=torch.int64), torch.zeros(LAYERS, dtype=torch.int64)
+    try:
+        got = {turn: submit_case(runner, caches, staged, meta, turn, ready, done, picked[turn]) for turn in (1, 2, 3)}
+        runner.submit(4, got[3], ready, done)  # a turn without rows
+        got[5] = submit_case(runner, caches, staged, meta, 5, ready, done, picked[5])
+        ready[:] = 5  # every layer of every turn staged: the queued jobs run back to back
+        runner.drain()
+        with pytest.raises(RuntimeError, match="turn 3 failed: .*sorted by layer"):
+            runner.poll()
+        records = runner.poll()
+    finally:
+        runner.close()
+    for turn in (1, 2, 5):
+        assert torch.equal(got[turn].nan_to_num(-7.0), want[turn].nan_to_num(-7.0))
+    for (k, v), (k1, v1) in zip(caches, expected):
+        assert torch.equal(k.nan_to_num(-7.0), k1.nan_to_num(-7.0))
+        assert torch.equal(v.nan_to_num(-7.0), v1.nan_to_num(-7.0))
+    assert done.tolist() == [5] * LAYERS
+    fields = {name: i for i, name in enumerate(StaggerRunner.RECORD_FIELDS)}
+    assert [r[fields["turn"]] for r in records] == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert [math.isnan(r[fields["ran"]]) for r in records] == [False, False, True, False, False]
+    assert all(r[fields["ran"]] > 0 and r[fields["busy"]] > 0 for i, r in enumerate(records) if i in (0, 1, 4))
+    assert all(a[fields["ended"]] <= b[fields["started"]] for a, b in zip(records, records[1:]))
+
+
 def test_runner_close_runs_what_is_queued_and_refuses_later_work(threads):
     """close() lets the queued jobs finish before the thread stops; a second close does nothing; a closed runner
     refuses submissions, and bad arguments are clear errors."""
