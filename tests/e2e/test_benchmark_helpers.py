@@ -268,13 +268,14 @@ def test_cpu_probe_gap_times_every_case_and_the_job_beside_a_decode_loop(tmp_pat
 
 def test_stagger_runner_benchmark_times_both_workers(tmp_path):
     """benchmarks/stagger_runner.py on this machine (tiny jobs, short steps): both workers' jobs all ran and each
-    mode reports its time between jobs, its jobs' running time and the main thread's work."""
+    mode reports its time between jobs, its jobs' running time and the main thread's work; with --burst, a job's
+    cost around its work when jobs come back to back."""
     import subprocess
 
     out = tmp_path / "runner.json"
     script = os.path.join(os.path.dirname(e2e_hybrid.__file__), "stagger_runner.py")
     done = subprocess.run([sys.executable, script, "--rows", "1", "--context", "32", "--steps", "14", "--warm", "2",
-                           "--rounds", "1", "--step-ms", "3", "--threads", "1", "--out", str(out)],
+                           "--rounds", "1", "--step-ms", "3", "--threads", "1", "--burst", "5", "--out", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
@@ -282,6 +283,9 @@ def test_stagger_runner_benchmark_times_both_workers(tmp_path):
     for mode in result["summary"].values():
         assert mode["jobs"] == 12 and mode["job_run_median_ms"] > 0 and mode["python_work_per_step"] > 0
         assert mode["pickup_median_us"] >= 0 and mode["glue_median_us"] >= 0
+        burst = mode["burst"]
+        assert burst["per_job_us"] >= burst["ran_median_us"] > 0 and burst["outside_us"] > 0
+    assert "jobs back to back" in done.stdout
 
 
 def test_a_staggered_window_records_which_row_limit_binds():
