@@ -10,5 +10,5 @@ for v in "${variants[@]}"; do
   IFS=: read -r name env extra <<< "$v"
   timeout ${JOB_TIMEOUT:-120} env $env python3 benchmarks/stagger_job.py $extra --out "$OUT/job_$name.json" \
     > "$OUT/job_$name.log" 2>&1
-  echo "== $name"; grep "^fit\|^rows [0-9]* \(flag\|layer\|flow\|multi\)" "$OUT/job_$name.log"
+  echo "== $name"; grep "^fit\|^rows [0-9]* \(flag\|flow\|multi\)" "$OUT/job_$name.log"
 done
