@@ -1032,8 +1032,9 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
 
 // ---------------------------------------------------------------------------------------------------------------
 // The layered jobs' runner (`stagger_runner_*`): one C++ thread, pinned to its cores with an OpenMP team that wide,
-// runs the queued jobs in submission order. No job needs Python to start, return or hand over its timings, so the
-// team never idles while the worker thread waits for the GIL, which the launching thread holds for most of a step.
+// runs the queued jobs in submission order, back to back in one parallel region while they keep coming. No job
+// needs Python to start, return or hand over its timings, so the team never idles while the worker thread waits for
+// the GIL, which the launching thread holds for most of a step.
 
 constexpr int64_t kAbortedFlag = int64_t(1) << 62;  // a failed job's done flags (stagger.ABORTED): the GPU goes on
 // Per finished job, doubles: turn, waiting for the layers' flags, running (NaN: the job failed), the team's busy
