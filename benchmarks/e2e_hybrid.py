@@ -355,9 +355,6 @@ FIT_SUFFIXES = {"/busyfit": True, "/timefit": False}
 LEARN_SUFFIXES = {"/learnjob": True, "/profilejob": False}
 # "/share=0.97": a mode run whose adaptive rows keep the CPU job within that share of a step (stagger.JOB_SHARE)
 SHARE_SUFFIX = re.compile(r"/share=([0-9.]+)")
-# "/gil=0.1": a mode run with the interpreter's GIL switch interval at that many milliseconds while its layered job
-# worker runs (stagger.GIL_SWITCH_S)
-GIL_SUFFIX = re.compile(r"/gil=([0-9.]+)")
 # a mode run with the layered jobs on the C++ runner's thread ("/cxxrunner", the default since session 38) or
 # called by a Python worker thread ("/pyrunner", before): stagger.NATIVE_RUNNER for that run
 RUNNER_SUFFIXES = {"/cxxrunner": True, "/pyrunner": False}
@@ -366,7 +363,7 @@ RUNNER_SUFFIXES = {"/cxxrunner": True, "/pyrunner": False}
 REPEAT_SUFFIX = re.compile(r"/r\d+")
 _SUFFIX_NAMES = {PIECEWISE_SUFFIX, PIN_SUFFIX, *LANE_SUFFIXES, *EXCHANGE_SUFFIXES, *MOVE_SUFFIXES, *FIT_SUFFIXES,
                  *LEARN_SUFFIXES, *RUNNER_SUFFIXES}
-_SUFFIX_PATTERNS = (THREADS_SUFFIX, SPLIT_SUFFIX, BLOCK_SUFFIX, SHARE_SUFFIX, REPEAT_SUFFIX, GIL_SUFFIX)
+_SUFFIX_PATTERNS = (THREADS_SUFFIX, SPLIT_SUFFIX, BLOCK_SUFFIX, SHARE_SUFFIX, REPEAT_SUFFIX)
 
 
 def _share_of(mode: str):
@@ -489,12 +486,8 @@ def process_settings(mode):
     beside, split = attention_runner.EXCHANGE_BESIDE, list(cpu_attention_work_split().values())
     overlap, busy_fit = kv_manager.OVERLAP_MOVES, stagger_module.BUSY_FIT
     job_share, learn_job = stagger_module.JOB_SHARE, perf_model_module.LEARN_CPU_JOB
-    switch, native_runner = stagger_module.GIL_SWITCH_S, stagger_module.NATIVE_RUNNER
+    native_runner = stagger_module.NATIVE_RUNNER
     try:
-        named = GIL_SUFFIX.search(mode)
-        if named:
-            stagger_module.GIL_SWITCH_S = float(named.group(1)) / 1e3
-            mode = GIL_SUFFIX.sub("", mode)
         mode, named_runner = _take_suffix(mode, RUNNER_SUFFIXES)
         if named_runner is not None:
             stagger_module.NATIVE_RUNNER = named_runner
@@ -525,7 +518,6 @@ def process_settings(mode):
         stagger_module.BUSY_FIT = busy_fit
         stagger_module.JOB_SHARE = job_share
         perf_model_module.LEARN_CPU_JOB = learn_job
-        stagger_module.GIL_SWITCH_S = switch
         stagger_module.NATIVE_RUNNER = native_runner
 
 
@@ -638,8 +630,8 @@ def main():
                              "measured fit or the profile, '/share=0.95' sets the CPU job's share of a step "
                              "(stagger.JOB_SHARE), '/t14' the CPU attention threads, '/pin' pins the launching "
                              "thread, '/1lane' or '/2lane' the staggered lanes, '/cxxrunner' or '/pyrunner' runs the "
-                             "layered jobs on the C++ runner or a Python worker (stagger.NATIVE_RUNNER), '/gil=0.1' "
-                             "the GIL switch interval in ms, for that mode; '/r2' runs a mode again (an A-B-A order)")
+                             "layered jobs on the C++ runner or a Python worker (stagger.NATIVE_RUNNER), for that mode; "
+                             "'/r2' runs a mode again (an A-B-A order)")
     parser.add_argument("--fill-steps", type=int, default=600,
                         help="at most this many steps to fill the staggered pipeline before --warm-steps")
     parser.add_argument("--warm-steps", type=int, default=100, help="steps before the measured window")

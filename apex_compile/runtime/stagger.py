@@ -31,7 +31,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import sys
 import threading
 import time
 from typing import Deque, Dict, List, Optional, Tuple
@@ -68,10 +67,6 @@ BUSY_FIT = True
 # limits, so one bad stretch (a fill's contention) would otherwise stop the host rows for good.
 IDLE_HOLD = 256
 MAX_IDLE_HOLD = 16384
-# The interpreter's GIL switch interval (seconds) while a layered job worker runs (None: Python's, 5 ms). Between
-# two jobs the worker needs the GIL (the job's Python glue, its return, the next job's call) while the launching
-# thread mostly holds it; a thread waiting for the GIL gets it only when the holder blocks or the interval ends.
-GIL_SWITCH_S: Optional[float] = None
 # The layered jobs run on a C++ thread of their own (`StaggerRunner`): a job needs no GIL to start, return or hand
 # over its timings, which the launching thread reads at the next step. False: a Python worker thread calls each job
 # (the way before session 38; e2e_hybrid "/pyrunner").
@@ -812,7 +807,7 @@ class LayerJobs:
         # waits for the CPU (how far the CPU is behind the GPU), as AsyncJobs' collect waits
         self.job_seconds: Deque[Tuple[float, float]] = collections.deque(maxlen=4096)
         self.collect_seconds: Deque[float] = collections.deque(maxlen=4096)
-        # per job, the team's thread-seconds inside work items (NaN: the schedule does not time them); over the
+        # per job, the team's thread-seconds inside work items (NaN: the job failed); over the
         # running time x len(cores), the share of the team that was working, not waiting between items
         self.job_busy: Deque[float] = collections.deque(maxlen=4096)
         # per job (perf_counter seconds): submitted, started on the worker, ended: the worker's time between jobs
@@ -820,10 +815,6 @@ class LayerJobs:
         # per job with rows, seconds: waiting for prompt exports before the call, the C++ call beyond its waits and
         # running (checks, plans, frees), the Python call beyond the C++ one (glue, the GIL taken back)
         self.job_parts: Deque[Tuple[float, float, float]] = collections.deque(maxlen=4096)
-        self._switch = None  # the interval GIL_SWITCH_S replaced (restored on close)
-        if GIL_SWITCH_S is not None:
-            self._switch = sys.getswitchinterval()
-            sys.setswitchinterval(GIL_SWITCH_S)
 
     def _raise_errors(self) -> None:
         """Takes the C++ runner's finished jobs' records; raises a finished job's error, or a device wait that timed
@@ -903,16 +894,13 @@ class LayerJobs:
             self.pending.popleft().result()
 
     def close(self) -> None:
-        """Stops the worker once its queued jobs are done; the GIL switch interval it set goes back."""
+        """Stops the worker once its queued jobs are done."""
         self.pending.clear()
         if self.runner is not None:
             self.runner.close()
             self._observers.clear()
         if self.worker is not None:
             self.worker.shutdown(wait=True)
-        if self._switch is not None:
-            sys.setswitchinterval(self._switch)
-            self._switch = None
 
 
 class SyncJobs:
