@@ -88,13 +88,17 @@ def test_runner_waits_for_its_gate_and_flags_and_keeps_the_order(threads):
     assert job[StaggerRunner.RECORD_FIELDS.index("gate_wait")] >= 0.04
 
 
-def test_runner_runs_its_jobs_while_python_holds_the_gil(threads):
+@pytest.mark.parametrize("team", [1, 2])
+def test_runner_runs_its_jobs_while_python_holds_the_gil(threads, team):
     """Two queued jobs, one after the other, finish while this thread runs pure Python with forced GIL switches
     pushed out to 30 s: the runner needs no GIL to start a job, end it or begin the next (a Python worker thread
-    needs it between two jobs)."""
+    needs it between two jobs), on a team of one thread or two (the jobs back to back in one region)."""
+    import os
+
     caches, staged, meta = stagger_job_case(4, layers=LAYERS, width=2)
     ready, done = torch.zeros(LAYERS, dtype=torch.int64), torch.zeros(LAYERS, dtype=torch.int64)
-    runner = StaggerRunner([k for k, _ in caches], [v for _, v in caches], cores=[])
+    cores = [] if team == 1 else sorted(os.sched_getaffinity(0))[:team]
+    runner = StaggerRunner([k for k, _ in caches], [v for _, v in caches], cores=cores)
     interval = sys.getswitchinterval()
     try:
         submit_case(runner, caches, staged, meta, 1, ready, done)
