@@ -1022,8 +1022,8 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
   LayerJob job(staged, key_caches, value_caches, cache_index, block_tables, context_lens, slot_mapping, rows,
                num_heads, scale, out, ready_flags, done_flags, turn, timeout_s, timings);
   call_timer.report_to(timings);
-  // One parallel region for the whole job, so that its team is woken once (a team asleep since the last job takes
-  // tens of microseconds to wake; a second region after the plans would wake it again).
+  // One parallel region for the whole job, so that its team is woken once (a team asleep since the last job is slow
+  // to wake, and a second region after the plans would wake it again: notes item 54).
   const int team = job.team();
 #pragma omp parallel num_threads(team) if (team > 1)
   job.team_part(omp_get_thread_num());
@@ -1141,7 +1141,7 @@ class JobRunner {
     c10::InferenceMode inference;  // as the Python worker ran its jobs: no autograd or version counting on its tensors
     at::get_num_threads();  // ATen's per-thread set-up first, so that it does not reset the width set here
     omp_set_num_threads(std::max<int>(1, int(cores_.size())));
-    timings_ = at::zeros({6}, at::TensorOptions().dtype(at::kDouble));  // every job's (at::zeros per job: ~22 us)
+    timings_ = at::zeros({6}, at::TensorOptions().dtype(at::kDouble));  // every job's, allocated once (notes item 53)
     for (;;) {
       RunnerJob job;
       // The next job is mostly submitted within a step: poll for it ~kSpinPolls rounds before sleeping, so that
@@ -1163,9 +1163,9 @@ class JobRunner {
   }
 
   // Runs `job` and the jobs queued after it (or submitted within ~kSpinPolls polls of the last one's end) inside
-  // one parallel region: the team is woken once for the chain, not once a job (waking a team asleep since the last
-  // job takes tens of microseconds, more on the GPU machine's virtual CPUs). This thread (the region's thread 0)
-  // checks each job and publishes it; the others poll for it between jobs, then each job's team part runs.
+  // one parallel region: the team is woken once for the chain, not once a job (notes item 54). This thread (the
+  // region's thread 0) checks each job and publishes it; the others poll for it between jobs, then each job's team
+  // part runs.
   void run_chain(RunnerJob job) {
     std::unique_ptr<LayerJob> current;
     std::array<double, kRecordFields> record{};
