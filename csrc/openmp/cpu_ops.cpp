@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -899,8 +900,8 @@ class LayerJob {
   // Every team thread's share. The layers are planned by the team, a layer per thread at a time (planned by the
   // calling thread alone, the other threads idled through it while the CPU was already behind the GPU: notes item
   // 51); a thread still waking finds them planned and goes straight to the flow. Thread 0 then allocates the
-  // scratch and lays out the flow while the others poll.
-  void team_part(int thread) {
+  // scratch and lays out the flow while the others poll, and calls before_flow (if given) once the others run it.
+  void team_part(int thread, const std::function<void()>* before_flow = nullptr) {
     const int64_t layers = in_.layers;
     for (int64_t l = next_layer_.fetch_add(1, std::memory_order_relaxed); l < layers;
          l = next_layer_.fetch_add(1, std::memory_order_relaxed)) {
@@ -921,6 +922,7 @@ class LayerJob {
         }
       }
       phase_.store(ok ? 1 : 2, std::memory_order_release);
+      if (ok && before_flow != nullptr) (*before_flow)();
     } else {
       for (int64_t polls = 0; phase_.load(std::memory_order_acquire) == 0; ++polls) team_backoff(polls);
     }
@@ -984,9 +986,7 @@ class LayerJob {
   }
 
   StaggerInputs in_;
-  const at::Tensor& ready_flags_;
-  at::Tensor& done_flags_;
-  at::Tensor& timings_;
+  at::Tensor ready_flags_, done_flags_, timings_;  // (handles: the job's owner may move its own)
   const int64_t turn_;
   const double timeout_s_, scale_;
   const int64_t* row_ptr_ = nullptr;
@@ -1141,7 +1141,7 @@ class JobRunner {
     c10::InferenceMode inference;  // as the Python worker ran its jobs: no autograd or version counting on its tensors
     at::get_num_threads();  // ATen's per-thread set-up first, so that it does not reset the width set here
     omp_set_num_threads(std::max<int>(1, int(cores_.size())));
-    timings_ = at::zeros({6}, at::TensorOptions().dtype(at::kDouble));  // every job's, allocated once (notes item 53)
+    for (Slot& slot : slots_) slot.timings = at::zeros({6}, at::TensorOptions().dtype(at::kDouble));  // (notes item 53)
     for (;;) {
       RunnerJob job;
       // The next job is mostly submitted within a step: poll for it ~kSpinPolls rounds before sleeping, so that
@@ -1162,18 +1162,32 @@ class JobRunner {
     }
   }
 
-  // Runs `job` and the jobs queued after it (or submitted within ~kSpinPolls polls of the last one's end) inside
+  // A job of a chain, from when the runner takes it until it is handed over (`done`).
+  struct Slot {
+    RunnerJob job;
+    bool taken = false;  // holds a job
+    bool checked = false;  // its checks already ran (`layer` or `error` set), ahead of its turn
+    std::unique_ptr<LayerJob> layer;  // the checked job the team runs
+    std::string error;  // its checks' failure
+    double call_s = 0.0;  // seconds of its C++ part so far (checks, then from its publication to its frees)
+    std::array<double, kRecordFields> record{};
+    at::Tensor timings;  // the job's timings (each slot its own, allocated once)
+  };
+
+  // Runs `first` and the jobs queued after it (or submitted within ~kSpinPolls polls of the last one's end) inside
   // one parallel region: the team is woken once for the chain, not once a job (notes item 54). This thread (the
   // region's thread 0) checks each job and publishes it; the others poll for it between jobs, then each job's team
-  // part runs.
-  void run_chain(RunnerJob job) {
-    std::unique_ptr<LayerJob> current;
-    std::array<double, kRecordFields> record{};
-    double called = 0.0;  // when the current job's C++ part began
+  // part runs. While the others run a job's flow, thread 0 takes the next queued job and checks it ahead of its
+  // turn, so that the team does not wait for those checks between the two jobs.
+  void run_chain(RunnerJob first) {
+    int cur = 0;  // the slot of the job in turn
+    slots_[0].job = std::move(first);
+    slots_[0].taken = true;
     std::atomic<LayerJob*> published{nullptr};
     std::atomic<int64_t> generation{0};
     std::atomic<int> left{0};  // threads other than 0 out of the current job's team part
-    bool pending = true;  // `job` holds a job not yet run
+    double published_at = 0.0;
+    const std::function<void()> check_next = [this, &cur] { check_ahead(slots_[1 - cur]); };
     const int width = std::max(1, omp_get_max_threads());
 #pragma omp parallel num_threads(width) if (width > 1)
     {
@@ -1182,7 +1196,11 @@ class JobRunner {
       for (;;) {
         if (thread == 0) {
           LayerJob* next = nullptr;
-          while (pending && next == nullptr) next = start(job, current, record, called, pending);
+          while (next == nullptr && slots_[cur].taken) {
+            next = start(slots_[cur]);
+            if (next == nullptr) cur = advance(cur);  // that job is over (no rows, or it failed)
+          }
+          published_at = clock_seconds();
           published.store(next, std::memory_order_relaxed);
           generation.fetch_add(1, std::memory_order_release);
         } else {
@@ -1191,7 +1209,7 @@ class JobRunner {
         seen = generation.load(std::memory_order_acquire);
         LayerJob* running = published.load(std::memory_order_relaxed);
         if (running == nullptr) break;  // the chain ended: the region ends
-        running->team_part(thread);
+        running->team_part(thread, thread == 0 ? &check_next : nullptr);
         if (thread != 0) {
           left.fetch_add(1, std::memory_order_acq_rel);
           continue;
@@ -1199,70 +1217,116 @@ class JobRunner {
         const int others = omp_get_num_threads() - 1;
         for (int64_t polls = 0; left.load(std::memory_order_acquire) < others; ++polls) team_backoff(polls);
         left.store(0, std::memory_order_relaxed);  // (no thread adds to it before the next job is published)
+        Slot& slot = slots_[cur];
         std::string error;
         try {
-          current->finish();
+          slot.layer->finish();
         } catch (const std::exception& e) {
           error = e.what();
         }
-        current.reset();
-        const double* seconds = timings_.data_ptr<double>();
-        record[1] = seconds[0];
-        record[2] = seconds[1];
-        record[3] = seconds[4];
-        record[4] = clock_seconds() - called;
-        done(job, record, error);
-        pending = take_next(job);
+        slot.layer.reset();  // its frees, before its tensors are handed over (`done`)
+        const double* seconds = slot.timings.data_ptr<double>();
+        slot.record[1] = seconds[0];
+        slot.record[2] = seconds[1];
+        slot.record[3] = seconds[4];
+        slot.record[4] = slot.call_s + clock_seconds() - published_at;
+        done(slot, error);
+        cur = advance(cur);
       }
     }
   }
 
-  // Thread 0 of a chain: waits for `job`'s gate, then either runs it at once (a turn without rows: its done flags;
-  // a job whose checks fail: recorded as failed) and takes the next job (nullptr returned; `pending` false once
-  // none is left), or returns the checked job for the team (`current` holds it).
-  LayerJob* start(RunnerJob& job, std::unique_ptr<LayerJob>& current, std::array<double, kRecordFields>& record,
-                  double& called, bool& pending) {
+  // Thread 0 of a chain, at a job's turn: starts its record, waits for its gate, then either runs it at once (a turn
+  // without rows: its done flags; a job whose checks fail: recorded as failed; nullptr returned) or returns the
+  // checked job for the team.
+  LayerJob* start(Slot& slot) {
+    std::array<double, kRecordFields>& record = slot.record;
+    RunnerJob& job = slot.job;
     record.fill(0.0);
     record[0] = double(job.turn);
     record[3] = std::nan("");
     record[6] = job.submitted;
     record[7] = clock_seconds();
-    std::string error;
-    try {
-      if (job.gate.defined()) record[5] = wait_flags(job.gate, {job.gate_value}, job.timeout_s);
-      if (job.staged.defined()) {
-        std::fill(timings_.data_ptr<double>(), timings_.data_ptr<double>() + 6, 0.0);
-        called = clock_seconds();
-        const std::optional<at::Tensor> rows = job.rows.defined() ? std::optional<at::Tensor>(job.rows) : std::nullopt;
-        current = std::make_unique<LayerJob>(job.staged, keys_, values_, job.cache_index, job.block_tables,
-                                             job.context_lens, job.slot_mapping, rows, job.num_heads, job.scale,
-                                             job.out, job.ready, job.done, job.turn, job.timeout_s, timings_);
-        return current.get();
+    if (!slot.checked) {
+      try {
+        if (job.gate.defined()) record[5] = wait_flags(job.gate, {job.gate_value}, job.timeout_s);
+        if (job.staged.defined()) {
+          check(slot);
+        } else {
+          set_flags(job.done, job.turn);
+        }
+      } catch (const std::exception& e) {
+        slot.error = e.what();
       }
-      set_flags(job.done, job.turn);
-    } catch (const std::exception& e) {
-      error = e.what();
     }
-    done(job, record, error);
-    pending = take_next(job);
+    if (slot.layer != nullptr) return slot.layer.get();
+    done(slot, slot.error);
     return nullptr;
   }
 
-  // A job is over (error: its failure, else empty): its record kept for `poll`, its tensors handed over to be let go
-  // on the polling thread; a failed job's done flags are lifted past any turn (the GPU must not wait for layers it
-  // will never finish) and its running time recorded as NaN (it tells nothing).
-  void done(RunnerJob& job, std::array<double, kRecordFields>& record, const std::string& error) {
+  // Checks a slot's job (`LayerJob`), keeping its failure; its timings zeroed first.
+  void check(Slot& slot) {
+    RunnerJob& job = slot.job;
+    const double begin = clock_seconds();
+    std::fill(slot.timings.data_ptr<double>(), slot.timings.data_ptr<double>() + 6, 0.0);
+    try {
+      const std::optional<at::Tensor> rows = job.rows.defined() ? std::optional<at::Tensor>(job.rows) : std::nullopt;
+      slot.layer = std::make_unique<LayerJob>(job.staged, keys_, values_, job.cache_index, job.block_tables,
+                                              job.context_lens, job.slot_mapping, rows, job.num_heads, job.scale,
+                                              job.out, job.ready, job.done, job.turn, job.timeout_s, slot.timings);
+    } catch (const std::exception& e) {
+      slot.error = e.what();
+    }
+    slot.checked = true;
+    slot.call_s += clock_seconds() - begin;
+  }
+
+  // Thread 0, while the team runs the current job's flow: the next queued job (if any) goes into `slot`, checked
+  // now if it has rows and no gate (a gate is waited for at its turn, and a turn without rows raises its done flags
+  // only after the jobs before it).
+  void check_ahead(Slot& slot) {
+    if (slot.taken) return;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (queue_.empty()) return;
+      slot.job = std::move(queue_.front());
+      queue_.pop_front();
+      ++taken_;
+      slot.taken = true;
+    }
+    if (slot.job.staged.defined() && !slot.job.gate.defined()) check(slot);
+  }
+
+  // The job of slot `cur` is over: the next one's slot (the one checked ahead, or `cur` again with the next queued
+  // job, polled for up to ~kSpinPolls rounds; not taken if none came: the chain ends).
+  int advance(int cur) {
+    if (slots_[1 - cur].taken) return 1 - cur;
+    slots_[cur].taken = take_next(slots_[cur].job);
+    return cur;
+  }
+
+  // A slot's job is over (error: its failure, else empty): its record kept for `poll`, its tensors handed over to be
+  // let go on the polling thread; a failed job's done flags are lifted past any turn (the GPU must not wait for
+  // layers it will never finish) and its running time recorded as NaN (it tells nothing). The slot is emptied.
+  void done(Slot& slot, const std::string& error) {
+    std::array<double, kRecordFields>& record = slot.record;
     if (!error.empty()) {
       record[2] = std::nan("");
-      set_flags(job.done, kAbortedFlag);
+      set_flags(slot.job.done, kAbortedFlag);
     }
     record[8] = clock_seconds();
-    std::lock_guard<std::mutex> lock(mutex_);
-    records_.push_back(record);
-    finished_.push_back(std::move(job));
-    if (!error.empty() && error_.empty()) {
-      error_ = message("the staggered CPU job of turn ", int64_t(record[0]), " failed: ", error);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      records_.push_back(record);
+      finished_.push_back(std::move(slot.job));
+      if (!error.empty() && error_.empty()) {
+        error_ = message("the staggered CPU job of turn ", int64_t(record[0]), " failed: ", error);
+      }
     }
+    slot.taken = slot.checked = false;
+    slot.layer.reset();
+    slot.error.clear();
+    slot.call_s = 0.0;
   }
 
   // Takes the next queued job into `job` after polling up to ~kSpinPolls rounds for one to be submitted; false (and
@@ -1299,7 +1363,7 @@ class JobRunner {
   bool stop_ = false, busy_ = false;
   std::atomic<int64_t> submitted_{0};  // jobs ever queued (polled without the lock while the runner is idle)
   int64_t taken_ = 0;  // jobs taken from the queue (the runner thread's only)
-  at::Tensor timings_;  // each job's timings (the runner thread's only)
+  std::array<Slot, 2> slots_;  // a chain's job in turn and the next one (the runner thread's only)
   std::thread thread_;  // last: started once every member above exists
 };
 
