@@ -347,7 +347,7 @@ BLOCK_SUFFIX = re.compile(r"/bs(\d+)\b")  # "/bs64": a mode run with KV blocks o
 # a mode run with block moves overlapped ("/overlapmoves") or waited for on the host ("/syncmoves"):
 # kv_manager.OVERLAP_MOVES for that run
 MOVE_SUFFIXES = {"/overlapmoves": True, "/syncmoves": False}
-# a mode run with the adaptive rows fitted to the flow job's work ("/busyfit") or its running time ("/timefit"):
+# a mode run with the adaptive rows fitted to the layered job's work ("/busyfit") or its running time ("/timefit"):
 # stagger.BUSY_FIT for that run
 FIT_SUFFIXES = {"/busyfit": True, "/timefit": False}
 # a mode run whose auto model predicts the staggered CPU job from the pipeline's measured job ("/learnjob", the
