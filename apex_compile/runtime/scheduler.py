@@ -26,6 +26,8 @@ from apex_compile.runtime.request import Request, RequestStatus
 # (its blocks held) the free blocks still cover the steps queued ahead meanwhile (2 tokens left none: each park
 # cost a step scheduled on the host waiting for that copy)
 LOOKAHEAD_TOKENS = 8
+
+
 @dataclasses.dataclass
 class ScheduledChunk:
     """Tokens start..start+num_tokens-1 of a request, computed this step in pool `pool`."""

@@ -807,8 +807,8 @@ class LayerJobs:
         # waits for the CPU (how far the CPU is behind the GPU), as AsyncJobs' collect waits
         self.job_seconds: Deque[Tuple[float, float]] = collections.deque(maxlen=4096)
         self.collect_seconds: Deque[float] = collections.deque(maxlen=4096)
-        # per job, the team's thread-seconds inside work items (NaN: the job failed); over the
-        # running time x len(cores), the share of the team that was working, not waiting between items
+        # per job, the team's thread-seconds inside work items; over the running time x len(cores), the share of
+        # the team that was working, not waiting between items
         self.job_busy: Deque[float] = collections.deque(maxlen=4096)
         # per job (perf_counter seconds): submitted, started on the worker, ended: the worker's time between jobs
         self.job_times: Deque[Tuple[float, float, float]] = collections.deque(maxlen=4096)

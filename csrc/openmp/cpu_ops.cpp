@@ -1143,23 +1143,32 @@ class JobRunner {
     omp_set_num_threads(std::max<int>(1, int(cores_.size())));
     for (Slot& slot : slots_) slot.timings = at::zeros({6}, at::TensorOptions().dtype(at::kDouble));  // (notes item 53)
     for (;;) {
-      RunnerJob job;
-      // The next job is mostly submitted within a step: poll for it ~kSpinPolls rounds before sleeping, so that
-      // picking it up costs no wake-up (the worker's cores are its own).
-      for (int64_t polls = 0; polls < kSpinPolls && submitted_.load(std::memory_order_acquire) == taken_; ++polls) {
-        cpu_relax();
-      }
+      poll_for_submission();
       {
         std::unique_lock<std::mutex> lock(mutex_);
         wake_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stopped with nothing left to run
-        job = std::move(queue_.front());
-        queue_.pop_front();
+        if (!pop(slots_[0].job)) return;  // stopped with nothing left to run
         busy_ = true;
-        ++taken_;
       }
-      run_chain(std::move(job));
+      run_chain();
     }
+  }
+
+  // The next job is mostly submitted within a step: poll for it ~kSpinPolls rounds before sleeping or ending a
+  // chain, so that picking it up costs no wake-up (the worker's cores are its own).
+  void poll_for_submission() const {
+    for (int64_t polls = 0; polls < kSpinPolls && submitted_.load(std::memory_order_acquire) == taken_; ++polls) {
+      cpu_relax();
+    }
+  }
+
+  // Moves the first queued job into `job` (false: none queued); mutex_ held.
+  bool pop(RunnerJob& job) {
+    if (queue_.empty()) return false;
+    job = std::move(queue_.front());
+    queue_.pop_front();
+    ++taken_;
+    return true;
   }
 
   // A job of a chain, from when the runner takes it until it is handed over (`done`).
@@ -1174,14 +1183,13 @@ class JobRunner {
     at::Tensor timings;  // the job's timings (each slot its own, allocated once)
   };
 
-  // Runs `first` and the jobs queued after it (or submitted within ~kSpinPolls polls of the last one's end) inside
+  // Runs slot 0's job and the jobs queued after it (or submitted within ~kSpinPolls polls of the last one's end) inside
   // one parallel region: the team is woken once for the chain, not once a job (notes item 54). This thread (the
   // region's thread 0) checks each job and publishes it; the others poll for it between jobs, then each job's team
   // part runs. While the others run a job's flow, thread 0 takes the next queued job and checks it ahead of its
   // turn, so that the team does not wait for those checks between the two jobs.
-  void run_chain(RunnerJob first) {
+  void run_chain() {
     int cur = 0;  // the slot of the job in turn
-    slots_[0].job = std::move(first);
     slots_[0].taken = true;
     std::atomic<LayerJob*> published{nullptr};
     std::atomic<int64_t> generation{0};
@@ -1288,10 +1296,7 @@ class JobRunner {
     if (slot.taken) return;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (queue_.empty()) return;
-      slot.job = std::move(queue_.front());
-      queue_.pop_front();
-      ++taken_;
+      if (!pop(slot.job)) return;
       slot.taken = true;
     }
     if (slot.job.staged.defined() && !slot.job.gate.defined()) check(slot);
@@ -1332,17 +1337,10 @@ class JobRunner {
   // Takes the next queued job into `job` after polling up to ~kSpinPolls rounds for one to be submitted; false (and
   // the runner idle) if none came.
   bool take_next(RunnerJob& job) {
-    for (int64_t polls = 0; polls < kSpinPolls && submitted_.load(std::memory_order_acquire) == taken_; ++polls) {
-      cpu_relax();
-    }
+    poll_for_submission();
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (!queue_.empty()) {
-        job = std::move(queue_.front());
-        queue_.pop_front();
-        ++taken_;
-        return true;
-      }
+      if (pop(job)) return true;
       busy_ = false;
     }
     idle_.notify_all();
