@@ -64,6 +64,17 @@ FILL_SAMPLE = 20  # steps between two records of the rows' limits before the win
 LIMIT_KEYS = ("measured", "guard", "ceiling", "limit", "share", "step_s", "members", "capacity", "parked", "prefill")
 
 
+def probe_cpu_bandwidth(model, device_bytes: int, max_seqs: int):
+    """(the engine's profile, B_cpu now: the CPU attention op's bytes/s over a 1 GiB host pool,
+    `cpu_attention_bandwidth`), from an engine of its own."""
+    probe = optimize(model, ApexConfig(offload="never", gpu_cache_size=device_bytes, cpu_cache_size=1 << 30,
+                                       max_num_seqs=max_seqs))
+    try:
+        return engine_profile(probe.engine), cpu_attention_bandwidth(probe.engine)
+    finally:
+        probe.close()
+
+
 def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps=0, probe=None, start_step=0):
     """Tokens/s over `window_steps` steps after `warm_steps`, the engine topped up from `prompts` (cycled) so
     requests always wait; with the staggered plan first up to `fill_steps` steps until its pipeline is full
@@ -683,6 +694,7 @@ def main():
             count = max(device_bytes // per_request, 1)  # requests the device pool holds
             prompts = torch.randint(3, shape["vocab_size"], (64, args.prompt)).tolist()
             runs = {}
+            profile, probed_before = probe_cpu_bandwidth(model, device_bytes, args.max_seqs)
             for m in modes:  # one line per mode as it ends: a run cut short keeps what it measured
                 begin = time.perf_counter()
                 # every window starts where the longest fill would end it: the same phase of the request waves
@@ -774,13 +786,12 @@ def main():
                       + (hf["error"] if "error" in hf else f"{hf['tokens_per_s']:.0f} tokens/s, decode step "
                          f"{hf['decode_step_s'] * 1e3:.1f} ms ({hf['decode_tokens_per_s']:.0f} tokens/s)"),
                       flush=True)
-            probe = optimize(model, ApexConfig(offload="never", gpu_cache_size=device_bytes,
-                                               cpu_cache_size=1 << 30, max_num_seqs=args.max_seqs))
-            perf = PerfModel(engine_profile(probe.engine))
-            # B_cpu probed in this run: the profile is cached per machine and may come from a busier moment, which
-            # would flatter every efficiency (notes item 50)
-            cpu_bandwidth = cpu_attention_bandwidth(probe.engine)
-            del probe
+            perf = PerfModel(profile)
+            # B_cpu probed in this run, before and after the modes (the cached profile may come from a busier
+            # moment, which would flatter every efficiency: notes item 50); a single probe varies from run to run
+            # on one host (notes item 55), so the mean of the two is taken
+            probed_after = probe_cpu_bandwidth(model, device_bytes, args.max_seqs)[1]
+            cpu_bandwidth = (probed_before + probed_after) / 2
             context = args.prompt + args.new_tokens / 2
             ideal = perf.ideal_gain(context, cpu_bandwidth)
             never = runs["never"]["tokens_per_s"] if "never" in runs else None  # (an A/B run of other modes)
@@ -812,6 +823,7 @@ def main():
             steady_eff = {m: (v - steady["never"]) / ideal for m, v in steady.items() if m != "never" and never}
             row = {"shape": shape_name, "device_gib": gib, "requests": count, "context": context,
                    "ideal_gain": ideal, "cpu_attention_GBps": cpu_bandwidth / 1e9,
+                   "cpu_attention_GBps_before_after": [probed_before / 1e9, probed_after / 1e9],
                    "profile_cpu_attention_GBps": perf.cpu_bandwidth() / 1e9,
                    "gpu_attention_GBps": perf.gpu_bandwidth() / 1e9,
                    "kv_bytes_per_host_request_step": perf.profile.kv_bytes_per_token * context,
@@ -842,8 +854,9 @@ def main():
                   + " (uncalibrated: " + ", ".join(f"{m} {e:.1%}" for m, e in raw_errors.items() if e is not None)
                   + "; with the online host gap: "
                   + ", ".join(f"{m} {e:.1%}" for m, e in online_errors.items() if e is not None) + ")", flush=True)
-            print(f"   ideal_gain {ideal:.0f} tokens/s: CPU attention {cpu_bandwidth / 1e9:.1f} GB/s probed after the "
-                  f"modes (the cached profile the model starts from: {perf.cpu_bandwidth() / 1e9:.1f} GB/s), "
+            print(f"   ideal_gain {ideal:.0f} tokens/s: CPU attention {cpu_bandwidth / 1e9:.1f} GB/s, the mean of "
+                  f"{probed_before / 1e9:.1f} probed before the modes and {probed_after / 1e9:.1f} after (the cached "
+                  f"profile the model starts from: {perf.cpu_bandwidth() / 1e9:.1f} GB/s), "
                   f"{perf.profile.kv_bytes_per_token * context / 1e6:.0f} MB of KV per host request-step", flush=True)
             if efficiencies:
                 print("   efficiency per mode: " + ", ".join(f"{m} {e:.2f}" for m, e in efficiencies.items()),

@@ -21,7 +21,7 @@ import ctypes
 import mmap
 import sys
 import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -65,6 +65,7 @@ LIB.define(
     "Tensor ready_flags, Tensor(b!) done_flags, float timeout_s, Tensor? gate, int gate_value) -> ()"
 )
 LIB.define("stagger_runner_poll(int runner) -> Tensor")
+LIB.define("stagger_runner_state(int runner) -> Tensor")
 LIB.define("stagger_runner_drain(int runner) -> ()")
 LIB.define("stagger_runner_stop(int runner) -> ()")
 
@@ -294,6 +295,15 @@ class StaggerRunner:
     def drain(self) -> None:
         """Returns once every submitted job is done (releasing the GIL meanwhile)."""
         torch.ops.apex.stagger_runner_drain(self._handle())
+
+    PHASES = ("idle", "waiting for its gate", "checking it", "running it")
+
+    def state(self) -> Dict[str, object]:
+        """What the runner's thread is doing now: jobs submitted, still queued and finished; its phase (PHASES) and
+        the turn of the job in it (None while idle)."""
+        submitted, queued, finished, phase, turn = torch.ops.apex.stagger_runner_state(self._handle()).tolist()
+        return {"submitted": submitted, "queued": queued, "finished": finished, "phase": self.PHASES[phase],
+                "turn": None if turn < 0 else turn}
 
     def close(self) -> None:
         """Runs the jobs still queued, then stops the thread (a second close does nothing)."""

@@ -803,6 +803,7 @@ class LayerJobs:
                        if self.runner is None else None)
         self.pending: Deque[concurrent.futures.Future] = collections.deque()
         self._observers: Dict[int, object] = {}  # submitted turn -> its observe(waited, ran, busy) callback
+        self._gates: Dict[int, Tuple[torch.Tensor, int]] = {}  # submitted turn -> its gate (counter, value)
         # recent timings, seconds: (waiting for the layers' flags, running) per job, and per step the device's
         # waits for the CPU (how far the CPU is behind the GPU), as AsyncJobs' collect waits
         self.job_seconds: Deque[Tuple[float, float]] = collections.deque(maxlen=4096)
@@ -826,11 +827,29 @@ class LayerJobs:
             self.pending.popleft().result()
         if self._status[0]:
             raise RuntimeError(f"the GPU waited more than {WAIT_TIMEOUT_S:.0f} s for the staggered CPU job of turn "
-                               f"{int(self._status[0])}: the CPU worker is stuck or gone")
+                               f"{int(self._status[0])}: the CPU worker is stuck or gone ({self.stuck_state()})")
+
+    def stuck_state(self) -> str:
+        """Where the jobs stand, for the error of a device wait that timed out: the layers' flags (ready: raised by
+        the steps' staging; done: by the jobs), and what the worker is doing (the C++ runner's phase and the turn in
+        it, with that job's gate; or the Python worker's jobs not yet done)."""
+        ready, done = self.ready.tolist(), self.done.tolist()
+        told = [f"ready flags {min(ready)}..{max(ready)}, done flags {min(done)}..{max(done)}"]
+        if self.runner is None:
+            told.append(f"{sum(not f.done() for f in self.pending)} job(s) not done on the Python worker")
+            return "; ".join(told)
+        state = self.runner.state()
+        told.append(f"runner: {state['submitted']} job(s) submitted, {state['queued']} queued, {state['finished']} "
+                    f"finished, {state['phase']}" + (f" (turn {state['turn']})" if state["turn"] is not None else ""))
+        gate = self._gates.get(state["turn"])
+        if gate is not None:
+            told.append(f"its gate {int(gate[0][0])} of {gate[1]}")
+        return "; ".join(told)
 
     def _record(self, turn, waited, ran, busy, call, gate_wait, submitted, started, ended) -> None:
         """A C++ runner job's record (StaggerRunner.RECORD_FIELDS) into the same timings a Python job keeps."""
         self.job_times.append((submitted, started, ended))
+        self._gates.pop(int(turn), None)
         observe = self._observers.pop(int(turn), None)
         if observe is None or ran != ran:  # a turn without rows, or a failed job (its error was raised by `poll`)
             return
@@ -847,6 +866,8 @@ class LayerJobs:
         busy) is called with its timings once it is done."""
         self._raise_errors()
         self._observers[int(turn)] = observe
+        if job.get("gate") is not None:
+            self._gates[int(turn)] = (job["gate"], int(job["gate_value"]))
         self.runner.submit(turn, self.outputs, self.ready, self.done, staged=self.staged, **job)
 
     def launch(self, turn: int, job, inputs: List[torch.Tensor], output: torch.Tensor) -> None:
@@ -899,6 +920,7 @@ class LayerJobs:
         if self.runner is not None:
             self.runner.close()
             self._observers.clear()
+            self._gates.clear()
         if self.worker is not None:
             self.worker.shutdown(wait=True)
 

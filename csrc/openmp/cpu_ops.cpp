@@ -1117,6 +1117,22 @@ class JobRunner {
     return out;
   }
 
+  // What the runner is doing, for a caller that finds a job late: [jobs submitted, jobs queued and not taken, jobs
+  // finished, phase (kIdle, kGate, kChecks, kRunning), the turn of the job in that phase (-1: none)].
+  at::Tensor state() {
+    at::Tensor out = at::empty({5}, at::TensorOptions().dtype(at::kLong));
+    int64_t* data = out.data_ptr<int64_t>();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      data[1] = int64_t(queue_.size());
+    }
+    data[0] = submitted_.load(std::memory_order_acquire);
+    data[2] = finished_jobs_.load(std::memory_order_acquire);
+    data[3] = phase_.load(std::memory_order_acquire);
+    data[4] = phase_turn_.load(std::memory_order_acquire);
+    return out;
+  }
+
   // Returns once every job submitted before is done.
   void drain() {
     std::vector<RunnerJob> finished;
@@ -1209,6 +1225,7 @@ class JobRunner {
             if (next == nullptr) cur = advance(cur);  // that job is over (no rows, or it failed)
           }
           published_at = clock_seconds();
+          if (next != nullptr) set_phase(kRunning, slots_[cur].job.turn);
           published.store(next, std::memory_order_relaxed);
           generation.fetch_add(1, std::memory_order_release);
         } else {
@@ -1257,8 +1274,12 @@ class JobRunner {
     record[7] = clock_seconds();
     if (!slot.checked) {
       try {
-        if (job.gate.defined()) record[5] = wait_flags(job.gate, {job.gate_value}, job.timeout_s);
+        if (job.gate.defined()) {
+          set_phase(kGate, job.turn);
+          record[5] = wait_flags(job.gate, {job.gate_value}, job.timeout_s);
+        }
         if (job.staged.defined()) {
+          set_phase(kChecks, job.turn);
           check(slot);
         } else {
           set_flags(job.done, job.turn);
@@ -1320,6 +1341,8 @@ class JobRunner {
       set_flags(slot.job.done, kAbortedFlag);
     }
     record[8] = clock_seconds();
+    finished_jobs_.fetch_add(1, std::memory_order_release);
+    set_phase(kIdle, -1);  // until the next job's turn starts
     {
       std::lock_guard<std::mutex> lock(mutex_);
       records_.push_back(record);
@@ -1347,6 +1370,13 @@ class JobRunner {
     return false;
   }
 
+  // What thread 0 is doing (`state`): no job in its turn, waiting for a job's gate, checking it, its team running it.
+  enum Phase : int64_t { kIdle = 0, kGate = 1, kChecks = 2, kRunning = 3 };
+  void set_phase(Phase phase, int64_t turn) {
+    phase_turn_.store(turn, std::memory_order_release);
+    phase_.store(phase, std::memory_order_release);
+  }
+
   std::vector<at::Tensor> keys_, values_;
   std::vector<int64_t> cores_;
   std::mutex mutex_;
@@ -1360,6 +1390,7 @@ class JobRunner {
   std::string error_;
   bool stop_ = false, busy_ = false;
   std::atomic<int64_t> submitted_{0};  // jobs ever queued (polled without the lock while the runner is idle)
+  std::atomic<int64_t> finished_jobs_{0}, phase_{kIdle}, phase_turn_{-1};  // (`state`)
   int64_t taken_ = 0;  // jobs taken from the queue (the runner thread's only)
   std::array<Slot, 2> slots_;  // a chain's job in turn and the next one (the runner thread's only)
   std::thread thread_;  // last: started once every member above exists
@@ -1442,6 +1473,8 @@ void stagger_runner_submit(int64_t handle, int64_t turn, const std::optional<at:
 
 at::Tensor stagger_runner_poll(int64_t handle) { return find_runner(handle, "stagger_runner_poll")->poll(); }
 
+at::Tensor stagger_runner_state(int64_t handle) { return find_runner(handle, "stagger_runner_state")->state(); }
+
 void stagger_runner_drain(int64_t handle) { find_runner(handle, "stagger_runner_drain")->drain(); }
 
 // Runs the jobs still queued, stops the thread and forgets the handle (a second stop is a no-op).
@@ -1490,6 +1523,7 @@ TORCH_LIBRARY_IMPL(apex, CompositeExplicitAutograd, m) {
   m.impl("cpu_attention_work_split", &cpu_attention_work_split);
   m.impl("stagger_runner_start", &stagger_runner_start);
   m.impl("stagger_runner_poll", &stagger_runner_poll);
+  m.impl("stagger_runner_state", &stagger_runner_state);
   m.impl("stagger_runner_drain", &stagger_runner_drain);
   m.impl("stagger_runner_stop", &stagger_runner_stop);
 }

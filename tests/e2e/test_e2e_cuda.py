@@ -20,7 +20,7 @@ SMALL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_at
 MB = 1 << 20
 
 
-def random_llama(dtype):
+def random_llama(dtype, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -28,7 +28,7 @@ def random_llama(dtype):
     torch.set_default_dtype(dtype)
     try:
         with torch.device("cuda"):
-            return LlamaForCausalLM(LlamaConfig(**SMALL)).eval()
+            return LlamaForCausalLM(LlamaConfig(**{**SMALL, **overrides})).eval()
     finally:
         torch.set_default_dtype(previous)
 
@@ -205,16 +205,17 @@ def small_pool_case(model, lengths=SMALL_POOL_LENGTHS):
     ids, mask = left_padded_batch(lengths)
     with torch.no_grad():
         ref = model.generate(input_ids=ids, attention_mask=mask, **GREEDY_20)
-    head_dim = SMALL["hidden_size"] // SMALL["num_attention_heads"]
-    block = 2 * SMALL["num_hidden_layers"] * SMALL["num_key_value_heads"] * 16 * head_dim * 4
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    block = 2 * config.num_hidden_layers * config.num_key_value_heads * 16 * head_dim * 4
     return ids, mask, ref, block
 
 
-def sharp_small_pool_case(lengths=SMALL_POOL_LENGTHS):
-    """small_pool_case of an fp32 model whose attention is sharpened (so RoPE rows matter), TF32 off; the model
-    comes last."""
+def sharp_small_pool_case(lengths=SMALL_POOL_LENGTHS, **overrides):
+    """small_pool_case of an fp32 model (SMALL with `overrides`) whose attention is sharpened (so RoPE rows
+    matter), TF32 off; the model comes last."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    model = random_llama(torch.float32)
+    model = random_llama(torch.float32, **overrides)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(4)
@@ -244,6 +245,20 @@ def test_staggered_equals_hf_generate_fp32(width, lanes, pin):
         assert os.sched_getaffinity(0) == before - workers
     apex.close()
     assert os.sched_getaffinity(0) == before
+
+
+def test_staggered_layered_jobs_of_a_model_without_gqa_equal_hf_generate_fp32():
+    """As Llama-2-7B (as many KV heads as query heads): the one-lane plan's layered jobs on the C++ runner give
+    HF's tokens and every job finishes (session 40's Llama-2-7B run at 2 GiB timed out waiting for one)."""
+    ids, mask, ref, block, model = sharp_small_pool_case(num_key_value_heads=SMALL["num_attention_heads"])
+    apex = optimize(model, ApexConfig(offload="staggered", stagger_width=2, gpu_cache_size=8 * block,
+                                      cpu_cache_size=32 * MB, stagger_lanes=1))
+    out = apex.generate(ids, attention_mask=mask, **GREEDY_20)
+    jobs = apex.engine.stagger.executor
+    assert torch.equal(out, ref)
+    assert jobs.runner is not None and jobs.job_seconds and int(jobs.status[0]) == 0
+    assert apex.engine.stats.requests_per_pool[1] >= 2
+    apex.close()
 
 
 @pytest.mark.parametrize("beside", [True, False])

@@ -31,6 +31,7 @@ EXPECTED_KERNELS = {
     "stagger_runner_start": {"CompositeExplicitAutograd"},
     "stagger_runner_submit": {"CPU"},
     "stagger_runner_poll": {"CompositeExplicitAutograd"},
+    "stagger_runner_state": {"CompositeExplicitAutograd"},
     "stagger_runner_drain": {"CompositeExplicitAutograd"},
     "stagger_runner_stop": {"CompositeExplicitAutograd"},
     "cache_append_gpu": {"CPU", "CUDA"},
@@ -52,8 +53,8 @@ EXPECTED_KERNELS = {
 NO_TENSOR_OPS = {"cpu_isa_code": (), "cpu_attention_work_split": (0, 0, 0)}  # read-only calls, no fake needed
 # Stateful ops of the runtime's C++ job runner (a thread behind a handle), never inside a traced graph: no opcheck
 # and no fake (tests/kernels/test_stagger_runner.py runs them).
-RUNTIME_OPS = {"stagger_runner_start", "stagger_runner_submit", "stagger_runner_poll", "stagger_runner_drain",
-               "stagger_runner_stop"}
+RUNTIME_OPS = {"stagger_runner_start", "stagger_runner_submit", "stagger_runner_poll", "stagger_runner_state",
+               "stagger_runner_drain", "stagger_runner_stop"}
 
 NUM_BLOCKS, KV_HEADS, HEADS, BLOCK, DIM = 4, 2, 4, 16, 16
 

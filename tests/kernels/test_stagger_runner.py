@@ -66,7 +66,8 @@ def test_runner_jobs_equal_direct_calls_in_order_and_report_each(picked, threads
 
 def test_runner_waits_for_its_gate_and_flags_and_keeps_the_order(threads):
     """A job does not start before gate[0] reaches its value, nor write a layer before its ready flag; the empty
-    turn queued behind it raises its done flags only after it (the device's next step waits on them)."""
+    turn queued behind it raises its done flags only after it (the device's next step waits on them). `state`
+    tells each wait: the gate, then the team on the job, then idle."""
     caches, staged, meta = stagger_job_case(17, layers=LAYERS, width=2)
     ready, done = torch.zeros(LAYERS, dtype=torch.int64), torch.zeros(LAYERS, dtype=torch.int64)
     gate = torch.zeros(1, dtype=torch.int64)
@@ -74,13 +75,22 @@ def test_runner_waits_for_its_gate_and_flags_and_keeps_the_order(threads):
     try:
         out = submit_case(runner, caches, staged, meta, 1, ready, done, gate=gate, gate_value=2)
         runner.submit(2, out, ready, done)
-        ready[:] = 1
+        ready[:-1] = 1
         gate[0] = 1
         time.sleep(0.05)
         assert done.tolist() == [0] * LAYERS and torch.isnan(out).all()  # the gate holds it
+        assert runner.state() == {"submitted": 2, "queued": 1, "finished": 0, "phase": "waiting for its gate",
+                                  "turn": 1}
         gate[0] = 2
+        wait_for(lambda: done.tolist()[:-1] == [1] * (LAYERS - 1))
+        time.sleep(0.02)
+        assert done.tolist()[-1] == 0  # the last layer's flag holds it
+        assert runner.state()["phase"] == "running it" and runner.state()["turn"] == 1
+        ready[-1] = 1
         wait_for(lambda: done.tolist() == [2] * LAYERS)
         runner.drain()
+        wait_for(lambda: runner.state()["phase"] == "idle")
+        assert runner.state() == {"submitted": 2, "queued": 0, "finished": 2, "phase": "idle", "turn": None}
         job, _ = runner.poll()
     finally:
         runner.close()
@@ -230,3 +240,31 @@ def test_runner_thread_runs_on_its_cores():
         assert sorted(os.sched_getaffinity(tid)) == cores
     finally:
         runner.close()
+
+
+def test_a_device_wait_that_timed_out_tells_where_the_jobs_stand(threads):
+    """The error of a device wait that timed out (the status word) says what the runner is doing: here a job held
+    by its gate, the layers' flags and how far the gate is."""
+    from apex_compile.runtime.stagger import LayerJobs
+
+    caches, staged, meta = stagger_job_case(19, layers=LAYERS, width=2)
+    outputs = torch.zeros(staged.shape[:2] + (HEADS, staged.shape[3]), dtype=staged.dtype)
+    jobs = LayerJobs(staged, outputs, pin_memory=False, threads=1,
+                     caches=([k for k, _ in caches], [v for _, v in caches]))
+    gate = torch.zeros(1, dtype=torch.int64)
+    try:
+        jobs.staged.copy_(staged)
+        jobs.ready[:] = 3
+        jobs.submit(3, lambda *_: None, num_heads=HEADS, scale=0.3, gate=gate, gate_value=2, **meta)
+        wait_for(lambda: jobs.runner.state()["phase"] == "waiting for its gate")
+        jobs.status[0] = 3
+        with pytest.raises(RuntimeError, match=r"job of turn 3: .*ready flags 3\.\.3, done flags 0\.\.0; runner: 1 "
+                                               r"job\(s\) submitted, 0 queued, 0 finished, waiting for its gate "
+                                               r"\(turn 3\); its gate 0 of 2"):
+            jobs.collect(0, jobs.outputs)
+        jobs.status[0] = 0
+        gate[0] = 2
+        jobs.drain()
+        assert jobs.done.tolist() == [3] * LAYERS and not jobs._gates
+    finally:
+        jobs.close()
