@@ -64,13 +64,46 @@ FILL_SAMPLE = 20  # steps between two records of the rows' limits before the win
 LIMIT_KEYS = ("measured", "guard", "ceiling", "limit", "share", "step_s", "members", "capacity", "parked", "prefill")
 
 
+def huge_page_share(tensors, smaps: str = None) -> float:
+    """Share of the memory mappings holding `tensors` that Linux backs with transparent huge pages
+    (`smaps`, default /proc/self/smaps: AnonHugePages over Size; NaN where unknown): a host pool on 4 KiB pages
+    costs the CPU attention TLB misses on its scattered blocks, so a probe or a job on fewer huge pages reads
+    slower."""
+    if smaps is None:
+        try:
+            with open("/proc/self/smaps") as f:
+                smaps = f.read()
+        except OSError:
+            return float("nan")
+    lines = smaps.splitlines()
+    ranges = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors]
+    size = huge = 0
+    inside = False
+    for line in lines:
+        head = line.split(None, 1)[0]
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: start-end perms ...
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = any(a < end and b > start for a, b in ranges)
+        elif inside and head == "Size:":
+            size += int(line.split()[1])
+        elif inside and head == "AnonHugePages:":
+            huge += int(line.split()[1])
+    return huge / size if size else float("nan")
+
+
+def host_pool_tensors(engine):
+    pool = engine.kv.pools[HOST_POOL]
+    return list(pool.key_caches) + list(pool.value_caches)
+
+
 def probe_cpu_bandwidth(model, device_bytes: int, max_seqs: int):
     """(the engine's profile, B_cpu now: the CPU attention op's bytes/s over a 1 GiB host pool,
-    `cpu_attention_bandwidth`), from an engine of its own."""
+    `cpu_attention_bandwidth`, that pool's share on huge pages), from an engine of its own."""
     probe = optimize(model, ApexConfig(offload="never", gpu_cache_size=device_bytes, cpu_cache_size=1 << 30,
                                        max_num_seqs=max_seqs))
     try:
-        return engine_profile(probe.engine), cpu_attention_bandwidth(probe.engine)
+        bandwidth = cpu_attention_bandwidth(probe.engine)
+        return engine_profile(probe.engine), bandwidth, huge_page_share(host_pool_tensors(probe.engine))
     finally:
         probe.close()
 
@@ -558,6 +591,7 @@ def _run_engine_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens,
         result["row_fit"] = {"fixed_s": rows.fixed, "measured": rows.measured, "ceiling": rows.ceiling,
                              "per_row_s": rows.row_seconds(context)}
     result["plan"] = "staggered" if engine.stagger is not None else "overlap"  # of the steps with host rows
+    result["host_pool_huge_pages"] = huge_page_share(host_pool_tensors(engine))
     result["calibration"] = dataclasses.asdict(engine.calibration)  # the model's replays of this engine's graphs
     apex.close()  # its pools and threads go now, not at a later garbage collection
     del apex, engine
@@ -694,7 +728,7 @@ def main():
             count = max(device_bytes // per_request, 1)  # requests the device pool holds
             prompts = torch.randint(3, shape["vocab_size"], (64, args.prompt)).tolist()
             runs = {}
-            profile, probed_before = probe_cpu_bandwidth(model, device_bytes, args.max_seqs)
+            profile, probed_before, huge_before = probe_cpu_bandwidth(model, device_bytes, args.max_seqs)
             for m in modes:  # one line per mode as it ends: a run cut short keeps what it measured
                 begin = time.perf_counter()
                 # every window starts where the longest fill would end it: the same phase of the request waves
@@ -790,7 +824,7 @@ def main():
             # B_cpu probed in this run, before and after the modes (the cached profile may come from a busier
             # moment, which would flatter every efficiency: notes item 50); a single probe varies from run to run
             # on one host (notes item 55), so the mean of the two is taken
-            probed_after = probe_cpu_bandwidth(model, device_bytes, args.max_seqs)[1]
+            _, probed_after, huge_after = probe_cpu_bandwidth(model, device_bytes, args.max_seqs)
             cpu_bandwidth = (probed_before + probed_after) / 2
             context = args.prompt + args.new_tokens / 2
             ideal = perf.ideal_gain(context, cpu_bandwidth)
@@ -824,6 +858,7 @@ def main():
             row = {"shape": shape_name, "device_gib": gib, "requests": count, "context": context,
                    "ideal_gain": ideal, "cpu_attention_GBps": cpu_bandwidth / 1e9,
                    "cpu_attention_GBps_before_after": [probed_before / 1e9, probed_after / 1e9],
+                   "probe_huge_pages_before_after": [huge_before, huge_after],
                    "profile_cpu_attention_GBps": perf.cpu_bandwidth() / 1e9,
                    "gpu_attention_GBps": perf.gpu_bandwidth() / 1e9,
                    "kv_bytes_per_host_request_step": perf.profile.kv_bytes_per_token * context,
@@ -858,6 +893,8 @@ def main():
                   f"{probed_before / 1e9:.1f} probed before the modes and {probed_after / 1e9:.1f} after (the cached "
                   f"profile the model starts from: {perf.cpu_bandwidth() / 1e9:.1f} GB/s), "
                   f"{perf.profile.kv_bytes_per_token * context / 1e6:.0f} MB of KV per host request-step", flush=True)
+            print(f"   host pools on huge pages: the probes' {huge_before:.0%} before and {huge_after:.0%} after; "
+                  + ", ".join(f"{m} {r['host_pool_huge_pages']:.0%}" for m, r in runs.items()), flush=True)
             if efficiencies:
                 print("   efficiency per mode: " + ", ".join(f"{m} {e:.2f}" for m, e in efficiencies.items()),
                       flush=True)

@@ -816,6 +816,10 @@ class LayerJobs:
         # per job with rows, seconds: waiting for prompt exports before the call, the C++ call beyond its waits and
         # running (checks, plans, frees), the Python call beyond the C++ one (glue, the GIL taken back)
         self.job_parts: Deque[Tuple[float, float, float]] = collections.deque(maxlen=4096)
+        # the last jobs' timelines for a timed-out device wait's error (the state when it is read may be long past
+        # the stall): (turn, submitted, started, ended, gate wait, flags wait, running), perf_counter seconds
+        self._timelines: Deque[Tuple[int, float, float, float, float, float, float]] = collections.deque(maxlen=3)
+        self._last_submit: Optional[Tuple[int, float]] = None  # (turn, perf_counter) of the last job queued
 
     def _raise_errors(self) -> None:
         """Takes the C++ runner's finished jobs' records; raises a finished job's error, or a device wait that timed
@@ -835,6 +839,9 @@ class LayerJobs:
         it, with that job's gate; or the Python worker's jobs not yet done)."""
         ready, done = self.ready.tolist(), self.done.tolist()
         told = [f"ready flags {min(ready)}..{max(ready)}, done flags {min(done)}..{max(done)}"]
+        if self.stall_unit:  # the device's last wait per layer: a clock that jumped would show here too
+            layer = int(self._stalls.argmax())
+            told.append(f"the device's longest last wait {self._stalls[layer] * self.stall_unit:.1f} s, at layer {layer}")
         if self.runner is None:
             told.append(f"{sum(not f.done() for f in self.pending)} job(s) not done on the Python worker")
             return "; ".join(told)
@@ -844,11 +851,19 @@ class LayerJobs:
         gate = self._gates.get(state["turn"])
         if gate is not None:
             told.append(f"its gate {int(gate[0][0])} of {gate[1]}")
+        now = time.perf_counter()
+        if self._last_submit is not None:
+            told.append(f"the last job queued: turn {self._last_submit[0]}, {now - self._last_submit[1]:.1f} s ago")
+        for turn, submitted, started, ended, gate_wait, waited, ran in self._timelines:
+            told.append(f"turn {turn}: queued {now - submitted:.1f} s ago, started {started - submitted:.3f} s "
+                        f"later, its gate {gate_wait:.3f} s, the layers' flags {waited:.3f} s, running {ran:.3f} s, "
+                        f"ended {now - ended:.1f} s ago")
         return "; ".join(told)
 
     def _record(self, turn, waited, ran, busy, call, gate_wait, submitted, started, ended) -> None:
         """A C++ runner job's record (StaggerRunner.RECORD_FIELDS) into the same timings a Python job keeps."""
         self.job_times.append((submitted, started, ended))
+        self._timelines.append((int(turn), submitted, started, ended, gate_wait, waited, ran))
         self._gates.pop(int(turn), None)
         observe = self._observers.pop(int(turn), None)
         if observe is None or ran != ran:  # a turn without rows, or a failed job (its error was raised by `poll`)
@@ -865,6 +880,7 @@ class LayerJobs:
         rows, num_heads, scale; gate and gate_value: what it waits for before it starts); observe(waited, ran,
         busy) is called with its timings once it is done."""
         self._raise_errors()
+        self._last_submit = (int(turn), time.perf_counter())
         self._observers[int(turn)] = observe
         if job.get("gate") is not None:
             self._gates[int(turn)] = (job["gate"], int(job["gate_value"]))
@@ -875,6 +891,7 @@ class LayerJobs:
         whose done flags rise as soon as the jobs before it are done). inputs / output: unused (the device
         reads and writes the host buffers itself)."""
         self._raise_errors()
+        self._last_submit = (int(turn), time.perf_counter())
         if self.runner is not None:
             if job is not None:
                 raise RuntimeError("LayerJobs with a C++ runner takes jobs by `submit`, not as Python callables")

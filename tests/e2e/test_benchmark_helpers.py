@@ -440,3 +440,22 @@ def test_job_records_line_up_each_job_with_the_devices_waits():
     two_lanes = SimpleNamespace(job_seconds=[(0.0, 4e-3)], cores=[0], collect_seconds=[])
     assert "cpu_job_busy_share" not in e2e_hybrid.job_records(two_lanes, 8)
     assert e2e_hybrid.job_records(SimpleNamespace(job_seconds=[]), 8) == {} == e2e_hybrid.job_records(None, 8)
+
+
+def test_huge_page_share_counts_only_the_mappings_holding_the_tensors():
+    smaps = """7f0000000000-7f0000400000 rw-p 00000000 00:00 0
+Size:               4096 kB
+AnonHugePages:      2048 kB
+7f0000400000-7f0000800000 rw-p 00000000 00:00 0
+Size:               4096 kB
+AnonHugePages:      4096 kB
+7fff00000000-7fff00001000 r-xp 00000000 08:01 12 /usr/lib/libc.so
+Size:                  4 kB
+AnonHugePages:         0 kB
+"""
+    inside = SimpleNamespace(data_ptr=lambda: 0x7f0000001000, nbytes=4096)
+    both = SimpleNamespace(data_ptr=lambda: 0x7f00003ff000, nbytes=8192)
+    outside = SimpleNamespace(data_ptr=lambda: 0x100000, nbytes=4096)
+    assert e2e_hybrid.huge_page_share([inside], smaps) == 0.5
+    assert e2e_hybrid.huge_page_share([both], smaps) == 0.75
+    assert math.isnan(e2e_hybrid.huge_page_share([outside], smaps))

@@ -3,6 +3,7 @@
 reported once by `poll` and releases the device's waits; close runs what is queued."""
 import ctypes
 import math
+import re
 import sys
 import time
 
@@ -266,5 +267,17 @@ def test_a_device_wait_that_timed_out_tells_where_the_jobs_stand(threads):
         gate[0] = 2
         jobs.drain()
         assert jobs.done.tolist() == [3] * LAYERS and not jobs._gates
+        # once the job ran, the error tells its timeline: how long it was held by its gate; and (on a GPU, here
+        # played) the device's longest wait
+        jobs.status[0] = 3
+        jobs.stall_unit, jobs.stalls[1] = 1e-9, 5 * 10 ** 9
+        with pytest.raises(RuntimeError) as error:
+            jobs.collect(0, jobs.outputs)
+        timeline = re.search(r"the last job queued: turn 3, [\d.]+ s ago; turn 3: queued [\d.]+ s ago, started "
+                             r"[\d.]+ s later, its gate ([\d.]+) s, the layers' flags [\d.]+ s, running [\d.]+ s, "
+                             r"ended [\d.]+ s ago", str(error.value))
+        assert timeline and float(timeline.group(1)) > 0, str(error.value)
+        assert "the device's longest last wait 5.0 s, at layer 1" in str(error.value)
+        jobs.status[0] = 0
     finally:
         jobs.close()
