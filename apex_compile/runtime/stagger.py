@@ -841,7 +841,8 @@ class LayerJobs:
         told = [f"ready flags {min(ready)}..{max(ready)}, done flags {min(done)}..{max(done)}"]
         if self.stall_unit:  # the device's last wait per layer: a clock that jumped would show here too
             layer = int(self._stalls.argmax())
-            told.append(f"the device's longest last wait {self._stalls[layer] * self.stall_unit:.1f} s, at layer {layer}")
+            longest = self._stalls[layer] * self.stall_unit
+            told.append(f"the device's longest last wait {longest:.1f} s, at layer {layer}")
         if self.runner is None:
             told.append(f"{sum(not f.done() for f in self.pending)} job(s) not done on the Python worker")
             return "; ".join(told)
