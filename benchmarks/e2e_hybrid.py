@@ -96,14 +96,16 @@ def host_pool_tensors(engine):
     return list(pool.key_caches) + list(pool.value_caches)
 
 
-def probe_cpu_bandwidth(model, device_bytes: int, max_seqs: int):
-    """(the engine's profile, B_cpu now: the CPU attention op's bytes/s over a 1 GiB host pool,
-    `cpu_attention_bandwidth`, that pool's share on huge pages), from an engine of its own."""
+def probe_cpu_bandwidth(model, device_bytes: int, max_seqs: int, with_profile: bool = False):
+    """(the engine's profile when `with_profile` (else None: with APEX_COMPILE_PROFILE_REFRESH it is measured
+    anew), B_cpu now: the CPU attention op's bytes/s over a 1 GiB host pool, `cpu_attention_bandwidth`, that
+    pool's share on huge pages), from an engine of its own."""
     probe = optimize(model, ApexConfig(offload="never", gpu_cache_size=device_bytes, cpu_cache_size=1 << 30,
                                        max_num_seqs=max_seqs))
     try:
         bandwidth = cpu_attention_bandwidth(probe.engine)
-        return engine_profile(probe.engine), bandwidth, huge_page_share(host_pool_tensors(probe.engine))
+        profile = engine_profile(probe.engine) if with_profile else None
+        return profile, bandwidth, huge_page_share(host_pool_tensors(probe.engine))
     finally:
         probe.close()
 
@@ -728,7 +730,8 @@ def main():
             count = max(device_bytes // per_request, 1)  # requests the device pool holds
             prompts = torch.randint(3, shape["vocab_size"], (64, args.prompt)).tolist()
             runs = {}
-            profile, probed_before, huge_before = probe_cpu_bandwidth(model, device_bytes, args.max_seqs)
+            profile, probed_before, huge_before = probe_cpu_bandwidth(model, device_bytes, args.max_seqs,
+                                                                         with_profile=True)
             for m in modes:  # one line per mode as it ends: a run cut short keeps what it measured
                 begin = time.perf_counter()
                 # every window starts where the longest fill would end it: the same phase of the request waves
