@@ -30,6 +30,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import faulthandler
 import gc
 import os
 import platform
@@ -49,6 +50,7 @@ from apex_compile.ops import cpu_attention_work_split  # noqa: E402
 from apex_compile.runtime import attention_runner, kv_manager  # noqa: E402
 from apex_compile.runtime import stagger as stagger_module  # noqa: E402
 from apex_compile.runtime import perf_model as perf_model_module  # noqa: E402
+from apex_compile.runtime import sampler as sampler_module  # noqa: E402
 from apex_compile.runtime.engine import PHASES  # noqa: E402
 from apex_compile.runtime.kv_manager import HOST_POOL  # noqa: E402
 from apex_compile.runtime.perf_model import (PerfModel, StepCalibration, online_predictions,  # noqa: E402
@@ -161,7 +163,11 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
         scheduled_before = len(scheduled)
         queued.append(engine._ahead is not None)  # this step was queued by the call before
         start = time.perf_counter()
+        if WATCHDOG_S:  # a step that hangs dumps every thread's Python stack (no GIL needed)
+            faulthandler.dump_traceback_later(WATCHDOG_S)
         sampled = engine.step()
+        if WATCHDOG_S:
+            faulthandler.cancel_dump_traceback_later()
         seconds = time.perf_counter() - start
         # a step queued ahead by the call before (async scheduling) was not scheduled here: it only decodes
         prefill_tokens = scheduled[-1] if len(scheduled) > scheduled_before else 0
@@ -407,8 +413,11 @@ RUNNER_SUFFIXES = {"/cxxrunner": True, "/pyrunner": False}
 # "/r2": a mode run again under its own name and otherwise the same settings, for an A-B-A order (the first hybrid
 # mode of a run came out lowest in three of session 35's four A/B runs)
 REPEAT_SUFFIX = re.compile(r"/r\d+")
+# a mode run with the launching thread sleeping ("/blocking") or spinning ("/spinning", the default) while it waits
+# for a step's sampled ids: sampler.BLOCKING_WAITS for that run
+WAIT_SUFFIXES = {"/blocking": True, "/spinning": False}
 _SUFFIX_NAMES = {PIECEWISE_SUFFIX, PIN_SUFFIX, *LANE_SUFFIXES, *EXCHANGE_SUFFIXES, *MOVE_SUFFIXES, *FIT_SUFFIXES,
-                 *LEARN_SUFFIXES, *RUNNER_SUFFIXES}
+                 *LEARN_SUFFIXES, *RUNNER_SUFFIXES, *WAIT_SUFFIXES}
 _SUFFIX_PATTERNS = (THREADS_SUFFIX, SPLIT_SUFFIX, BLOCK_SUFFIX, SHARE_SUFFIX, REPEAT_SUFFIX)
 
 
@@ -527,13 +536,16 @@ def _take_suffix(mode, suffixes):
 @contextlib.contextmanager
 def process_settings(mode):
     """The process-wide settings a mode's suffixes name (the exchange's stream, the block moves, the CPU
-    attention's work split, what the layered job's row fit reads, its worker) in effect; yields the mode
-    without those suffixes and restores the settings after it."""
+    attention's work split, what the layered job's row fit reads, its worker, the launcher's waits) in effect;
+    yields the mode without those suffixes and restores the settings after it."""
     beside, split = attention_runner.EXCHANGE_BESIDE, list(cpu_attention_work_split().values())
     overlap, busy_fit = kv_manager.OVERLAP_MOVES, stagger_module.BUSY_FIT
     job_share, learn_job = stagger_module.JOB_SHARE, perf_model_module.LEARN_CPU_JOB
-    native_runner = stagger_module.NATIVE_RUNNER
+    native_runner, blocking = stagger_module.NATIVE_RUNNER, sampler_module.BLOCKING_WAITS
     try:
+        mode, named_wait = _take_suffix(mode, WAIT_SUFFIXES)
+        if named_wait is not None:
+            sampler_module.BLOCKING_WAITS = named_wait
         mode, named_runner = _take_suffix(mode, RUNNER_SUFFIXES)
         if named_runner is not None:
             stagger_module.NATIVE_RUNNER = named_runner
@@ -558,6 +570,7 @@ def process_settings(mode):
             mode = SPLIT_SUFFIX.sub("", mode)
         yield mode
     finally:
+        sampler_module.BLOCKING_WAITS = blocking
         attention_runner.EXCHANGE_BESIDE = beside
         kv_manager.OVERLAP_MOVES = overlap
         cpu_attention_work_split(*split)
@@ -658,7 +671,11 @@ def prediction_error(model: PerfModel, steps, plan="overlap", online=False):
     return statistics.median(errors) if errors else None
 
 
+WATCHDOG_S = 0.0  # --watchdog
+
+
 def main():
+    global WATCHDOG_S
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", default="llama3_8b")
     parser.add_argument("--device-gib", default="1,2,4")
@@ -677,7 +694,9 @@ def main():
                              "measured fit or the profile, '/share=0.95' sets the CPU job's share of a step "
                              "(stagger.JOB_SHARE), '/t14' the CPU attention threads, '/pin' pins the launching "
                              "thread, '/1lane' or '/2lane' the staggered lanes, '/cxxrunner' or '/pyrunner' runs the "
-                             "layered jobs on the C++ runner or a Python worker (stagger.NATIVE_RUNNER), for that mode; "
+                             "layered jobs on the C++ runner or a Python worker (stagger.NATIVE_RUNNER), '/blocking' or "
+                             "'/spinning' has the launching thread sleep or spin while it waits for a step's sampled "
+                             "ids (sampler.BLOCKING_WAITS), for that mode; "
                              "'/r2' runs a mode again (an A-B-A order)")
     parser.add_argument("--fill-steps", type=int, default=600,
                         help="at most this many steps to fill the staggered pipeline before --warm-steps")
@@ -699,8 +718,11 @@ def main():
     parser.add_argument("--hf-batch", type=int, default=0,
                         help="HF generate with its offloaded cache over this many requests (0: as many as the "
                              "device pool holds; -1: skip)")
+    parser.add_argument("--watchdog", type=float, default=0.0,
+                        help="seconds after which a step still running dumps every thread's Python stack (0: off)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    WATCHDOG_S = args.watchdog
     if args.window_steps is None:
         args.window_steps = max(300, 2 * args.new_tokens)
     if not torch.cuda.is_available():

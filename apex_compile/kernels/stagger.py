@@ -164,6 +164,11 @@ def _raise_flag_kernel(flag_ptr, turn_ptr):
     tl.store(flag_ptr, tl.load(turn_ptr), cache_modifier=".wt")
 
 
+@triton.jit(do_not_specialize=["value"])
+def _set_flag_kernel(flag_ptr, value):
+    tl.store(flag_ptr, value.to(tl.int64), cache_modifier=".wt")
+
+
 def _check_flag(name: str, flag: torch.Tensor) -> None:
     if flag.dtype != torch.int64 or flag.numel() != 1 or flag.device.type != "cpu":
         raise ValueError(f"{name} must be a one-element int64 host tensor, got {flag.dtype} {tuple(flag.shape)} "
@@ -199,6 +204,15 @@ def exchange_rows_waiting(query: torch.Tensor, key: torch.Tensor, value: torch.T
     timeout = int(timeout_s * 1e9) if timed else INTERPRETER_MAX_POLLS
     _wait_flag_kernel[(1,)](done, after, status, stall, timeout, TIMED=timed, num_warps=1)
     _launch_exchange(query, key, value, staged, arriving, out, host=True)
+
+
+def set_flag(flag: torch.Tensor, value: int, device: torch.device) -> None:
+    """flag[0] = value, written by `device` behind the work queued before it on its current stream (flag: a host
+    counter, pinned on a GPU): the CPU sees what that work wrote to host memory once it sees the value. One launch,
+    no host-device copy."""
+    _check_flag("flag", flag)
+    _check_host(torch.device(device), flag=flag)
+    _set_flag_kernel[(1,)](flag, int(value), num_warps=1)
 
 
 def raise_flag(flag: torch.Tensor, turn: torch.Tensor) -> None:

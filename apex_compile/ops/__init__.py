@@ -2,7 +2,8 @@
 apex_compile.kernels, C++ from csrc/openmp), all registered on import; plus the public Python entry points.
 
     cpu_attention   cache_append_cpu(_multi), paged_attention_cpu(_multi), stagger_cpu_job, stagger_layer_job,
-                    StaggerRunner (stagger_runner_*: the layered jobs' C++ thread), wait_host_flags,
+                    StaggerRunner (stagger_runner_*: the layered jobs' C++ thread), ExportLander (kv_export_*:
+                    the prompt K/V exports' C++ thread), wait_host_flags,
                     cpu_isa_code, cpu_attention_work_split (C++)
     gpu_attention   cache_append_gpu, paged_attention_gpu, paged_decode_append_gpu, paged_prefill_attention_gpu
                     (Triton)
@@ -15,6 +16,7 @@ apex_compile.kernels, C++ from csrc/openmp), all registered on import; plus the 
 from apex_compile.kernels.paged_attention import allocate_kv_cache_gpu
 from apex_compile.ops import attention
 from apex_compile.ops.cpu_attention import (
+    ExportLander,
     StaggerRunner,
     allocate_kv_cache_cpu,
     cache_append_cpu,
@@ -39,7 +41,7 @@ from apex_compile.ops.mlp import silu_mul, swiglu
 from apex_compile.ops.norm import rms_norm
 
 __all__ = [
-    "StaggerRunner", "allocate_kv_cache_cpu", "allocate_kv_cache_gpu", "attention", "cache_append_cpu", "cache_append_cpu_multi",
+    "ExportLander", "StaggerRunner", "allocate_kv_cache_cpu", "allocate_kv_cache_gpu", "attention", "cache_append_cpu", "cache_append_cpu_multi",
     "cache_append_gpu", "copy_blocks", "copy_blocks_layers", "cpu_attention_work_split", "cpu_isa", "gather_kv",
     "paged_attention_cpu", "paged_attention_cpu_multi", "paged_attention_gpu", "paged_decode_append_gpu",
     "paged_prefill_attention_gpu", "stagger_cpu_job", "stagger_layer_job",

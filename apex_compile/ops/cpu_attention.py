@@ -68,6 +68,14 @@ LIB.define("stagger_runner_poll(int runner) -> Tensor")
 LIB.define("stagger_runner_state(int runner) -> Tensor")
 LIB.define("stagger_runner_drain(int runner) -> ()")
 LIB.define("stagger_runner_stop(int runner) -> ()")
+# The prompt K/V exports' C++ lander (`ExportLander`): runtime only, never traced.
+LIB.define("kv_export_start(Tensor copied, Tensor(a!) landed, int threads, float timeout_s) -> int")
+LIB.define(
+    "kv_export_submit(int lander, int index, Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+    "Tensor slots) -> ()"
+)
+LIB.define("kv_export_poll(int lander) -> ()")
+LIB.define("kv_export_stop(int lander) -> ()")
 
 _ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 _MADV_HUGEPAGE = 14
@@ -315,6 +323,37 @@ class StaggerRunner:
         if self.handle is None:
             raise RuntimeError("StaggerRunner: closed")
         return self.handle
+
+
+class ExportLander:
+    """The prompt K/V exports' C++ lander: one thread appends each submitted export into its host cache once
+    copied[0] >= its index (a GPU raises it behind the export's copy into pinned memory), in submission order, then
+    sets landed[0] to that index; `threads` OpenMP threads per append. Landing needs no Python, no GIL and no CUDA
+    call. A failed export (or one whose flag did not come within timeout_s) still sets landed; its error is raised
+    by the next `poll` or `close`."""
+
+    def __init__(self, copied: torch.Tensor, landed: torch.Tensor, threads: int, timeout_s: float = READY_TIMEOUT_S):
+        self.handle: Optional[int] = torch.ops.apex.kv_export_start(copied, landed, int(threads), float(timeout_s))
+
+    def submit(self, index: int, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+               value_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """Queues export `index` (above every earlier one): key/value [n, Hkv, D] into the caches at `slots`
+        (int64 [n]); the tensors are held until it landed."""
+        if self.handle is None:
+            raise RuntimeError("ExportLander: closed")
+        torch.ops.apex.kv_export_submit(self.handle, int(index), key, value, key_cache, value_cache, slots)
+
+    def poll(self) -> None:
+        """Lets go of the landed exports' tensors; raises the first failed export's error once."""
+        if self.handle is not None:
+            torch.ops.apex.kv_export_poll(self.handle)
+
+    def close(self) -> None:
+        """Lands the exports still queued, stops the thread and raises a failed one's error (a second close does
+        nothing)."""
+        if self.handle is not None:
+            handle, self.handle = self.handle, None
+            torch.ops.apex.kv_export_stop(handle)
 
 
 def wait_host_flags(flags: torch.Tensor, values: Sequence[int], timeout_s: float = READY_TIMEOUT_S) -> float:

@@ -16,10 +16,12 @@ On CUDA, host-pool work runs on a CPU worker thread between `offload_launch` and
 double-buffered staging; CUDA events order copies against the compute stream), so it overlaps the GPU's
 device-pool attention. On a CPU-only machine both pools are host memory and everything runs synchronously.
 """
+import collections
 import concurrent.futures
 import dataclasses
 import functools
 import os
+import time
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -28,6 +30,8 @@ import torch.nn.functional as F
 from apex_compile.kernels import paged_attention as decode_kernels
 from apex_compile.kernels.paged_attention import cache_append_launch, paged_decode_append_launch, paged_decode_launch
 from apex_compile.kernels.prefill_attention import default_prefill_config, paged_prefill_launch
+from apex_compile.kernels.stagger import set_flag
+from apex_compile.ops.cpu_attention import ExportLander, wait_host_flags
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, KVManager
 from apex_compile.runtime.scheduler import ScheduledChunk
 from apex_compile.runtime.step_buffers import PoolPart
@@ -378,24 +382,30 @@ class PagedAttentionRunner:
 
 class KVExports:
     """K/V of fresh host-pool prompt chunks computed on the GPU, appended to the host cache without stopping
-    the step: each layer's K/V are copied into pinned memory on the compute stream (ordered before whatever
-    reuses their memory), and one worker thread appends them after that copy's event, in submission order.
-    Whatever reads or writes the host cache, or frees its blocks, calls `wait` first. With background=False
-    (a CPU-only run) the append happens at once."""
+    the step: each layer's K/V are copied into pinned memory on the compute stream, which then sets a pinned
+    counter (`copied`) to the export's number; a C++ thread (`ExportLander`) appends each export once its number is
+    up, in submission order, and sets `landed` to it. Landing needs no Python, no GIL and no CUDA call: a staggered
+    CPU job gated on `landed` (which the GPU waits for) must never wait for what the launching thread is blocked in
+    (a timed-out GPU wait came of a Python worker doing this: notes item 57). Whatever reads or writes the host
+    cache, or frees its blocks, calls `wait` first. With background=False (a CPU-only run) the append happens at
+    once. Exports of CPU tensors with background=True (tests) count as copied as soon as `_copied_now` says so."""
 
-    def __init__(self, append, background: bool):
+    def __init__(self, append, background: bool, threads: Optional[int] = None):
         self.append = append
-        # a few OpenMP threads: the appends are copies, and the staggered plan's CPU job needs the cores
-        self.worker = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="apex-kv-export",
-                                                             initializer=torch.set_num_threads,
-                                                             initargs=(min(4, os.cpu_count() or 1),))
-                       if background else None)
-        self.pending: List[concurrent.futures.Future] = []
-        # exports submitted, and landed (raised by the worker after each, in order, failed ones too): a thread
-        # that must not take the GIL waits for landed[0] >= submitted (`gate`)
+        # exports submitted; `copied` (raised behind each export's copy) and `landed` (raised by the lander after
+        # each, in order, failed ones too): a thread that must not take the GIL waits for landed[0] >= submitted
+        # (`gate`)
         self.submitted = 0
-        self.landed = torch.zeros(1, dtype=torch.int64)
-        self._landed = self.landed.numpy()
+        counters = torch.zeros(2, dtype=torch.int64, pin_memory=background and torch.cuda.is_available())
+        self.copied, self.landed = counters[:1], counters[1:]
+        self._copied, self._landed = self.copied.numpy(), self.landed.numpy()
+        # a few OpenMP threads: the appends are copies, and the staggered plan's CPU job needs the cores
+        self.lander = (ExportLander(self.copied, self.landed, threads or min(4, os.cpu_count() or 1))
+                       if background else None)
+        self._stream: Optional[int] = None  # the CUDA stream of every export's copy (their flags count in order)
+        # the last exports queued: (number, perf_counter), for the error of a device wait that timed out behind a
+        # job gated on them (`state`)
+        self._queued: collections.deque = collections.deque(maxlen=4)
 
     def gate(self) -> Tuple[torch.Tensor, int]:
         """(counter, value): every export submitted so far is in the host cache once counter[0] >= value."""
@@ -405,52 +415,60 @@ class KVExports:
                slots: torch.Tensor) -> None:
         """Queues the append of key/value [n, Hkv, D] at `slots` (read now: the step's buffers are reused)."""
         self.submitted += 1
-        if self.worker is None:
+        index = self.submitted
+        if self.lander is None:
             try:
                 self.append(key.cpu(), value.cpu(), key_cache, value_cache, slots)
             finally:
-                self._landed[0] += 1
+                self._landed[0] = index
             return
-        on_cuda = key.is_cuda
-        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=on_cuda) for t in (key, value)]
-        for dst, src in zip(host, (key, value)):
-            dst.copy_(src, non_blocking=on_cuda)
-        copied = None
-        if on_cuda:
-            copied = torch.cuda.Event()
-            copied.record(torch.cuda.current_stream(key.device))
+        self.lander.poll()  # lets go of the landed exports' buffers (and raises a failed one's error)
+        self._queued.append((index, time.perf_counter()))
         slots = slots.to("cpu", copy=True)
+        if key.is_cuda:
+            stream = torch.cuda.current_stream(key.device)
+            if self._stream is None:
+                self._stream = stream.cuda_stream
+            elif stream.cuda_stream != self._stream:
+                raise RuntimeError("KVExports: every export must be queued on one CUDA stream (their copy flags "
+                                   "count in order)")
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (key, value)]
+            for dst, src in zip(host, (key, value)):
+                dst.copy_(src, non_blocking=True)
+            set_flag(self.copied, index, key.device)
+        else:
+            host = [key.clone(), value.clone()]
+            self._copied_now(index)
+        self.lander.submit(index, host[0], host[1], key_cache, value_cache, slots)
 
-        def run():
-            try:
-                if copied is not None:
-                    copied.synchronize()
-                with torch.inference_mode():
-                    self.append(host[0], host[1], key_cache, value_cache, slots)
-            finally:
-                self._landed[0] += 1  # (a failed export raises at the launching thread's `wait`)
+    def _copied_now(self, index: int) -> None:
+        """Export `index` of CPU tensors is in its buffers (tests delay this to play a copy still on its way)."""
+        self._copied[0] = index
 
-        self.pending.append(self.worker.submit(run))
+    def state(self) -> str:
+        """Where the exports stand: how many were copied and landed, and when the last ones were queued."""
+        now = time.perf_counter()
+        told = [f"exports: {self.submitted} submitted, {int(self._copied[0])} copied, {int(self._landed[0])} landed"]
+        told += [f"export {index} queued {now - queued:.1f} s ago" for index, queued in self._queued]
+        return "; ".join(told)
 
-    def queued(self) -> List[concurrent.futures.Future]:
-        """The exports not yet done, for another thread to wait on (`wait` is the launching thread's)."""
-        self.pending = [f for f in self.pending if not f.done()]
-        return list(self.pending)
+    def queued(self) -> int:
+        """How many exports are not yet in the host cache."""
+        return self.submitted - int(self._landed[0])
 
     def wait(self) -> None:
         """Returns when every queued export is in the host cache (raising the first error of one)."""
-        pending, self.pending = self.pending, []
-        for future in pending:
-            future.result()
+        if self.lander is None:
+            return
+        if self._landed[0] < self.submitted:
+            wait_host_flags(self.landed, [self.submitted])
+        self.lander.poll()
 
     def close(self) -> None:
-        """Waits for the queued exports and stops the worker thread."""
-        try:
-            self.wait()
-        finally:
-            if self.worker is not None:
-                self.worker.shutdown(wait=True)
-                self.worker = None
+        """Waits for the queued exports and stops the lander."""
+        if self.lander is not None:
+            lander, self.lander = self.lander, None
+            lander.close()
 
 
 class _HostOffload:

@@ -166,7 +166,7 @@ class MixedGraphs:
         forward()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        # thread-local: the engine's worker threads may wait on CUDA events meanwhile (K/V exports)
+        # thread-local: the engine's worker threads may wait on CUDA events meanwhile (the per-layer offload's)
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = forward()
         torch.cuda.synchronize()

@@ -81,6 +81,12 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
     return logits
 
 
+# Whether the launching thread sleeps (a blocking CUDA event) instead of spinning while it waits for a step's
+# sampled ids. Off (CUDA's default, a spin with one context on many cores) until measured: a spinning launcher holds
+# the core a 16th CPU attention thread would use (notes item 57; e2e_hybrid's "/blocking" A/B).
+BLOCKING_WAITS = False
+
+
 class PendingTokens:
     """Sampled ids on their way to the host: `result()` waits for their copy (an event) and returns them;
     `device` holds them on the logits' device (the next step's input ids when it is queued before they arrive)."""
@@ -132,7 +138,7 @@ class Sampler:
             self._pinned[turn] = torch.empty(max(n, 64), dtype=torch.int64, pin_memory=True)
         host = self._pinned[turn][:n]
         host.copy_(tokens, non_blocking=True)
-        copied = torch.cuda.Event()
+        copied = torch.cuda.Event(blocking=BLOCKING_WAITS)
         copied.record(torch.cuda.current_stream(tokens.device))
         return PendingTokens(host, copied, tokens)
 

@@ -33,14 +33,14 @@ import math
 import os
 import threading
 import time
-from typing import Deque, Dict, List, Optional, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from apex_compile.kernels._common import INTERPRET
 from apex_compile.kernels.stagger import WAIT_TIMEOUT_S, exchange_rows, exchange_rows_waiting, raise_flag, swap_rows
-from apex_compile.ops.cpu_attention import StaggerRunner, stagger_cpu_job, stagger_layer_job
+from apex_compile.ops.cpu_attention import StaggerRunner, stagger_cpu_job, stagger_layer_job, wait_host_flags
 from apex_compile.runtime.kv_manager import HOST_POOL, KVManager
 from apex_compile.runtime.request import Request
 
@@ -633,6 +633,7 @@ class StaggerPipeline:
         decode = not (self._prompt_turns or exports)
         num_heads = self.heads[0]
 
+        gate, landed = runner.exports.gate() if exports else (None, 0)  # the job starts once they landed
         if self.layered:
             def observe(waited, ran, busy):  # a job's timings into the row fit
                 fit = busy / len(self.executor.cores) if BUSY_FIT and busy > 0 else ran  # (0: no rows)
@@ -640,7 +641,7 @@ class StaggerPipeline:
 
             turn = self.steps
             if self.executor.runner is not None:
-                gate, landed = runner.exports.gate() if exports else (None, 0)
+                self.executor.gate_state = runner.exports.state
                 self.executor.submit(turn, observe, cache_index=plan.cache_index, block_tables=plan.block_tables,
                                      context_lens=plan.context_lens, slot_mapping=plan.slots, rows=plan.rows,
                                      num_heads=num_heads, scale=runner.stagger_scale, gate=gate, gate_value=landed)
@@ -648,8 +649,8 @@ class StaggerPipeline:
 
             def layer_job(staged, out, ready, done):
                 begin = time.perf_counter()
-                for export in exports:
-                    export.result()
+                if gate is not None:
+                    wait_host_flags(gate, [landed])
                 called = time.perf_counter()
                 waited, ran, busy, call = stagger_layer_job(
                     staged, pool.key_caches, pool.value_caches, plan.cache_index, plan.block_tables,
@@ -667,8 +668,8 @@ class StaggerPipeline:
             return
 
         def job(staged, out, ready_flags, ready_values):
-            for export in exports:
-                export.result()
+            if gate is not None:
+                wait_host_flags(gate, [landed])
             seconds = host_attention(plan, staged, num_heads, pool.key_caches, pool.value_caches,
                                      runner.stagger_scale, out, ready_flags, ready_values)
             self.rows.observe_job(seconds[1], work, decode)
@@ -820,6 +821,7 @@ class LayerJobs:
         # the stall): (turn, submitted, started, ended, gate wait, flags wait, running), perf_counter seconds
         self._timelines: Deque[Tuple[int, float, float, float, float, float, float]] = collections.deque(maxlen=3)
         self._last_submit: Optional[Tuple[int, float]] = None  # (turn, perf_counter) of the last job queued
+        self.gate_state: Optional[Callable[[], str]] = None  # where what the jobs' gates wait for stands (exports)
 
     def _raise_errors(self) -> None:
         """Takes the C++ runner's finished jobs' records; raises a finished job's error, or a device wait that timed
@@ -859,6 +861,8 @@ class LayerJobs:
             told.append(f"turn {turn}: queued {now - submitted:.1f} s ago, started {started - submitted:.3f} s "
                         f"later, its gate {gate_wait:.3f} s, the layers' flags {waited:.3f} s, running {ran:.3f} s, "
                         f"ended {now - ended:.1f} s ago")
+        if self.gate_state is not None:
+            told.append(self.gate_state())
         return "; ".join(told)
 
     def _record(self, turn, waited, ran, busy, call, gate_wait, submitted, started, ended) -> None:

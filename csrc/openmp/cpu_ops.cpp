@@ -1396,16 +1396,43 @@ class JobRunner {
   std::thread thread_;  // last: started once every member above exists
 };
 
-std::mutex g_runners_mutex;
-std::map<int64_t, std::shared_ptr<JobRunner>> g_runners;
-int64_t g_next_runner = 1;
+// The runtime's C++ threads behind int64 handles: the ops take a handle, the registry keeps its object alive.
+template <class T>
+class Handles {
+ public:
+  explicit Handles(const char* what) : what_(what) {}
 
-std::shared_ptr<JobRunner> find_runner(int64_t handle, const char* op) {
-  std::lock_guard<std::mutex> lock(g_runners_mutex);
-  const auto it = g_runners.find(handle);
-  APEX_CHECK(it != g_runners.end(), op, ": no runner ", handle, " (never started, or stopped)");
-  return it->second;
-}
+  int64_t add(std::shared_ptr<T> object) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    objects_[next_] = std::move(object);
+    return next_++;
+  }
+
+  std::shared_ptr<T> find(int64_t handle, const char* op) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = objects_.find(handle);
+    APEX_CHECK(it != objects_.end(), op, ": no ", what_, " ", handle, " (never started, or stopped)");
+    return it->second;
+  }
+
+  // Forgets the handle; returns its object (null if none: never started, or already taken).
+  std::shared_ptr<T> take(int64_t handle) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto it = objects_.find(handle);
+    if (it == objects_.end()) return nullptr;
+    std::shared_ptr<T> object = std::move(it->second);
+    objects_.erase(it);
+    return object;
+  }
+
+ private:
+  const char* what_;
+  std::mutex mutex_;
+  std::map<int64_t, std::shared_ptr<T>> objects_;
+  int64_t next_ = 1;
+};
+
+Handles<JobRunner> g_runners("runner");
 
 // Starts a runner over the host pool's per-layer caches (every job attends them), pinned to `cores` (none: not
 // pinned) with an OpenMP team that wide; returns its handle.
@@ -1417,10 +1444,7 @@ int64_t stagger_runner_start(at::TensorList key_caches, at::TensorList value_cac
     check_cpu(key_caches[i], "key_caches");
     check_cpu(value_caches[i], "value_caches");
   }
-  auto runner = std::make_shared<JobRunner>(key_caches.vec(), value_caches.vec(), cores.vec());
-  std::lock_guard<std::mutex> lock(g_runners_mutex);
-  g_runners[g_next_runner] = std::move(runner);
-  return g_next_runner++;
+  return g_runners.add(std::make_shared<JobRunner>(key_caches.vec(), value_caches.vec(), cores.vec()));
 }
 
 // Queues `stagger_layer_job` of `turn` (staged None: a turn without rows, whose done flags are set to turn once the
@@ -1433,7 +1457,7 @@ void stagger_runner_submit(int64_t handle, int64_t turn, const std::optional<at:
                            int64_t num_heads, double scale, const at::Tensor& out, const at::Tensor& ready_flags,
                            const at::Tensor& done_flags, double timeout_s, const std::optional<at::Tensor>& gate,
                            int64_t gate_value) {
-  std::shared_ptr<JobRunner> runner = find_runner(handle, "stagger_runner_submit");
+  std::shared_ptr<JobRunner> runner = g_runners.find(handle, "stagger_runner_submit");
   for (const at::Tensor* flags : {&ready_flags, &done_flags}) {
     check_cpu(*flags, "ready_flags / done_flags");
     APEX_CHECK(flags->scalar_type() == at::kLong && flags->dim() == 1 && flags->is_contiguous(),
@@ -1471,23 +1495,155 @@ void stagger_runner_submit(int64_t handle, int64_t turn, const std::optional<at:
   runner->submit(std::move(job));
 }
 
-at::Tensor stagger_runner_poll(int64_t handle) { return find_runner(handle, "stagger_runner_poll")->poll(); }
+at::Tensor stagger_runner_poll(int64_t handle) { return g_runners.find(handle, "stagger_runner_poll")->poll(); }
 
-at::Tensor stagger_runner_state(int64_t handle) { return find_runner(handle, "stagger_runner_state")->state(); }
+at::Tensor stagger_runner_state(int64_t handle) { return g_runners.find(handle, "stagger_runner_state")->state(); }
 
-void stagger_runner_drain(int64_t handle) { find_runner(handle, "stagger_runner_drain")->drain(); }
+void stagger_runner_drain(int64_t handle) { g_runners.find(handle, "stagger_runner_drain")->drain(); }
 
 // Runs the jobs still queued, stops the thread and forgets the handle (a second stop is a no-op).
 void stagger_runner_stop(int64_t handle) {
-  std::shared_ptr<JobRunner> runner;
-  {
-    std::lock_guard<std::mutex> lock(g_runners_mutex);
-    const auto it = g_runners.find(handle);
-    if (it == g_runners.end()) return;
-    runner = std::move(it->second);
-    g_runners.erase(it);
+  g_runners.take(handle).reset();  // joins once the queue is empty
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The prompt K/V exports' lander (`kv_export_*`, KVExports on a GPU): one C++ thread appends each export into the host
+// cache once the GPU has raised its copy flag (copied[0] >= the export's index: its K/V are in their pinned buffers),
+// in submission order, then sets landed[0] to that index. Landing needs no Python, no GIL and no CUDA call, so a
+// staggered job gated on `landed` (and the GPU waiting for that job) never waits for whatever the launching thread
+// is blocked in; an export that failed (or whose flag never came) still raises `landed`, its error kept for `poll`.
+
+struct ExportTask {
+  int64_t index = 0;
+  at::Tensor key, value, key_cache, value_cache, slots;
+};
+
+class ExportLander {
+ public:
+  ExportLander(at::Tensor copied, at::Tensor landed, int64_t threads, double timeout_s)
+      : copied_(std::move(copied)), landed_(std::move(landed)), threads_(std::max<int64_t>(1, threads)),
+        timeout_s_(timeout_s) {
+    thread_ = std::thread([this] { loop(); });
   }
-  runner.reset();  // joins once the queue is empty
+
+  ~ExportLander() { stop(); }
+
+  // Lands the exports still queued, then ends the thread.
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+
+  void submit(ExportTask task) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      APEX_CHECK(!stop_, "kv_export_submit: the lander is stopped");
+      queue_.push_back(std::move(task));
+    }
+    wake_.notify_one();
+  }
+
+  // Lets go of the landed exports' tensors on the caller's thread (Python made them: the last reference's release
+  // may take the GIL, and a pinned buffer's free is a CUDA allocator call) and raises the first failed export's error
+  // once.
+  void poll() {
+    std::vector<ExportTask> finished;
+    std::string error;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      finished.swap(finished_);
+      error.swap(error_);
+    }
+    finished.clear();
+    APEX_CHECK(error.empty(), error);
+  }
+
+ private:
+  void loop() {
+#if defined(__linux__)
+    pthread_setname_np(pthread_self(), "apex-kv-export");
+#endif
+    c10::InferenceMode inference;
+    at::get_num_threads();  // ATen's per-thread set-up first, so that it does not reset the width set here
+    omp_set_num_threads(int(threads_));
+    int64_t* landed = landed_.data_ptr<int64_t>();
+    for (;;) {
+      ExportTask task;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopped with nothing left
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      std::string error;
+      try {
+        wait_flags(copied_, {task.index}, timeout_s_);
+        AppendCall call;
+        prepare_append(call, task.key, task.value, task.key_cache, task.value_cache, task.slots, nullptr, nullptr,
+                       nullptr, nullptr, 0);
+        if (call.args.num_tokens > 0) apex_cpu::cache_append(call.args);
+      } catch (const std::exception& e) {
+        error = message("the K/V export ", task.index, " into the host cache failed: ", e.what());
+      }
+      const int64_t index = task.index;
+      {  // its error recorded before it counts as landed: a poll after a waiter saw `landed` raises it
+        std::lock_guard<std::mutex> lock(mutex_);
+        finished_.push_back(std::move(task));
+        if (!error.empty() && error_.empty()) error_ = std::move(error);
+      }
+      __atomic_store_n(landed, index, __ATOMIC_RELEASE);
+    }
+  }
+
+  at::Tensor copied_, landed_;
+  int64_t threads_;
+  double timeout_s_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<ExportTask> queue_;
+  std::vector<ExportTask> finished_;
+  std::string error_;
+  bool stop_ = false;
+  std::thread thread_;  // last: started once every member above exists
+};
+
+Handles<ExportLander> g_landers("K/V export lander");
+
+void check_counter(const at::Tensor& counter, const char* name) {
+  check_cpu(counter, name);
+  APEX_CHECK(counter.scalar_type() == at::kLong && counter.dim() == 1 && counter.size(0) == 1,
+             name, " must be an int64 [1] counter, got ", counter.scalar_type(), " ", shape_of(counter));
+}
+
+// Starts a lander: exports wait for copied[0] >= their index (at most timeout_s), then land and set landed[0] to it;
+// appends run on `threads` OpenMP threads. Returns its handle.
+int64_t kv_export_start(const at::Tensor& copied, const at::Tensor& landed, int64_t threads, double timeout_s) {
+  check_counter(copied, "copied");
+  check_counter(landed, "landed");
+  return g_landers.add(std::make_shared<ExportLander>(copied, landed, threads, timeout_s));
+}
+
+// Queues export `index` (above every earlier one): key/value [n, kv_heads, head_dim] into the caches at slots
+// (int64 [n], negative: skipped), once copied[0] >= index. Its checks run when it lands (errors: `kv_export_poll`).
+void kv_export_submit(int64_t handle, int64_t index, const at::Tensor& key, const at::Tensor& value,
+                      const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& slots) {
+  g_landers.find(handle, "kv_export_submit")->submit(ExportTask{index, key, value, key_cache, value_cache, slots});
+}
+
+void kv_export_poll(int64_t handle) { g_landers.find(handle, "kv_export_poll")->poll(); }
+
+// Lands the exports still queued, stops the thread and forgets the handle (a second stop is a no-op); their errors
+// are raised.
+void kv_export_stop(int64_t handle) {
+  std::shared_ptr<ExportLander> lander = g_landers.take(handle);
+  if (lander == nullptr) return;
+  lander->stop();
+  lander->poll();
 }
 
 // Code of the kernel path the next call will use: 0 scalar, 1 avx2, 2 avx512 (errors like the ops would).
@@ -1515,6 +1671,7 @@ TORCH_LIBRARY_IMPL(apex, CPU, m) {
   m.impl("stagger_cpu_job", &stagger_cpu_job);
   m.impl("stagger_layer_job", &stagger_layer_job);
   m.impl("stagger_runner_submit", &stagger_runner_submit);
+  m.impl("kv_export_submit", &kv_export_submit);
   m.impl("wait_host_flags", &wait_host_flags);
 }
 
@@ -1526,4 +1683,7 @@ TORCH_LIBRARY_IMPL(apex, CompositeExplicitAutograd, m) {
   m.impl("stagger_runner_state", &stagger_runner_state);
   m.impl("stagger_runner_drain", &stagger_runner_drain);
   m.impl("stagger_runner_stop", &stagger_runner_stop);
+  m.impl("kv_export_start", &kv_export_start);
+  m.impl("kv_export_poll", &kv_export_poll);
+  m.impl("kv_export_stop", &kv_export_stop);
 }

@@ -201,6 +201,7 @@ def test_a_mode_can_name_its_block_size_its_cpu_work_split_and_an_inline_exchang
         (lambda: e2e_hybrid.perf_model_module.LEARN_CPU_JOB, (("auto/profilejob", False), ("auto/learnjob", True))),
         (lambda: e2e_hybrid.stagger_module.JOB_SHARE, (("auto/share=0.97", 0.97), ("staggered:4/share=1.0", 1.0))),
         (lambda: e2e_hybrid.stagger_module.NATIVE_RUNNER, (("auto/pyrunner", False), ("auto/cxxrunner", True))),
+        (lambda: e2e_hybrid.sampler_module.BLOCKING_WAITS, (("auto/t16/blocking", True), ("auto/spinning", False))),
     ]
     for read, cases in settings:
         before, during = read(), []
@@ -218,7 +219,7 @@ def test_modes_with_an_unknown_suffix_or_named_twice_are_refused():
     name); a mode named twice is refused, "/r2" runs it again."""
     e2e_hybrid.check_modes(["never", "auto", "auto/share=0.95", "auto/r2", "staggered:4/t14/split=4-32768-65536",
                             "0.5/pw/bs64/pin", "auto/1lane/inline/syncmoves/timefit/profilejob",
-                            "auto/pyrunner", "auto/cxxrunner"])
+                            "auto/pyrunner", "auto/cxxrunner", "auto/t16/blocking", "never/spinning"])
     assert e2e_hybrid.parse_mode("auto/r2") == e2e_hybrid.parse_mode("auto")
     for modes, message in ((["auto", "auto"], "named twice"), (["auto/shar=1.0"], "unknown suffix '/shar=1.0'"),
                            (["auto/barrier"], "unknown suffix '/barrier'"), (["auto/gcfreeze"], "unknown suffix"),

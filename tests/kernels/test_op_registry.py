@@ -34,6 +34,10 @@ EXPECTED_KERNELS = {
     "stagger_runner_state": {"CompositeExplicitAutograd"},
     "stagger_runner_drain": {"CompositeExplicitAutograd"},
     "stagger_runner_stop": {"CompositeExplicitAutograd"},
+    "kv_export_start": {"CompositeExplicitAutograd"},
+    "kv_export_submit": {"CPU"},
+    "kv_export_poll": {"CompositeExplicitAutograd"},
+    "kv_export_stop": {"CompositeExplicitAutograd"},
     "cache_append_gpu": {"CPU", "CUDA"},
     "paged_attention_gpu": {"CPU", "CUDA"},
     "paged_decode_append_gpu": {"CPU", "CUDA"},
@@ -54,7 +58,8 @@ NO_TENSOR_OPS = {"cpu_isa_code": (), "cpu_attention_work_split": (0, 0, 0)}  # r
 # Stateful ops of the runtime's C++ job runner (a thread behind a handle), never inside a traced graph: no opcheck
 # and no fake (tests/kernels/test_stagger_runner.py runs them).
 RUNTIME_OPS = {"stagger_runner_start", "stagger_runner_submit", "stagger_runner_poll", "stagger_runner_state",
-               "stagger_runner_drain", "stagger_runner_stop"}
+               "stagger_runner_drain", "stagger_runner_stop", "kv_export_start", "kv_export_submit", "kv_export_poll",
+               "kv_export_stop"}
 
 NUM_BLOCKS, KV_HEADS, HEADS, BLOCK, DIM = 4, 2, 4, 16, 16
 

@@ -271,6 +271,7 @@ def test_a_device_wait_that_timed_out_tells_where_the_jobs_stand(threads):
         # played) the device's longest wait
         jobs.status[0] = 3
         jobs.stall_unit, jobs.stalls[1] = 1e-9, 5 * 10 ** 9
+        jobs.gate_state = lambda: "exports: 2 submitted, 2 landed"  # what the gate waited for (KVExports.state)
         with pytest.raises(RuntimeError) as error:
             jobs.collect(0, jobs.outputs)
         timeline = re.search(r"the last job queued: turn 3, [\d.]+ s ago; turn 3: queued [\d.]+ s ago, started "
@@ -278,6 +279,7 @@ def test_a_device_wait_that_timed_out_tells_where_the_jobs_stand(threads):
                              r"ended [\d.]+ s ago", str(error.value))
         assert timeline and float(timeline.group(1)) > 0, str(error.value)
         assert "the device's longest last wait 5.0 s, at layer 1" in str(error.value)
+        assert re.search(r"ended [\d.]+ s ago; exports: 2 submitted, 2 landed\)$", str(error.value)), str(error.value)
         jobs.status[0] = 0
     finally:
         jobs.close()

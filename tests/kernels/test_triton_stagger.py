@@ -3,7 +3,7 @@ CUDA, or CPU tensors under TRITON_INTERPRET=1 (test_triton_interpreter.py runs t
 import pytest
 import torch
 
-from apex_compile.kernels.stagger import exchange_rows, exchange_rows_waiting, raise_flag, swap_rows
+from apex_compile.kernels.stagger import exchange_rows, exchange_rows_waiting, raise_flag, set_flag, swap_rows
 
 from tests.devices import TRITON_DEVICES
 
@@ -133,6 +133,25 @@ def test_waiting_exchange_gives_up_after_its_timeout_and_marks_the_status(device
     if device == "cuda":
         torch.cuda.synchronize()
     assert int(counters[1]) == 4 and torch.equal(staged, torch.cat([query, key, key], dim=1).cpu())
+
+
+@pytest.mark.parametrize("device", TRITON_DEVICES)
+def test_set_flag_writes_its_value_behind_the_work_queued_before(device):
+    """The K/V exports' copy flag: the device writes the value (any int64) into the host counter once the stream
+    reaches it, not before."""
+    flag = _host(1, dtype=torch.int64, device=device)
+    set_flag(flag, 1 << 40, device)  # (compiles the int64 and the int32 variants)
+    set_flag(flag, 3, device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda._sleep(500_000_000)
+    set_flag(flag, (1 << 40) + 5, device)
+    if device == "cuda":
+        assert int(flag[0]) == 3
+        torch.cuda.synchronize()
+    assert int(flag[0]) == (1 << 40) + 5
+    with pytest.raises(ValueError, match="flag must be a one-element int64"):
+        set_flag(torch.zeros(2, dtype=torch.int64), 1, device)
 
 
 def test_waiting_exchange_checks_its_inputs():

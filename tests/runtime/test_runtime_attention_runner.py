@@ -1,7 +1,10 @@
 """PagedAttentionRunner against a float64 reference: decode rows, continued prompt chunks and fresh prompt chunks
 in both pools in one step; the synchronous and the launch/device/wait forms agree; the runner only reads cache
 slots that were written (caches start as NaN)."""
+import concurrent.futures
 import random
+import re
+import sys
 import time
 
 import pytest
@@ -13,7 +16,7 @@ from apex_compile.runtime.context import attention_runner, get_attention_runner
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, CacheShape, KVManager
 from apex_compile.runtime.request import Request, SamplingParams
 from apex_compile.runtime.scheduler import ScheduledChunk
-from tests.devices import INTERPRET
+from tests.devices import CUDA_ONLY, INTERPRET
 
 HQ, HKV, D, LAYERS = 4, 2, 32, 2
 
@@ -101,11 +104,20 @@ def test_attention_matches_float64_reference(mix, block_size):
         torch.testing.assert_close(given.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-def slow_append(seconds):
-    def append(*args):
-        time.sleep(seconds)
-        cache_append_cpu(*args)
-    return append
+class DelayedCopies(KVExports):
+    """KVExports on a background lander whose copies (of CPU tensors) take `seconds` each, one after another, as
+    on a busy CUDA stream: an export lands only once its copy flag is up."""
+
+    def __init__(self, seconds: float):
+        super().__init__(cache_append_cpu, background=True)
+        self.seconds = seconds
+        self._copier = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+
+    def _copied_now(self, index: int) -> None:
+        def copy():
+            time.sleep(self.seconds)
+            self._copied[0] = index
+        self._copier.submit(copy)
 
 
 @pytest.mark.parametrize("background", [False, True])
@@ -113,11 +125,11 @@ def slow_append(seconds):
 def test_host_rows_from_the_model_device_match_reference_and_fill_the_cache(mix, background):
     """The path of host-pool rows whose q/k/v sit on the GPU (run here on CPU tensors: the same code, the
     copies to the host are no-ops): outputs equal the float64 reference and the host cache holds the chunk's
-    K/V as the pool's own path writes them (fresh chunks' K/V exported by a worker when `background`, as on
-    CUDA, slowed down so that reading the cache before `exports.wait` would find it unwritten)."""
+    K/V as the pool's own path writes them (fresh chunks' K/V exported by the lander when `background`, as on
+    CUDA, their copies slowed down so that reading the cache before `exports.wait` would find it unwritten)."""
     runner, ordered, history, new = build_step(11, MIXES[mix])
     if background:
-        runner.exports = KVExports(slow_append(0.05), background=True)
+        runner.exports = DelayedCopies(0.05)
     twin, *_ = build_step(11, MIXES[mix])
     scale = D ** -0.5
     for layer in range(LAYERS):
@@ -168,7 +180,7 @@ def test_paged_host_rows_read_the_cache_only_after_pending_exports():
     kv, host = runner.kv, runner.kv.pools[HOST_POOL]
     for cache in host.key_caches + host.value_caches:
         cache.fill_(float("nan"))
-    runner.exports = KVExports(slow_append(0.1), background=True)
+    runner.exports = DelayedCopies(0.1)
     bs = kv.block_size
     for chunk in ordered:
         blocks = kv.tables[chunk.request.request_id].block_ids
@@ -189,7 +201,7 @@ def test_paged_host_rows_read_the_cache_only_after_pending_exports():
 def test_exports_keep_their_order_and_report_errors():
     shape = (3, HKV, D)
     cache = torch.zeros(4, HKV, 16, D), torch.zeros(4, HKV, 16, D)
-    exports = KVExports(slow_append(0.02), background=True)
+    exports = DelayedCopies(0.02)
     slots = torch.tensor([0, 1, 2])
     first, second = torch.ones(shape), torch.full(shape, 2.0)
     exports.submit(first, first, *cache, slots)
@@ -214,7 +226,7 @@ def test_the_exports_gate_counts_every_export_landed_in_order(background):
     by `wait`); an export still on its way keeps the counter below."""
     shape = (3, HKV, D)
     cache = torch.zeros(4, HKV, 16, D), torch.zeros(4, HKV, 16, D)
-    exports = KVExports(slow_append(0.2) if background else cache_append_cpu, background=background)
+    exports = DelayedCopies(0.2) if background else KVExports(cache_append_cpu, background=False)
     counter, value = exports.gate()
     assert value == 0 and int(counter[0]) == 0
     exports.submit(torch.ones(shape), torch.ones(shape), *cache, torch.tensor([0, 1, 2]))
@@ -391,3 +403,71 @@ def test_mixed_layout_refuses_what_it_cannot_hold():
     runner, ordered, *_ = build_step(2, MIXES["everything"])
     assert not StepBuffers.mixed_fits(ordered)  # host-pool rows
     assert StepBuffers.mixed_fits([c for c in ordered if c.pool == DEVICE_POOL])
+
+
+def test_the_exports_state_tells_where_they_stand():
+    """A timed-out device wait behind a job gated on exports names where they stand: how many were submitted,
+    copied (the flag a GPU raises behind each copy) and landed, and when the last ones were queued."""
+    shape = (3, HKV, D)
+    cache = torch.zeros(4, HKV, 16, D), torch.zeros(4, HKV, 16, D)
+    exports = DelayedCopies(0.3)
+    ones = torch.ones(shape)
+    exports.submit(ones, ones, *cache, torch.tensor([0, 1, 2]))
+    state = exports.state()
+    assert re.fullmatch(r"exports: 1 submitted, 0 copied, 0 landed; export 1 queued 0\.\d s ago", state), state
+    exports.wait()
+    assert exports.state().startswith("exports: 1 submitted, 1 copied, 1 landed")
+    exports.close()
+
+
+def test_exports_land_without_the_gil():
+    """The lander needs no Python: with the GIL held by this thread (a C++ wait of its own would release it; a
+    busy Python loop holds it but for the interpreter's switches) exports whose copies are done land, and so the
+    GPU's wait for a job gated on them cannot hang behind a launching thread stuck holding the GIL."""
+    shape = (3, HKV, D)
+    cache = torch.zeros(4, HKV, 16, D), torch.zeros(4, HKV, 16, D)
+    exports = KVExports(cache_append_cpu, background=True)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)  # no other Python thread runs while this one loops
+    try:
+        exports.submit(torch.ones(shape), torch.ones(shape), *cache, torch.tensor([0, 1, 2]))
+        deadline = time.perf_counter() + 5.0
+        while exports._landed[0] < 1 and time.perf_counter() < deadline:  # (numpy: never releases the GIL)
+            pass
+        landed = int(exports._landed[0])
+    finally:
+        sys.setswitchinterval(interval)
+    assert landed == 1 and torch.equal(cache[1][0, :, :3], torch.ones(HKV, 3, D))
+    exports.close()
+
+
+@pytest.mark.parametrize("device", CUDA_ONLY)
+def test_exports_of_gpu_tensors_land_behind_their_copy_without_the_gil(device):
+    """On a GPU the copy flag is raised by the stream behind the export's copy: an export queued behind a busy
+    stream lands only once the GPU got there, and lands while this thread holds the GIL (a device wait for a job
+    gated on it must not depend on the launching thread)."""
+    shape = (5, HKV, D)
+    cache = torch.zeros(4, HKV, 16, D), torch.zeros(4, HKV, 16, D)
+    exports = KVExports(cache_append_cpu, background=True)
+    key, value = torch.randn(shape, device=device), torch.randn(shape, device=device)
+    exports.submit(key, value, *cache, torch.tensor([0, 1, 2, 3, 20]))  # (the flag kernel compiled, buffers made)
+    exports.wait()
+    key, value = torch.randn(shape, device=device), torch.randn(shape, device=device)
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time before the copy
+    exports.submit(key, value, *cache, torch.tensor([0, 1, 2, 3, 20]))
+    assert exports._landed[0] == 1 and exports.queued() == 1
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    try:
+        deadline = time.perf_counter() + 10.0
+        while exports._landed[0] < 2 and time.perf_counter() < deadline:
+            pass
+        landed = int(exports._landed[0])
+    finally:
+        sys.setswitchinterval(interval)
+    assert landed == 2
+    expected = torch.zeros(4, HKV, 16, D), torch.zeros(4, HKV, 16, D)
+    cache_append_cpu(key.cpu(), value.cpu(), *expected, torch.tensor([0, 1, 2, 3, 20]))
+    exports.wait()
+    assert torch.equal(cache[0], expected[0]) and torch.equal(cache[1], expected[1])
+    exports.close()
