@@ -329,8 +329,8 @@ class ExportLander:
     """The prompt K/V exports' C++ lander: one thread appends each submitted export into its host cache once
     copied[0] >= its index (a GPU raises it behind the export's copy into pinned memory), in submission order, then
     sets landed[0] to that index; `threads` OpenMP threads per append. Landing needs no Python, no GIL and no CUDA
-    call. A failed export (or one whose flag did not come within timeout_s) still sets landed; its error is raised
-    by the next `poll` or `close`."""
+    call. A failed export (or one whose flag did not come within timeout_s: the exports after it then fail at once,
+    their flags coming in order) still sets landed; its error is raised by the next `poll` or `close`."""
 
     def __init__(self, copied: torch.Tensor, landed: torch.Tensor, threads: int, timeout_s: float = READY_TIMEOUT_S):
         self.handle: Optional[int] = torch.ops.apex.kv_export_start(copied, landed, int(threads), float(timeout_s))

@@ -1582,7 +1582,14 @@ class ExportLander {
       }
       std::string error;
       try {
-        wait_flags(copied_, {task.index}, timeout_s_);
+        // the flags come in order: once one never came, the later ones are not waited for (a lost device)
+        APEX_CHECK(!flags_lost_, "an earlier export's copy flag never came");
+        try {
+          wait_flags(copied_, {task.index}, timeout_s_);
+        } catch (const std::exception&) {
+          flags_lost_ = true;
+          throw;
+        }
         AppendCall call;
         prepare_append(call, task.key, task.value, task.key_cache, task.value_cache, task.slots, nullptr, nullptr,
                        nullptr, nullptr, 0);
@@ -1609,6 +1616,7 @@ class ExportLander {
   std::vector<ExportTask> finished_;
   std::string error_;
   bool stop_ = false;
+  bool flags_lost_ = false;  // an export's copy flag did not come in time (the lander thread's only)
   std::thread thread_;  // last: started once every member above exists
 };
 
