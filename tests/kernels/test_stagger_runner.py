@@ -283,3 +283,42 @@ def test_a_device_wait_that_timed_out_tells_where_the_jobs_stand(threads):
         jobs.status[0] = 0
     finally:
         jobs.close()
+
+
+def test_a_job_gated_on_prompt_exports_finishes_while_the_launching_thread_holds_the_gil():
+    """What the GPU's wait for a layered job stands on, end to end without CUDA: the prompt exports land (their
+    copies done) on the C++ lander and the job gated on them runs on the C++ runner while this thread holds the
+    GIL (a busy loop, 30 s switch interval), as the launching thread may while the GPU waits (notes item 57)."""
+    from apex_compile.runtime.attention_runner import KVExports
+    from apex_compile.runtime.stagger import LayerJobs
+
+    caches, staged, meta = stagger_job_case(23, layers=LAYERS, width=2)
+    outputs = torch.zeros(staged.shape[:2] + (HEADS, staged.shape[3]), dtype=staged.dtype)
+    jobs = LayerJobs(staged, outputs, pin_memory=False, threads=1,
+                     caches=([k for k, _ in caches], [v for _, v in caches]))
+    from apex_compile.ops import cache_append_cpu
+
+    exports = KVExports(cache_append_cpu, background=True)
+    spare = torch.zeros_like(caches[0][0]), torch.zeros_like(caches[0][1])  # an export's own cache (not the job's)
+    kv = torch.ones(2, caches[0][0].shape[1], caches[0][0].shape[3], dtype=caches[0][0].dtype)
+    exports.submit(kv, kv, *spare, torch.tensor([2, 3]))  # a first export: whatever thread lands them exists
+    exports.wait()
+    interval = sys.getswitchinterval()
+    try:
+        jobs.staged.copy_(staged)
+        jobs.ready[:] = 4
+        sys.setswitchinterval(30.0)
+        exports.submit(kv, kv, *spare, torch.tensor([0, 1]))
+        gate, value = exports.gate()
+        jobs.submit(4, lambda *_: None, num_heads=HEADS, scale=0.3, gate=gate, gate_value=value, **meta)
+        done = jobs.done.numpy()
+        deadline = time.perf_counter() + 10.0
+        while done.min() < 4 and time.perf_counter() < deadline:  # (numpy: never releases the GIL)
+            pass
+        finished = int(done.min())
+    finally:
+        sys.setswitchinterval(interval)
+        jobs.close()
+        exports.close()
+    assert finished == 4
+    assert torch.equal(spare[1][0, :, :2], torch.ones(2, kv.shape[1], kv.shape[2], dtype=kv.dtype).transpose(0, 1))

@@ -427,17 +427,19 @@ def test_exports_land_without_the_gil():
     shape = (3, HKV, D)
     cache = torch.zeros(4, HKV, 16, D), torch.zeros(4, HKV, 16, D)
     exports = KVExports(cache_append_cpu, background=True)
+    exports.submit(torch.zeros(shape), torch.zeros(shape), *cache, torch.tensor([0, 1, 2]))  # its thread exists
+    exports.wait()
     interval = sys.getswitchinterval()
     sys.setswitchinterval(30.0)  # no other Python thread runs while this one loops
     try:
         exports.submit(torch.ones(shape), torch.ones(shape), *cache, torch.tensor([0, 1, 2]))
         deadline = time.perf_counter() + 5.0
-        while exports._landed[0] < 1 and time.perf_counter() < deadline:  # (numpy: never releases the GIL)
+        while exports._landed[0] < 2 and time.perf_counter() < deadline:  # (numpy: never releases the GIL)
             pass
         landed = int(exports._landed[0])
     finally:
         sys.setswitchinterval(interval)
-    assert landed == 1 and torch.equal(cache[1][0, :, :3], torch.ones(HKV, 3, D))
+    assert landed == 2 and torch.equal(cache[1][0, :, :3], torch.ones(HKV, 3, D))
     exports.close()
 
 
