@@ -131,3 +131,15 @@ def test_swap_runs_moves_cross_in_one_run_under_the_scheduler(tmp_path):
     summary = json.loads(out.read_text())["summary"]
     assert summary["host"]["moves"] >= 5 and summary["device"]["moves"] >= 5
     assert summary["host"]["runs_max"] == 1 and summary["device"]["runs_max"] == 1
+
+
+def test_cache_append_bench_checks_and_times_both_layouts(tmp_path):
+    """benchmarks/cache_append.py on a small case: both kinds checked against gather_kv, one row per kind and
+    thread count."""
+    out = tmp_path / "cache_append.json"
+    result = run_python(os.path.join(BENCHMARKS, "cache_append.py"), "--shape", "llama3_8b", "--tokens", "100",
+                        "--threads", "1,2", "--pool-blocks", "64", "--repeats", "2", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["kind"], r["threads"]) for r in rows] == [("prompt", 1), ("prompt", 2), ("decode", 1), ("decode", 2)]
+    assert all(r["gb_s"] > 0 for r in rows)

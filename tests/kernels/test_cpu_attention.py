@@ -367,6 +367,41 @@ def test_cache_append_round_trip(dtype, block_size):
     assert torch.isnan(k_all[untouched].float()).all() and torch.isnan(v_all[untouched].float()).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_cache_append_of_prompt_runs_equals_the_layout(dtype, block_size, num_threads, threads):
+    """Prompt chunks append runs of consecutive slots (written a panel tile at a time): runs starting mid-panel,
+    crossing panels and ending a block, a run broken by a skipped slot, padding tokens and single rows among them;
+    strided key/value. Every token reads back at its slot (gather_kv) and nothing else is written."""
+    torch.set_num_threads(num_threads)
+    gen = torch.Generator().manual_seed(block_size + num_threads)
+    num_blocks, num_kv_heads, head_dim = 8, 4, 48
+    key_cache, value_cache = allocate_kv_cache_cpu(num_blocks, num_kv_heads, block_size, head_dim, dtype)
+    key_cache.fill_(float("nan"))
+    value_cache.fill_(float("nan"))
+    b = torch.randperm(num_blocks, generator=gen).tolist()
+    pieces = [torch.arange(b[0] * block_size + 5, (b[0] + 1) * block_size),  # mid-panel to the block's end
+              torch.arange(b[1] * block_size, b[1] * block_size + block_size // 2 + 3),
+              torch.full((3,), -1),  # padding
+              torch.tensor([b[2] * block_size + 9, b[2] * block_size + 10, b[2] * block_size + 12]),  # broken
+              torch.tensor([b[3] * block_size + 1]),
+              torch.arange(b[4] * block_size, (b[4] + 1) * block_size).flip(0)[:block_size // 2]]  # descending
+    pieces += [torch.arange(i * block_size, (i + 1) * block_size) for i in b[5:]]  # whole blocks: >= 256 rows,
+    slots = torch.cat(pieces)                                                    # the threads share them out
+    assert len(slots) * num_kv_heads >= 256
+    fused = torch.randn(len(slots), 2 * num_kv_heads + 1, head_dim, generator=gen).to(dtype)
+    key, value = fused[:, 1:1 + num_kv_heads], fused[:, 1 + num_kv_heads:]
+    cache_append_cpu(key, value, key_cache, value_cache, slots)
+    k_all, v_all = gather_kv(key_cache, value_cache, torch.arange(num_blocks, dtype=torch.int32),
+                             num_blocks * block_size)
+    kept = slots >= 0
+    assert torch.equal(k_all[slots[kept]], key[kept]) and torch.equal(v_all[slots[kept]], value[kept])
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    untouched[slots[kept]] = False
+    assert torch.isnan(k_all[untouched].float()).all() and torch.isnan(v_all[untouched].float()).all()
+
+
 def test_cache_append_skips_negative_slots_and_handles_many_rows(threads):
     torch.set_num_threads(2)
     key_cache, value_cache = allocate_kv_cache_cpu(64, 2, 16, 64, torch.float32)
