@@ -390,7 +390,7 @@ class KVExports:
     cache, or frees its blocks, calls `wait` first. With background=False (a CPU-only run) the append happens at
     once. Exports of CPU tensors with background=True (tests) count as copied as soon as `_copied_now` says so."""
 
-    def __init__(self, append, background: bool, threads: Optional[int] = None):
+    def __init__(self, append, background: bool):
         self.append = append
         # exports submitted; `copied` (raised behind each export's copy) and `landed` (raised by the lander after
         # each, in order, failed ones too): a thread that must not take the GIL waits for landed[0] >= submitted
@@ -400,7 +400,7 @@ class KVExports:
         self.copied, self.landed = counters[:1], counters[1:]
         self._copied, self._landed = self.copied.numpy(), self.landed.numpy()
         # a few OpenMP threads: the appends are copies, and the staggered plan's CPU job needs the cores
-        self.lander = (ExportLander(self.copied, self.landed, threads or min(4, os.cpu_count() or 1))
+        self.lander = (ExportLander(self.copied, self.landed, min(4, os.cpu_count() or 1))
                        if background else None)
         self._stream: Optional[int] = None  # the CUDA stream of every export's copy (their flags count in order)
         # the last exports queued: (number, perf_counter), for the error of a device wait that timed out behind a
