@@ -24,6 +24,7 @@ import os
 import time
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -103,6 +104,7 @@ class PagedAttentionRunner:
         self._async = _HostOffload(device) if device.type == "cuda" else None
         # fresh host-pool chunks' K/V on their way to the host cache (in the background: `exports.wait`)
         self.exports = KVExports(cache_append_cpu, background=device.type == "cuda")
+        kv.settle_host = lambda block_ids: self.exports.settle(block_ids)
         self._stash: dict = {}  # layer -> host rows' output (synchronous offload on a CPU-only machine)
         self.stagger = None  # the staggered plan's StaggerPipeline (its block: the step's first stagger_rows rows)
         self.stagger_rows = 0
@@ -315,7 +317,8 @@ class PagedAttentionRunner:
         out = torch.empty_like(query)
         num_paged = part.paged_end - part.start
         if num_paged:
-            self.exports.wait()  # the paged rows read the host cache: earlier exports land first
+            # the paged rows read their blocks of the host cache: the exports into them land first
+            self.exports.wait(part.block_tables, part.context_lens)
             paged = dataclasses.replace(part, end=part.paged_end, slot_mapping=part.slot_mapping[:num_paged],
                                         fresh=[])
             rows = slice(0, num_paged)
@@ -346,7 +349,8 @@ class PagedAttentionRunner:
         part = self.host_part
         if part is None:
             return query.new_zeros(1)
-        self.exports.wait()  # the host job reads and writes the host cache after earlier exports
+        # the host job reads and writes its rows' blocks of the host cache after the exports into them
+        self.exports.wait(part.block_tables, part.context_lens)
         rows = slice(part.start, part.end)
         if self._async is None:
             self._stash[layer_idx] = self._run_part(part, layer_idx, query[rows], key[rows], value[rows], scale)
@@ -386,9 +390,11 @@ class KVExports:
     counter (`copied`) to the export's number; a C++ thread (`ExportLander`) appends each export once its number is
     up, in submission order, and sets `landed` to it. Landing needs no Python, no GIL and no CUDA call: a staggered
     CPU job gated on `landed` (which the GPU waits for) must never wait for what the launching thread is blocked in
-    (a timed-out GPU wait came of a Python worker doing this: notes item 57). Whatever reads or writes the host
-    cache, or frees its blocks, calls `wait` first. With background=False (a CPU-only run) the append happens at
-    once. Exports of CPU tensors with background=True (tests) count as copied as soon as `_copied_now` says so."""
+    (a timed-out GPU wait came of a Python worker doing this: notes item 57). Whatever reads or writes host blocks
+    first waits for the exports into those blocks only, not for other prompts' still on their way: CPU attention
+    through its rows' tables (`gate`, `wait`), a move or a free through the KV manager (`settle`). With
+    background=False (a CPU-only run) the append happens at once. Exports of CPU tensors with background=True
+    (tests) count as copied as soon as `_copied_now` says so."""
 
     def __init__(self, append, background: bool):
         self.append = append
@@ -406,10 +412,44 @@ class KVExports:
         # the last exports queued: (number, perf_counter), for the error of a device wait that timed out behind a
         # job gated on them (`state`)
         self._queued: collections.deque = collections.deque(maxlen=4)
+        # host block id -> the number of the last export that wrote into it (0: none); exports land in order,
+        # so a block's K/V are in the cache once landed >= that number
+        self._last_export = np.zeros(0, dtype=np.int64)
+        self._block_size = 0
 
-    def gate(self) -> Tuple[torch.Tensor, int]:
-        """(counter, value): every export submitted so far is in the host cache once counter[0] >= value."""
-        return self.landed, self.submitted
+    def gate(self, block_tables: Optional[torch.Tensor] = None,
+             context_lens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, int]:
+        """(counter, value): every export submitted so far is in the host cache once counter[0] >= value; with
+        block_tables [rows, width] and context_lens [rows] (CPU tensors or arrays), every export into the blocks
+        those rows hold (their first ceil(context / block size) entries)."""
+        if block_tables is None:
+            return self.landed, self.submitted
+        if not self._block_size or not len(block_tables):
+            return self.landed, 0
+        used = -(-np.asarray(context_lens).astype(np.int64) // self._block_size)
+        tables = np.asarray(block_tables)[:, :int(used.max())]
+        return self.landed, self.last_export(tables[np.arange(tables.shape[1]) < used[:, None]])
+
+    def last_export(self, block_ids) -> int:
+        """The number of the last export into these host blocks (0: none)."""
+        ids = np.asarray(block_ids, dtype=np.int64).ravel()
+        ids = ids[(ids >= 0) & (ids < len(self._last_export))]
+        return int(self._last_export[ids].max()) if ids.size else 0
+
+    def _mark(self, slots: torch.Tensor, block_size: int, index: int) -> None:
+        """Export `index` writes the blocks of `slots` (CPU int64; a cache's blocks hold block_size tokens)."""
+        if self._block_size and block_size != self._block_size:
+            raise RuntimeError(f"KVExports: exports into caches of {block_size}- and {self._block_size}-token blocks")
+        self._block_size = block_size
+        ids = slots.numpy()
+        blocks = np.unique(ids[ids >= 0] // block_size)
+        if not blocks.size:
+            return
+        if blocks[-1] >= len(self._last_export):
+            grown = np.zeros(max(int(blocks[-1]) + 1, 2 * len(self._last_export)), dtype=np.int64)
+            grown[:len(self._last_export)] = self._last_export
+            self._last_export = grown
+        self._last_export[blocks] = index
 
     def submit(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                slots: torch.Tensor) -> None:
@@ -425,6 +465,7 @@ class KVExports:
         self.lander.poll()  # lets go of the landed exports' buffers (and raises a failed one's error)
         self._queued.append((index, time.perf_counter()))
         slots = slots.to("cpu", copy=True)
+        self._mark(slots, key_cache.shape[2], index)
         if key.is_cuda:
             stream = torch.cuda.current_stream(key.device)
             if self._stream is None:
@@ -456,12 +497,21 @@ class KVExports:
         """How many exports are not yet in the host cache."""
         return self.submitted - int(self._landed[0])
 
-    def wait(self) -> None:
-        """Returns when every queued export is in the host cache (raising the first error of one)."""
+    def wait(self, block_tables: Optional[torch.Tensor] = None, context_lens: Optional[torch.Tensor] = None) -> None:
+        """Returns when every queued export is in the host cache, or with block_tables and context_lens those
+        that wrote the rows' blocks (`gate`); raises the first error of a landed export."""
+        self._wait_for(self.gate(block_tables, context_lens)[1])
+
+    def settle(self, block_ids) -> None:
+        """Returns once every export into these host blocks landed: before a move reads them or they are freed
+        (an export landing in a block after its next owner wrote it would overwrite that)."""
+        self._wait_for(self.last_export(block_ids))
+
+    def _wait_for(self, value: int) -> None:
         if self.lander is None:
             return
-        if self._landed[0] < self.submitted:
-            wait_host_flags(self.landed, [self.submitted])
+        if self._landed[0] < value:
+            wait_host_flags(self.landed, [value])
         self.lander.poll()
 
     def close(self) -> None:

@@ -396,7 +396,6 @@ class Engine:
         if not ready:
             return
         stagger.executor.drain()  # nothing may still read their blocks as they shrink (no job holds them now)
-        self.runner.exports.wait()  # and a prompt's K/V is in the host cache before a resume moves it
         for request in stagger.remove(ready):
             self.scheduler.park_from_pipeline(request)
 
@@ -554,9 +553,7 @@ class Engine:
 
     def _schedule(self) -> List[ScheduledChunk]:
         """The scheduler's next chunks in the runner's token order."""
-        if self.stagger is None:  # host blocks a swap or move touches hold their exported K/V first
-            self.runner.exports.wait()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule()  # (host blocks a move reads or frees wait for their exports: settle_host)
         if not plan.chunks and not (self.stagger is not None and self.stagger.active):
             raise RuntimeError("scheduler found nothing to run although requests are pending")
         self.stats.moved += len(plan.moved)
@@ -1074,8 +1071,7 @@ class Engine:
         open stream over them then ends. Returns how many were cancelled."""
         if self._closed:
             return 0
-        self.runner.exports.wait()  # no export lands in a freed block
-        dropped = self.scheduler.abort(request_ids)
+        dropped = self.scheduler.abort(request_ids)  # (freed host blocks wait for their exports: settle_host)
         for request in dropped:
             self.sampler.forget(request.request_id)
         self._drop_finished_ahead()

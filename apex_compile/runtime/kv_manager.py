@@ -7,7 +7,7 @@ import bisect
 import ctypes
 import dataclasses
 import warnings
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -311,6 +311,9 @@ class KVManager:
         # once it lands; and the event of each request's copy into the host pool, for host code that reads it
         self._held: List[tuple] = []
         self._landing: Dict[int, object] = {}
+        # called with host block ids before a move reads them or they are freed: the runner waits there for the
+        # prompt K/V exports still writing them (`KVExports.settle`)
+        self.settle_host: Callable[[List[int]], None] = lambda block_ids: None
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens."""
@@ -342,13 +345,6 @@ class KVManager:
             else:
                 keep.append((event, pool, ids))
         self._held = keep
-
-    def _release(self, pool: int, ids: List[int], event) -> None:
-        """Frees `ids` of `pool` now, or once `event` (a move still using them) has landed."""
-        if event is not None and not event.query():
-            self._held.append((event, pool, ids))
-        else:
-            self.pools[pool].allocator.free(ids)
 
     def host_ready(self, request_id: int) -> None:
         """Waits on the host until the request's copy into the host pool has landed (before host code reads or
@@ -401,6 +397,15 @@ class KVManager:
         if table is not None:  # a copy into the host pool still landing keeps its blocks until it has
             self._release(table.pool, table.block_ids, self._landing.pop(request_id, None))
 
+    def _release(self, pool: int, ids: List[int], event) -> None:
+        """Frees `ids` of `pool` now, or once `event` (a move still using them) has landed."""
+        if pool == HOST_POOL:
+            self.settle_host(ids)
+        if event is not None and not event.query():
+            self._held.append((event, pool, ids))
+        else:
+            self.pools[pool].allocator.free(ids)
+
     def shrink(self, request_id: int, num_tokens: int) -> None:
         """Returns the request's blocks beyond those covering `num_tokens` tokens (a new table: rows written from
         the old one are rewritten, not extended)."""
@@ -430,6 +435,8 @@ class KVManager:
         if not self.can_move(request_id, dst_pool):
             raise RuntimeError(f"request {request_id}: no room to move it to the {POOL_NAMES[dst_pool]} pool")
         src, dst = self.pools[table.pool], self.pools[dst_pool]
+        if src.index == HOST_POOL:
+            self.settle_host(table.block_ids)
         dst_ids = dst.allocator.allocate(len(table.block_ids))
         self.tables[request_id] = BlockTable(dst_pool, list(dst_ids))  # grows later; the copy keeps its ids
         if self._swap is None:

@@ -265,6 +265,9 @@ class StaggerGroup:
     context_lens: Optional[np.ndarray] = None  # int32 [n]
     positions: Optional[np.ndarray] = None  # int64 [rows]: each row's token position (0 for a free row)
     prefix: int = 0  # rows 0..prefix-1 are exactly the rows holding a request (slicing instead of gathering)
+    # the number of the last prompt K/V export into its rows' blocks, once a job beside pending exports asked
+    # (its requests decode, so no later export writes those blocks)
+    last_export: Optional[int] = None
 
     @property
     def size(self) -> int:
@@ -633,7 +636,10 @@ class StaggerPipeline:
         decode = not (self._prompt_turns or exports)
         num_heads = self.heads[0]
 
-        gate, landed = runner.exports.gate() if exports else (None, 0)  # the job starts once they landed
+        # the job starts once the exports into its rows' blocks landed (not those of prompts it does not read)
+        landed = max((self._last_export(g, runner.exports) for g in lane[:self.num_layers] if g.size),
+                     default=0) if exports else 0
+        gate = runner.exports.landed if landed else None
         if self.layered:
             def observe(waited, ran, busy):  # a job's timings into the row fit
                 fit = busy / len(self.executor.cores) if BUSY_FIT and busy > 0 else ran  # (0: no rows)
@@ -676,6 +682,13 @@ class StaggerPipeline:
             return seconds
 
         self.executor.launch(index, job, [self.staged], self.outputs)
+
+    @staticmethod
+    def _last_export(group: StaggerGroup, exports) -> int:
+        """The last export into the group's blocks (`KVExports.gate`), asked once per group."""
+        if group.last_export is None:
+            group.last_export = exports.gate(group.block_tables, group.context_lens)[1]
+        return group.last_export
 
     def _group(self, requests: List[Optional[Request]]) -> StaggerGroup:
         """Group 0 of a lane's turn: each request attends its token at position num_computed (its last)."""

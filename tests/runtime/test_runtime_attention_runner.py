@@ -5,12 +5,15 @@ import concurrent.futures
 import random
 import re
 import sys
+import threading
 import time
+from typing import Optional
 
 import pytest
 import torch
 
 from apex_compile.ops import cache_append_cpu
+from apex_compile.ops.kv_layout import gather_kv
 from apex_compile.runtime.attention_runner import KVExports, PagedAttentionRunner, order_chunks
 from apex_compile.runtime.context import attention_runner, get_attention_runner
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, CacheShape, KVManager
@@ -106,16 +109,23 @@ def test_attention_matches_float64_reference(mix, block_size):
 
 class DelayedCopies(KVExports):
     """KVExports on a background lander whose copies (of CPU tensors) take `seconds` each, one after another, as
-    on a busy CUDA stream: an export lands only once its copy flag is up."""
+    on a busy CUDA stream: an export lands only once its copy flag is up. Exports numbered above `held_after`
+    are copied only once `release` is set."""
 
     def __init__(self, seconds: float):
         super().__init__(cache_append_cpu, background=True)
         self.seconds = seconds
+        self.held_after: Optional[int] = None
+        self.release = threading.Event()
         self._copier = concurrent.futures.ThreadPoolExecutor(max_workers=1)
 
     def _copied_now(self, index: int) -> None:
+        held = self.held_after is not None and index > self.held_after
+
         def copy():
             time.sleep(self.seconds)
+            if held:
+                self.release.wait()
             self._copied[0] = index
         self._copier.submit(copy)
 
@@ -175,7 +185,8 @@ def test_a_continued_host_chunk_does_not_take_the_fresh_chunks_of_its_step_to_th
 def test_paged_host_rows_read_the_cache_only_after_pending_exports():
     """A continued prompt chunk reads the host cache that an earlier fresh chunk's export fills: with the
     prior context still on its way (a slow background export), the paged rows wait for it (without the wait
-    they would read the NaN the caches start with)."""
+    they would read the NaN the caches start with), and only for it: a later export into a block they do not
+    hold, whose copy is held back, does not hold them."""
     runner, ordered, history, new = build_step(13, [(HOST_POOL, 20, 5), (HOST_POOL, 33, 1)])
     kv, host = runner.kv, runner.kv.pools[HOST_POOL]
     for cache in host.key_caches + host.value_caches:
@@ -188,6 +199,11 @@ def test_paged_host_rows_read_the_cache_only_after_pending_exports():
         for layer in range(LAYERS):
             k, v = history[chunk.request.request_id][layer]
             runner.exports.submit(k.float(), v.float(), host.key_caches[layer], host.value_caches[layer], slots)
+    runner.exports.held_after = runner.exports.submitted
+    blocks = host.key_caches[0].shape[0]
+    spare = [torch.zeros(blocks + 1, *host.key_caches[0].shape[1:]) for _ in range(2)]
+    past = blocks * bs  # a slot in a block past the pool: no table holds it
+    runner.exports.submit(torch.ones(1, HKV, D), torch.ones(1, HKV, D), *spare, torch.tensor([past]))
     assert runner.exports.queued()
     part = runner.host_part
     for layer in range(LAYERS):
@@ -195,7 +211,10 @@ def test_paged_host_rows_read_the_cache_only_after_pending_exports():
         out = runner._host_rows_from_device(part, layer, q, k, v, 0.2)
         torch.testing.assert_close(out.double(), reference(ordered, history, *new[layer], layer, 0.2),
                                    rtol=1e-5, atol=1e-5)
-    assert not runner.exports.queued()
+    assert runner.exports.queued() == 1  # the held export only
+    runner.exports.release.set()
+    runner.exports.wait()
+    assert not runner.exports.queued() and torch.equal(spare[1][-1, :, 0], torch.ones(HKV, D))
 
 
 def test_exports_keep_their_order_and_report_errors():
@@ -242,6 +261,67 @@ def test_the_exports_gate_counts_every_export_landed_in_order(background):
         exports.wait()
     assert exports.gate() == (counter, 3) and int(counter[0]) == 3
     exports.close()
+
+
+def test_a_gate_over_block_tables_waits_only_for_the_exports_into_those_blocks():
+    """gate(tables, context_lens): the last export that wrote a block the rows hold (their first ceil(context /
+    block size) table entries; padding and blocks no export wrote count 0); wait(tables, context_lens) returns
+    once those landed, while a later export into other blocks is still on its way."""
+    shape = (3, HKV, D)
+    cache = torch.full((8, HKV, 16, D), float("nan")), torch.full((8, HKV, 16, D), float("nan"))
+    exports = DelayedCopies(0.4)
+    ones = torch.ones(shape)
+    exports.submit(ones, ones, *cache, torch.tensor([32, 33, 34]))  # 1: block 2
+    exports.submit(ones, ones, *cache, torch.tensor([15, 16, 17]))  # 2: blocks 0 and 1
+    exports.submit(ones, ones, *cache, torch.tensor([64, 65, 66]))  # 3: block 4
+    tables = torch.tensor([[2, 5, 0], [3, -1, -1], [1, 4, 0]], dtype=torch.int32)
+
+    def gate(rows, contexts):
+        counter, value = exports.gate(tables[rows], torch.tensor(contexts, dtype=torch.int32))
+        assert counter is exports.landed
+        return value
+
+    assert gate([0], [16]) == 1  # block 2 only: the table's 5 and 0 lie past the context
+    assert gate([0], [40]) == 2  # blocks 2, 5 and 0
+    assert gate([1], [30]) == 0  # block 3: nothing exported into it; -1 padding ignored
+    assert gate([2], [17]) == 3 and gate([0, 1, 2], [16, 30, 5]) == 2
+    assert exports.gate() == (exports.landed, 3)
+    exports.wait(tables[[0]], torch.tensor([16], dtype=torch.int32))
+    assert int(exports.landed[0]) >= 1 and exports.queued() >= 1  # export 3 (block 4) still on its way
+    assert torch.equal(cache[1][2, :, :3], torch.ones(HKV, 3, D)) and cache[1][4].isnan().all()
+    exports.wait()
+    assert not exports.queued()
+    exports.close()
+
+
+@pytest.mark.parametrize("then", ["free", "move"])
+def test_host_blocks_wait_for_their_exports_before_a_move_reads_them_or_they_are_freed(then):
+    """An export still on its way into a request's host blocks (its copy held back, released by another thread)
+    lands before the KV manager moves those blocks (the move carries the exported K/V) or frees them (a later
+    owner's writes are never overwritten by it): `KVManager.settle_host` -> `KVExports.settle`."""
+    shape = CacheShape(LAYERS, HKV, D, 16, torch.float32)
+    kv = KVManager(shape, 8, 8, torch.device("cpu"))
+    runner = PagedAttentionRunner(kv, torch.device("cpu"))
+    runner.exports = exports = DelayedCopies(0.0)
+    exports.held_after = 0
+    assert kv.grow(7, HOST_POOL, 20)
+    blocks = kv.tables[7].block_ids
+    host = kv.pools[HOST_POOL]
+    k = torch.randn(20, HKV, D)
+    slots = torch.tensor([blocks[p // 16] * 16 + p % 16 for p in range(20)])
+    for layer in range(LAYERS):
+        exports.submit(k, k, host.key_caches[layer], host.value_caches[layer], slots)
+    threading.Timer(0.3, exports.release.set).start()
+    if then == "free":
+        kv.free(7)
+        assert not exports.queued()
+        return
+    kv.move(7, DEVICE_POOL)
+    assert not exports.queued()
+    device = kv.pools[DEVICE_POOL]
+    for layer in range(LAYERS):
+        moved = gather_kv(device.key_caches[layer], device.value_caches[layer], kv.tables[7].block_ids, 20)
+        assert torch.equal(moved[0], k) and torch.equal(moved[1], k)
 
 
 def test_launch_device_wait_equals_attention():
@@ -410,7 +490,7 @@ def test_the_exports_state_tells_where_they_stand():
     copied (the flag a GPU raises behind each copy) and landed, and when the last ones were queued."""
     shape = (3, HKV, D)
     cache = torch.zeros(4, HKV, 16, D), torch.zeros(4, HKV, 16, D)
-    exports = DelayedCopies(0.3)
+    exports = DelayedCopies(0.4)
     ones = torch.ones(shape)
     exports.submit(ones, ones, *cache, torch.tensor([0, 1, 2]))
     state = exports.state()

@@ -104,6 +104,57 @@ def test_a_failed_layered_job_raises_at_the_next_step_without_hanging(monkeypatc
     assert min(apex.engine.stagger.executor.done.tolist()) >= stagger_module.ABORTED
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_layered_jobs_do_not_wait_for_exports_into_blocks_they_do_not_read(monkeypatch, native):
+    """A job waits only for the prompt exports into its rows' blocks (`KVExports.gate` over its block tables): an
+    export into a block no request holds, whose copy flag stays down for the whole run, holds no job (with every
+    export gated on, each job would wait for it and the run could not end before it lands); tokens are HF's."""
+    from apex_compile.ops import cache_append_cpu
+    from apex_compile.runtime import stagger as stagger_module
+    from apex_compile.runtime.attention_runner import KVExports
+
+    class HeldCopies(KVExports):
+        def _copied_now(self, index: int) -> None:  # the copy flag stays down until the test raises it
+            pass
+
+    monkeypatch.setattr(stagger_module, "NATIVE_RUNNER", native)
+    torch.manual_seed(26)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4, 8)]
+    reference = hf_tokens(model, prompts, 8)
+    apex = staggered(model, width=2, lanes=1)
+    engine = apex.engine
+    exports = engine.runner.exports = HeldCopies(cache_append_cpu, background=True)
+    cache = engine.kv.pools[1].key_caches[0]
+    blocks = cache.shape[0]
+    spare = torch.zeros(blocks + 1, *cache.shape[1:]), torch.zeros(blocks + 1, *cache.shape[1:])
+    kv = torch.ones(2, *cache.shape[1:2], cache.shape[3])
+    slot = blocks * engine.kv.block_size  # in a block past the pool: no request's table holds it
+    exports.submit(kv, kv, *spare, torch.tensor([slot, slot + 1]))
+    gates = []
+    if native:
+        submit = engine.stagger.executor.submit
+        monkeypatch.setattr(engine.stagger.executor, "submit",
+                            lambda turn, observe, **job: (gates.append(job["gate"]), submit(turn, observe, **job)))
+    held = []
+    abort = engine.abort
+
+    def release_then_abort(request_ids=None):  # the stream's end drops what is left, after every export
+        held.append(exports.queued())
+        exports._copied[0] = 1
+        return abort(request_ids)
+
+    monkeypatch.setattr(engine, "abort", release_then_abort)
+    done = engine.generate(prompts, SamplingParams(max_new_tokens=8))
+    assert [c.token_ids for c in done] == reference
+    assert sum(1 for c in done if c.steps_per_pool["host"]) >= 3
+    assert held[0] == 1  # still held when every step had run: no job waited for it
+    assert len(gates) >= 8 * native and not any(g is not None for g in gates)
+    exports.wait()
+    assert torch.equal(spare[1][blocks, :, :2], torch.ones(*cache.shape[1:2], 2, cache.shape[3]))
+    apex.close()
+
+
 def test_quiet_leaves_turn_and_flags_as_they_were():
     """A graph's warm-up run executes the step: meanwhile both turns are 0 (its waits pass, its raises say
     nothing to a job), and they, the ready flags and the residual rows come back after."""
