@@ -504,15 +504,17 @@ class KVExports:
 
     def settle(self, block_ids) -> None:
         """Returns once every export into these host blocks landed: before a move reads them or they are freed
-        (an export landing in a block after its next owner wrote it would overwrite that)."""
-        self._wait_for(self.last_export(block_ids))
+        (an export landing in a block after its next owner wrote it would overwrite that). A failed export's
+        error is left to the next `wait` or `submit`: the KV manager calls this midway through its bookkeeping."""
+        self._wait_for(self.last_export(block_ids), poll=False)
 
-    def _wait_for(self, value: int) -> None:
+    def _wait_for(self, value: int, poll: bool = True) -> None:
         if self.lander is None:
             return
         if self._landed[0] < value:
             wait_host_flags(self.landed, [value])
-        self.lander.poll()
+        if poll:
+            self.lander.poll()
 
     def close(self) -> None:
         """Waits for the queued exports and stops the lander."""

@@ -313,8 +313,14 @@ def test_host_blocks_wait_for_their_exports_before_a_move_reads_them_or_they_are
         exports.submit(k, k, host.key_caches[layer], host.value_caches[layer], slots)
     threading.Timer(0.3, exports.release.set).start()
     if then == "free":
+        # an export into these blocks that fails (K/V of another head size) does not raise inside the KV
+        # manager's free: the next wait does
+        bad = torch.ones(1, HKV, 2 * D)
+        exports.submit(bad, bad, host.key_caches[0], host.value_caches[0], torch.tensor([blocks[0] * 16]))
         kv.free(7)
         assert not exports.queued()
+        with pytest.raises(RuntimeError):
+            exports.wait()
         return
     kv.move(7, DEVICE_POOL)
     assert not exports.queued()
