@@ -516,7 +516,11 @@ def job_records(jobs, window_steps: int) -> dict:
         out["job_gaps"] = {"pickup_s": sum(pickup), "pickup_median_s": statistics.median(pickup),
                            "starved_s": sum(max(submitted - ended, 0.0) for (_, _, ended), (submitted, _, _) in pairs),
                            "span_s": sum(ended - started for _, started, ended in times[1:])}
-    parts = list(getattr(jobs, "job_parts", []))[-window_steps:]
+    every = list(getattr(jobs, "job_parts", []))
+    parts, before = every[-window_steps:], every[:-window_steps]
+    if before:  # the fill's (and warm-up's) jobs held at their gates by prompt exports: admission's cost
+        out["exports_before_window"] = {"seconds": sum(p[0] for p in before),
+                                        "jobs": sum(1 for p in before if p[0] > 1e-4), "of": len(before)}
     if parts:  # the jobs' time outside running and waiting for flags: exports, the C++ call's own, Python's
         out["job_gaps"] = dict(out.get("job_gaps", {}), exports_s=sum(p[0] for p in parts),
                                exports_jobs=sum(1 for p in parts if p[0] > 1e-4),
@@ -807,6 +811,10 @@ def main():
                     cpu += f", graphs captured inside the window {r['window_capture_s'] * 1e3:.0f} ms"
                 only = r["decode_only_step_s"]
                 full = f" (pipeline {r['pipeline_filled']:.0%} full)" if r.get("pipeline_filled") is not None else ""
+                if r.get("exports_before_window"):
+                    e = r["exports_before_window"]
+                    full += (f" (before the window {e['jobs']} of {e['of']} jobs waited for prompt exports, "
+                             f"{e['seconds'] * 1e3:.0f} ms)")
                 print(f"   {shape_name} {gib:g} GiB {m}: {r['tokens_per_s']:.0f} tokens/s ({r['host_tokens']} of "
                       f"{r['tokens']} from the host; {r['amortized_tokens_per_s']:.0f} with their prefill at "
                       f"{r['prefill_s_per_token'] * 1e6:.0f} us/token from {r['prefill_samples']} steps), "

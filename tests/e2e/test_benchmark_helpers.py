@@ -438,6 +438,12 @@ def test_job_records_line_up_each_job_with_the_devices_waits():
     assert out["cpu_jobs"] == [[0.0, 4e-3, 8 * 3e-3], [1e-4, 5e-3, 8 * 4e-3], [0.0, 6e-3, None]]
     assert out["collect_waits_s"] == [0.0, 2e-4, 0.0] and out["collect_wait_s"] == 0.0
     json.dumps(out, allow_nan=False)  # no NaN left: valid JSON
+    assert "exports_before_window" not in out
+    # job_parts: (waiting for prompt exports, the call's own, the rest); the jobs before the window are the fill's
+    jobs.job_parts = [(0.25, 1e-4, 0.0), (0.0, 1e-4, 0.0), (0.5, 1e-4, 0.0), (0.0, 1e-4, 0.0), (2e-3, 1e-4, 0.0)]
+    out = e2e_hybrid.job_records(jobs, window_steps=3)
+    assert out["exports_before_window"] == {"seconds": 0.25, "jobs": 1, "of": 2}
+    assert out["job_gaps"]["exports_s"] == pytest.approx(0.502) and out["job_gaps"]["exports_jobs"] == 2
     two_lanes = SimpleNamespace(job_seconds=[(0.0, 4e-3)], cores=[0], collect_seconds=[])
     assert "cpu_job_busy_share" not in e2e_hybrid.job_records(two_lanes, 8)
     assert e2e_hybrid.job_records(SimpleNamespace(job_seconds=[]), 8) == {} == e2e_hybrid.job_records(None, 8)
