@@ -18,6 +18,7 @@ Conventions:
   variable ``APEX_CPU_ISA`` (read on every call; see ``cpu_isa``).
 """
 import ctypes
+import math
 import mmap
 import sys
 import time
@@ -79,6 +80,7 @@ LIB.define("kv_export_stop(int lander) -> ()")
 
 _ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 _MADV_HUGEPAGE = 14
+_HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -156,18 +158,27 @@ def allocate_kv_cache_cpu(
     if head_dim < 16 or head_dim > 256 or head_dim % 16:
         raise ValueError(f"head_dim must be a multiple of 16 in 16..256, got {head_dim}")
     shape = (num_blocks, num_kv_heads, block_size, head_dim)
-    key_cache = torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
-    value_cache = torch.empty(shape, dtype=dtype, pin_memory=pin_memory)
-    if not pin_memory:
-        _advise_huge_pages(key_cache)
-        _advise_huge_pages(value_cache)
-    return key_cache, value_cache
+    if pin_memory:
+        return tuple(torch.empty(shape, dtype=dtype, pin_memory=True) for _ in range(2))
+    return tuple(_huge_page_tensor(shape, dtype) for _ in range(2))
+
+
+def _huge_page_tensor(shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor whose memory starts on a huge-page boundary (Linux, 4 MiB or more), advised
+    MADV_HUGEPAGE: a layer's cache of a few MiB would otherwise lose up to a huge page at each end to 4 KiB
+    pages."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if not sys.platform.startswith("linux") or nbytes < (4 << 20):
+        return torch.empty(shape, dtype=dtype)
+    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
+    start = -raw.data_ptr() % _HUGE_PAGE
+    tensor = raw[start:start + nbytes].view(dtype).view(shape)
+    _advise_huge_pages(tensor)
+    return tensor
 
 
 def _advise_huge_pages(tensor: torch.Tensor) -> None:
     """Best effort madvise(MADV_HUGEPAGE) on the whole pages inside a fresh (untouched) tensor's memory."""
-    if not sys.platform.startswith("linux") or tensor.nbytes < (4 << 20):
-        return
     page = mmap.PAGESIZE
     start = -(-tensor.data_ptr() // page) * page
     end = (tensor.data_ptr() + tensor.nbytes) // page * page

@@ -2,6 +2,7 @@
 import math
 import os
 import random
+import sys
 
 import pytest
 import torch
@@ -644,3 +645,18 @@ def test_decode_step_under_torch_compile_fullgraph():
     assert torch.equal(case.key_cache.nan_to_num(7.0), expected_k.nan_to_num(7.0))
     assert torch.equal(case.value_cache.nan_to_num(7.0), expected_v.nan_to_num(7.0))
     assert not math.isnan(out.sum().item())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge-page alignment is a Linux allocation")
+def test_large_caches_start_on_a_huge_page_boundary():
+    """A layer's cache of 4 MiB or more starts on a 2 MiB boundary (all its memory can be backed by transparent
+    huge pages, none lost to 4 KiB pages at its ends); K and V are separate, contiguous, of the asked shape."""
+    for num_blocks in (257, 1000):  # 4 MiB + one block, ~15.6 MiB of fp32 per cache
+        key_cache, value_cache = allocate_kv_cache_cpu(num_blocks, 2, 16, 128, torch.float32)
+        for cache in (key_cache, value_cache):
+            assert cache.shape == (num_blocks, 2, 16, 128) and cache.dtype == torch.float32
+            assert cache.is_contiguous() and cache.data_ptr() % (2 << 20) == 0
+        assert key_cache.untyped_storage().data_ptr() != value_cache.untyped_storage().data_ptr()
+        key_cache.fill_(1.0)
+        value_cache.fill_(2.0)  # the two do not overlap
+        assert bool((key_cache == 1.0).all()) and bool((value_cache == 2.0).all())
