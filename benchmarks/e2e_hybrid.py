@@ -93,6 +93,26 @@ def huge_page_share(tensors, smaps: str = None) -> float:
     return huge / size if size else float("nan")
 
 
+def cpu_topology(root: str = "/sys/devices/system/cpu") -> dict:
+    """The host's CPUs as Linux reports them: how many, in how many physical cores and sockets, and the SMT
+    sibling groups (a CPU attention team on hyperthread siblings shares its cores' load ports with them)."""
+    cores, siblings = set(), set()
+    cpus = sorted(int(name[3:]) for name in os.listdir(root) if name[3:].isdigit() and name.startswith("cpu"))
+    for cpu in cpus:
+        topology = os.path.join(root, f"cpu{cpu}", "topology")
+        try:
+            with open(os.path.join(topology, "physical_package_id")) as f:
+                package = int(f.read())
+            with open(os.path.join(topology, "core_id")) as f:
+                cores.add((package, int(f.read())))
+            with open(os.path.join(topology, "thread_siblings_list")) as f:
+                siblings.add(f.read().strip())
+        except OSError:
+            return {"cpus": len(cpus)}
+    shared = sorted(group for group in siblings if "," in group or "-" in group)
+    return {"cpus": len(cpus), "cores": len(cores), "sockets": len({p for p, _ in cores}), "smt_groups": shared}
+
+
 def host_pool_tensors(engine):
     pool = engine.kv.pools[HOST_POOL]
     return list(pool.key_caches) + list(pool.value_caches)
@@ -735,6 +755,7 @@ def main():
         stagger_module.GATE_JOBS = True
     result = {"benchmark": "e2e_hybrid", "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "machine": {"gpu": torch.cuda.get_device_name(), "cpus": os.cpu_count(),
+                          "topology": cpu_topology(), "affinity": sorted(os.sched_getaffinity(0)),
                           "torch": torch.__version__, "python": platform.python_version()},
               "args": vars(args), "rows": []}
     modes = args.modes.split(",")
@@ -742,6 +763,8 @@ def main():
         check_modes(modes)
     except ValueError as error:
         sys.exit(f"--modes: {error}")
+    topology = result["machine"]["topology"]
+    print(f"host CPUs: {topology}; this process may run on {len(result['machine']['affinity'])}")
     print(f"prompt tokens a decoding step takes into the device pool: {args.prefill_while_decoding or 'no cap'} "
           f"(step budget {step_budget(args.prompt, args.max_seqs)})")
     print(f"{'shape':10} {'pool GiB':>8} {'reqs':>4} | " + " | ".join(f"{str(m):>16}" for m in modes)

@@ -466,3 +466,19 @@ AnonHugePages:         0 kB
     assert e2e_hybrid.huge_page_share([inside], smaps) == 0.5
     assert e2e_hybrid.huge_page_share([both], smaps) == 0.75
     assert math.isnan(e2e_hybrid.huge_page_share([outside], smaps))
+
+
+def test_cpu_topology_counts_cores_and_smt_siblings(tmp_path):
+    """`cpu_topology` reads sysfs: 4 CPUs on 2 physical cores of one socket are 2 SMT groups; without topology
+    files only the CPUs are counted."""
+    for cpu, core, group in [(0, 0, "0,2"), (1, 1, "1,3"), (2, 0, "0,2"), (3, 1, "1,3")]:
+        topology = tmp_path / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "physical_package_id").write_text("0\n")
+        (topology / "core_id").write_text(f"{core}\n")
+        (topology / "thread_siblings_list").write_text(f"{group}\n")
+    (tmp_path / "cpufreq").mkdir()  # not a CPU
+    assert e2e_hybrid.cpu_topology(str(tmp_path)) == {"cpus": 4, "cores": 2, "sockets": 1,
+                                                       "smt_groups": ["0,2", "1,3"]}
+    (tmp_path / "cpu4").mkdir()
+    assert e2e_hybrid.cpu_topology(str(tmp_path)) == {"cpus": 5}
