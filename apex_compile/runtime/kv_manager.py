@@ -12,6 +12,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from apex_compile.ops.kv_layout import id_runs
+from apex_compile.runtime.sampler import host_wait_event
 
 DEVICE_POOL = 0
 HOST_POOL = 1
@@ -286,7 +287,7 @@ class SwapStream:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             copy()
-        event = torch.cuda.Event()
+        event = host_wait_event()  # the launching thread may wait on it (`host_ready`, `_reap`)
         event.record(self.stream)
         return event
 

@@ -81,10 +81,16 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
     return logits
 
 
-# Whether the launching thread sleeps (a blocking CUDA event) instead of spinning while it waits for a step's
-# sampled ids. Off (CUDA's default, a spin with one context on many cores) until measured: a spinning launcher holds
-# the core a 16th CPU attention thread would use (notes item 57; e2e_hybrid's "/blocking" A/B).
+# Whether the launching thread sleeps (a blocking CUDA event) instead of spinning while it waits for the GPU: a
+# step's sampled ids, the pinned step buffers and pipeline positions before they are rewritten, block moves
+# (`host_wait_event`). Off (CUDA's default, a spin with one context on many cores) until measured: a spinning
+# launcher holds the core a 16th CPU attention thread would use (notes item 57; e2e_hybrid's "/blocking" A/B).
 BLOCKING_WAITS = False
+
+
+def host_wait_event() -> "torch.cuda.Event":
+    """A CUDA event the launching thread will wait on: it sleeps there with BLOCKING_WAITS, else spins."""
+    return torch.cuda.Event(blocking=BLOCKING_WAITS)
 
 
 class PendingTokens:
@@ -138,7 +144,7 @@ class Sampler:
             self._pinned[turn] = torch.empty(max(n, 64), dtype=torch.int64, pin_memory=True)
         host = self._pinned[turn][:n]
         host.copy_(tokens, non_blocking=True)
-        copied = torch.cuda.Event(blocking=BLOCKING_WAITS)
+        copied = host_wait_event()
         copied.record(torch.cuda.current_stream(tokens.device))
         return PendingTokens(host, copied, tokens)
 

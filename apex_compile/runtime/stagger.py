@@ -43,6 +43,7 @@ from apex_compile.kernels.stagger import WAIT_TIMEOUT_S, exchange_rows, exchange
 from apex_compile.ops.cpu_attention import StaggerRunner, stagger_cpu_job, stagger_layer_job, wait_host_flags
 from apex_compile.runtime.kv_manager import HOST_POOL, KVManager
 from apex_compile.runtime.request import Request
+from apex_compile.runtime.sampler import host_wait_event
 
 ROPE_KINDS = ("cos", "sin")
 LANES = 2  # lanes taking turns by default (1: one lane whose layers wait on the device, `LayerJobs`)
@@ -574,7 +575,7 @@ class StaggerPipeline:
         host[-2:] = self._launched, self.steps
         self._block_state.copy_(self._block_host, non_blocking=True)
         if self.device.type == "cuda":
-            self._positions_copied = torch.cuda.Event()
+            self._positions_copied = host_wait_event()
             self._positions_copied.record()
         flat_positions = self.positions.reshape(-1)
         for table, rows in zip(self.rope, self.rope_rows):

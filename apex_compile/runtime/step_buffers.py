@@ -22,6 +22,7 @@ import torch
 
 from apex_compile.ops.kv_layout import to_device
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, BlockTable, KVManager, KVPool
+from apex_compile.runtime.sampler import host_wait_event
 from apex_compile.runtime.scheduler import ScheduledChunk
 
 _ALIGN = 64
@@ -341,7 +342,7 @@ class StepBuffers:
         if self.dev_buf is not self.host_buf:
             n = self._copy_bytes
             self.dev_buf[:n].copy_(self.host_buf[:n], non_blocking=True)
-            self._copied = torch.cuda.Event()
+            self._copied = host_wait_event()
             self._copied.record()
         if device_ids is None or not device_ids.rows:
             return

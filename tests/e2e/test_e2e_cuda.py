@@ -247,6 +247,36 @@ def test_staggered_equals_hf_generate_fp32(width, lanes, pin):
     assert os.sched_getaffinity(0) == before
 
 
+@pytest.mark.parametrize("blocking", [True, False])
+def test_the_launching_thread_waits_on_blocking_events_when_asked(blocking, monkeypatch):
+    """sampler.BLOCKING_WAITS: every CUDA event the launching thread synchronizes on through a staggered run (the
+    sampled ids, the step buffers' and the pipeline's pinned copies) is a blocking one (the thread sleeps, leaving
+    its core to the CPU attention team), and none is when it is off; tokens are HF's either way."""
+    from apex_compile.runtime import sampler
+
+    waited = []
+
+    class Recorded(torch.cuda.Event):
+        def __new__(cls, enable_timing=False, blocking=False, interprocess=False):
+            event = super().__new__(cls, enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
+            event.asked_blocking = blocking
+            return event
+
+        def synchronize(self):
+            waited.append(self.asked_blocking)
+            super().synchronize()
+
+    monkeypatch.setattr(sampler, "BLOCKING_WAITS", blocking)
+    monkeypatch.setattr(torch.cuda, "Event", Recorded)
+    ids, mask, ref, block, model = sharp_small_pool_case()
+    apex = optimize(model, ApexConfig(offload="staggered", stagger_width=2, gpu_cache_size=8 * block,
+                                      cpu_cache_size=32 * MB, stagger_lanes=1))
+    out = apex.generate(ids, attention_mask=mask, **GREEDY_20)
+    assert torch.equal(out, ref) and apex.engine.stats.requests_per_pool[1] >= 2
+    assert len(waited) >= 20 and set(waited) == {blocking}
+    apex.close()
+
+
 def test_staggered_layered_jobs_of_a_model_without_gqa_equal_hf_generate_fp32():
     """As Llama-2-7B (as many KV heads as query heads): the one-lane plan's layered jobs on the C++ runner give
     HF's tokens and every job finishes (session 40's Llama-2-7B run at 2 GiB timed out waiting for one)."""
