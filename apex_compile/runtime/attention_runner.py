@@ -104,13 +104,23 @@ class PagedAttentionRunner:
         self._async = _HostOffload(device) if device.type == "cuda" else None
         # fresh host-pool chunks' K/V on their way to the host cache (in the background: `exports.wait`)
         self.exports = KVExports(cache_append_cpu, background=device.type == "cuda")
-        kv.settle_host = lambda block_ids: self.exports.settle(block_ids)
         self._stash: dict = {}  # layer -> host rows' output (synchronous offload on a CPU-only machine)
         self.stagger = None  # the staggered plan's StaggerPipeline (its block: the step's first stagger_rows rows)
         self.stagger_rows = 0
         self.stagger_scale = 1.0
         # the layered exchange's stream (EXCHANGE_BESIDE), made here: a CUDA graph capture may not create one
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @property
+    def exports(self) -> "KVExports":
+        return self._exports
+
+    @exports.setter
+    def exports(self, exports: "KVExports") -> None:
+        """The exports, which the KV manager's host blocks settle on (the exports' own method: no reference back
+        to the runner, so a runner let go without `close` is freed at once, its threads with it)."""
+        self._exports = exports
+        self.kv.settle_host = exports.settle
 
     def close(self) -> None:
         """Stops the runner's worker threads (exports land first)."""

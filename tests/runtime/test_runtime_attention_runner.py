@@ -330,6 +330,27 @@ def test_host_blocks_wait_for_their_exports_before_a_move_reads_them_or_they_are
         assert torch.equal(moved[0], k) and torch.equal(moved[1], k)
 
 
+def test_a_runner_let_go_without_close_is_freed_at_once():
+    """The KV manager's settle hook is the exports' own method, so neither it nor a replaced exports object ties
+    the runner in a cycle: dropping the last reference frees it without the cyclic collector (its threads and
+    pools with it; a cycle kept an unclosed engine's worker thread alive into later tests)."""
+    import gc
+    import weakref
+
+    shape = CacheShape(LAYERS, HKV, D, 16, torch.float32)
+    kv = KVManager(shape, 4, 4, torch.device("cpu"))
+    runner = PagedAttentionRunner(kv, torch.device("cpu"))
+    runner.exports = KVExports(cache_append_cpu, background=False)
+    assert kv.settle_host == runner.exports.settle
+    gone = weakref.ref(runner)
+    gc.disable()
+    try:
+        del runner
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
 def test_launch_device_wait_equals_attention():
     runner, ordered, history, new = build_step(7, MIXES["everything"])
     scale = 0.1
