@@ -167,7 +167,7 @@ def _huge_page_tensor(shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
     """An uninitialised tensor whose memory starts on a huge-page boundary (Linux, 4 MiB or more), advised
     MADV_HUGEPAGE: a layer's cache of a few MiB would otherwise lose up to a huge page at each end to 4 KiB
     pages."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if not sys.platform.startswith("linux") or nbytes < (4 << 20):
         return torch.empty(shape, dtype=dtype)
     raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
