@@ -183,10 +183,13 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
         scheduled_before = len(scheduled)
         queued.append(engine._ahead is not None)  # this step was queued by the call before
         start = time.perf_counter()
-        if WATCHDOG_S:  # a step that hangs dumps every thread's Python stack (no GIL needed)
+        # a step that hangs dumps every thread's Python stack (no GIL needed); not a mode's first steps, whose
+        # compiles can outlast it (the dump of a thread inside a compile crashed the process in session 44)
+        watched = WATCHDOG_S and engine.stats.steps >= WATCHDOG_AFTER_STEPS
+        if watched:
             faulthandler.dump_traceback_later(WATCHDOG_S)
         sampled = engine.step()
-        if WATCHDOG_S:
+        if watched:
             faulthandler.cancel_dump_traceback_later()
         seconds = time.perf_counter() - start
         # a step queued ahead by the call before (async scheduling) was not scheduled here: it only decodes
@@ -198,6 +201,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
                            "share": r.share(), "fit": r.job_fit(),  # (fixed s, s per context token of a row)
                            "host_context": r.context,  # the job's rows' mean context (auto's model prices them so)
                            "step_s": r.step or 0.0, "members": stagger.num_members, "capacity": stagger.capacity,
+                           "closed": stagger.closed,
                            "parked": len(engine.scheduler.parked), "prefill": prefill_tokens})
             policy = engine.auto_policy
             if policy is not None:  # auto: its model's last verdict and the host gaps it learned (GPU-only, host)
@@ -433,8 +437,8 @@ RUNNER_SUFFIXES = {"/cxxrunner": True, "/pyrunner": False}
 # "/r2": a mode run again under its own name and otherwise the same settings, for an A-B-A order (the first hybrid
 # mode of a run came out lowest in three of session 35's four A/B runs)
 REPEAT_SUFFIX = re.compile(r"/r\d+")
-# a mode run with the launching thread sleeping ("/blocking") or spinning ("/spinning", the default) while it waits
-# for a step's sampled ids: sampler.BLOCKING_WAITS for that run
+# a mode run with the launching thread sleeping ("/blocking", the default since session 44) or spinning
+# ("/spinning") while it waits for the GPU: sampler.BLOCKING_WAITS for that run
 WAIT_SUFFIXES = {"/blocking": True, "/spinning": False}
 _SUFFIX_NAMES = {PIECEWISE_SUFFIX, PIN_SUFFIX, *LANE_SUFFIXES, *EXCHANGE_SUFFIXES, *MOVE_SUFFIXES, *FIT_SUFFIXES,
                  *LEARN_SUFFIXES, *RUNNER_SUFFIXES, *WAIT_SUFFIXES}
@@ -696,6 +700,7 @@ def prediction_error(model: PerfModel, steps, plan="overlap", online=False):
 
 
 WATCHDOG_S = 0.0  # --watchdog
+WATCHDOG_AFTER_STEPS = 32  # the steps of a mode before the watchdog is armed
 
 
 def main():
@@ -743,7 +748,8 @@ def main():
                         help="HF generate with its offloaded cache over this many requests (0: as many as the "
                              "device pool holds; -1: skip)")
     parser.add_argument("--watchdog", type=float, default=0.0,
-                        help="seconds after which a step still running dumps every thread's Python stack (0: off)")
+                        help="seconds after which a step still running dumps every thread's Python stack (0: off; "
+                             "from a mode's 33rd step on, after its compiles)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     WATCHDOG_S = args.watchdog

@@ -40,9 +40,10 @@ DEFAULT_STAGGER_WIDTH = 4  # offload="staggered" without a width
 # pipeline's first requests are prefilled in the host pool, costly; a verdict flickering at the margin would pay
 # that and park them again: notes item 41)
 STAGGER_RISE_STEPS = 64
-# and steps in a row it must find none paying before the ceiling of a pipeline with members falls to 0 (which
-# empties it: its requests are parked, and refilling it takes a rise and a lane's cycle; a dip of the measured
-# rows, the job fit's noise, read as a verdict of 0 for one step)
+# and steps in a row it must find none paying before a pipeline with members closes (its members finish on the
+# host) or, if no rows beat GPU-only, its ceiling falls to 0 (which empties it: its requests are parked, and
+# refilling it takes a rise and a lane's cycle; a dip of the measured rows, the job fit's noise, read as a verdict
+# of 0 for one step)
 STAGGER_FALL_STEPS = 32
 AUTO_STAGGER_WIDTH = 8  # stagger_width="auto": the block's rows, of which the measured CPU job decides the used
 
@@ -276,7 +277,8 @@ class Engine:
         self._launcher = LauncherPin(cores) if cores and self.device.type == "cuda" and pin else None
         self._ceiling_key = None  # (device rows, context bucket, calibration state) of the last auto ceiling
         self._decode_only = False  # whether the last step() only decoded (no prompt chunk, no graph captured)
-        self._model_rows = 0  # the model's host rows at that key
+        self._verdicts = {}  # the model's host rows at that key, per margin ("rise", "keep", "hold")
+        self._model_rows = 0  # the last of them asked (e2e_hybrid records it)
         self._rise_steps = 0  # steps in a row the model's rows were > 0 while the ceiling stayed 0
         self._fall_steps = 0  # steps in a row the model's rows were 0 while the ceiling of a used pipeline was not
         self.scheduler = Scheduler(self.config, self.kv, self.max_model_len, self._auto_host_policy(), self.stagger)
@@ -348,10 +350,14 @@ class Engine:
         sample, parked to resume in the device pool: `_park_idle_pipeline`): a plan whose job fits fewer rows
         than its overhead needs to pay stops taking requests. Recomputed when the composition or the measured
         rows change; a ceiling of 0 rises only after the model has found rows paying STAGGER_RISE_STEPS steps in
-        a row, and that of a pipeline with members falls to 0 only after STAGGER_FALL_STEPS steps of none, its
-        verdict taken with the model's lower keep margin (`AutoOffload.stagger_rows(keep=True)`). The model adds
-        each kind of step's host gap, learned from this engine's decode steps (`step`, `_gap_sample`), and
-        predicts the CPU job by the pipeline's measured job fit once there is one (`AutoOffload.learn_cpu_job`)."""
+        a row (`AutoOffload.stagger_rows`, its margin), and a pipeline with members stops only after
+        STAGGER_FALL_STEPS steps of none (its keep margin, `keep=True`). Stopping first closes it
+        (`StaggerPipeline.closed`): no request joins, its members finish at the rows that still beat GPU-only
+        (`hold=True`), rather than all parked at once to resume in the device pool; the keep verdict back opens
+        it again, and its ceiling falls to 0 once it is empty or after STAGGER_FALL_STEPS steps of no rows
+        beating GPU-only. The model adds each kind of step's host gap, learned from this engine's decode steps
+        (`step`, `_gap_sample`), and predicts the CPU job by the pipeline's measured job fit once there is one
+        (`AutoOffload.learn_cpu_job`)."""
         running = self.scheduler.running
         if not running:
             return
@@ -360,29 +366,58 @@ class Engine:
         context = sum(r.num_tokens for r in running) / len(running)
         host_context = stagger.rows.context or None  # the job's rows' own context (they lag the device rows')
         fits = min(stagger.width, stagger.rows.measured)
-        keep = bool(stagger.rows.ceiling and stagger.num_members)  # a running pipeline: the lower keep margin
+        used = bool(stagger.rows.ceiling and stagger.num_members)  # a running pipeline: the lower keep margin
         gap = self.auto_policy.gap
         fit = stagger.rows.job_fit()  # the measured job (kept until an idle probe drops it): not the profile's
         self.auto_policy.learn_cpu_job(fit)
         key = (len(device), int(context) // 32, int(host_context or 0) // 32, len(self.calibration.rows),
                self.calibration.stagger_width, fits,
-               keep, round(gap.seconds(False) * 1e4), round(gap.seconds(True) * 1e4),  # gaps in 0.1 ms
+               round(gap.seconds(False) * 1e4), round(gap.seconds(True) * 1e4),  # gaps in 0.1 ms
                fit and (round(fit[0] * 1e4), round(math.log(max(fit[1], 1e-15)) * 50)))  # rate in 2% steps
-        if key != self._ceiling_key:
-            self._ceiling_key = key
-            self._model_rows = self.auto_policy.stagger_rows(len(device), context, fits, keep=keep,
-                                                             host_context=host_context)
-        rows = self._model_rows
+
+        def verdict(margin: str) -> int:  # the model's rows at that margin ("rise", "keep", "hold"), cached by key
+            if self._ceiling_key != key:
+                self._ceiling_key, self._verdicts = key, {}
+            if margin not in self._verdicts:
+                self._verdicts[margin] = self.auto_policy.stagger_rows(
+                    len(device), context, fits, keep=margin != "rise", host_context=host_context,
+                    hold=margin == "hold")
+            self._model_rows = self._verdicts[margin]
+            return self._model_rows
+
+        rows = verdict("keep" if used else "rise")
+        if stagger.closed and not stagger.num_members:  # a closed pipeline emptied: GPU-only until a rise
+            stagger.closed = False
+            stagger.rows.set_ceiling(0)
+            return
         if rows and not stagger.rows.ceiling:  # rising from 0: only once the verdict has held STAGGER_RISE_STEPS
             self._rise_steps += 1
             if self._rise_steps < STAGGER_RISE_STEPS:
                 return
-        if not rows and stagger.rows.ceiling and stagger.num_members:  # and falling, STAGGER_FALL_STEPS
+        self._rise_steps = 0
+        if rows or not used:
+            self._fall_steps = 0
+            stagger.closed = False
+            stagger.rows.set_ceiling(rows)
+            return
+        held = verdict("hold")  # a used pipeline the keep verdict does not pay: the rows that still beat GPU-only
+        if not stagger.closed:  # an open one closes after STAGGER_FALL_STEPS, or empties if none beat it
             self._fall_steps += 1
             if self._fall_steps < STAGGER_FALL_STEPS:
                 return
-        self._rise_steps = self._fall_steps = 0
-        stagger.rows.set_ceiling(rows)
+            self._fall_steps = 0
+            stagger.closed = bool(held)
+            stagger.rows.set_ceiling(held)
+            return
+        if held:
+            self._fall_steps = 0
+            stagger.rows.set_ceiling(held)
+            return
+        self._fall_steps += 1  # a closed one empties (its members parked) after STAGGER_FALL_STEPS of none
+        if self._fall_steps >= STAGGER_FALL_STEPS:
+            self._fall_steps = 0
+            stagger.closed = False
+            stagger.rows.set_ceiling(0)
 
     def _park_idle_pipeline(self) -> None:
         """A staggered pipeline whose ceiling is 0 (offload="auto": host rows no longer pay) empties as its

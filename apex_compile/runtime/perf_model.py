@@ -332,6 +332,11 @@ STAGGER_MARGIN = 0.15
 # +14% (exchange inline) and +22% (beside) in the same run (notes item 44); the calibrated error of the
 # staggered modes was 1.3-6.3% there, so a kept pipeline predicted at +8% still gains.
 STAGGER_KEEP_MARGIN = 0.08
+# The gain a closed pipeline's members need to go on decoding on the host (no request joins it; it empties as they
+# finish) rather than all be parked at once to resume in the device pool, a cost the model leaves out: at 2 GiB
+# Llama-2-7B on an H100 host, a pipeline of 1-2 rows fell twice in the fill, parking 90+ members each time; the
+# window began with 90 parked and auto measured 0.89x never (notes item 59).
+STAGGER_HOLD_MARGIN = 0.0
 # A pipeline's CPU job is predicted from its own measured fit (`AutoOffload.learn_cpu_job`), not the profile's
 # bandwidth probe: the profile is cached per machine, and a probe taken while the host was busy would cap the rows
 # for good (notes item 50). False: the profile only (e2e_hybrid "/profilejob").
@@ -346,14 +351,17 @@ class AutoOffload:
     admitting host requests after a few steps."""
 
     def __init__(self, model: PerfModel, margin: float = 0.02, stagger_groups: int = 1,
-                 stagger_margin: float = STAGGER_MARGIN, stagger_keep_margin: float = STAGGER_KEEP_MARGIN):
+                 stagger_margin: float = STAGGER_MARGIN, stagger_keep_margin: float = STAGGER_KEEP_MARGIN,
+                 stagger_hold_margin: float = STAGGER_HOLD_MARGIN):
         """stagger_groups: host requests per staggered row (2 x the model's layers + 1); stagger_margin: the
         predicted gain over GPU-only the staggered plan needs (`STAGGER_MARGIN`); stagger_keep_margin: the gain a
-        running pipeline needs to keep its rows (`STAGGER_KEEP_MARGIN`)."""
+        running pipeline needs to keep its rows (`STAGGER_KEEP_MARGIN`); stagger_hold_margin: the gain a closed
+        pipeline's members need to finish on the host (`STAGGER_HOLD_MARGIN`)."""
         self.model = model
         self.margin = margin
         self.stagger_margin = stagger_margin
         self.stagger_keep_margin = stagger_keep_margin
+        self.stagger_hold_margin = stagger_hold_margin
         self.stagger_groups = stagger_groups
         # measured / predicted decode-step time (running means) of steps with host rows and of GPU-only steps
         self.correction = 1.0
@@ -417,16 +425,16 @@ class AutoOffload:
         return dataclasses.replace(p, step_s=max(p.step_s + self.gap.seconds(bool(cpu_rows)), 1e-6))
 
     def stagger_rows(self, gpu_requests: int, context: float, width: int, keep: bool = False,
-                     host_context: Optional[float] = None) -> int:
+                     host_context: Optional[float] = None, hold: bool = False) -> int:
         """Host rows per step (0..width) for the staggered plan beside `gpu_requests` device rows of
         `context`-token requests, its host rows' requests of `host_context` tokens (None: `context`): the count
         with the most predicted tokens/s, 0 unless it beats GPU-only by `stagger_margin` (then no request enters
-        the pipeline); keep: for a running pipeline, by `stagger_keep_margin` instead. Each kind of step is
-        predicted with its host gap learned so far (`observe_staggered`): the GPU-only step's, measured beside the
-        same host work, is not flattered."""
+        the pipeline); keep: for a running pipeline, by `stagger_keep_margin` instead; hold: for a closed one's
+        members, by `stagger_hold_margin`. Each kind of step is predicted with its host gap learned so far
+        (`observe_staggered`): the GPU-only step's, measured beside the same host work, is not flattered."""
         never = self._staggered_step(gpu_requests, 0, context).tokens_per_s
         best = self._best_staggered(gpu_requests, context, width, host_context)
-        margin = self.stagger_keep_margin if keep else self.stagger_margin
+        margin = (self.stagger_hold_margin if hold else self.stagger_keep_margin if keep else self.stagger_margin)
         return best.cpu_requests if best and best.tokens_per_s > never * (1 + margin) else 0
 
     def _best_staggered(self, gpu_requests: int, context: float, width: int,

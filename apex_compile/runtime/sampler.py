@@ -83,9 +83,9 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
 
 # Whether the launching thread sleeps (a blocking CUDA event) instead of spinning while it waits for the GPU: a
 # step's sampled ids, the pinned step buffers and pipeline positions before they are rewritten, block moves
-# (`host_wait_event`). Off (CUDA's default, a spin with one context on many cores) until measured: a spinning
-# launcher holds the core a 16th CPU attention thread would use (notes item 57; e2e_hybrid's "/blocking" A/B).
-BLOCKING_WAITS = False
+# (`host_wait_event`). On: a spinning launcher (CUDA's default with one context on many cores) holds a core the CPU
+# attention team reads with; the decode steps are queued ahead, so the wake-up is hidden (notes item 59).
+BLOCKING_WAITS = True
 
 
 def host_wait_event() -> "torch.cuda.Event":

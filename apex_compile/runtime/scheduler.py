@@ -252,7 +252,9 @@ class Scheduler:
 
     def _pipeline_full(self) -> bool:
         """Whether the staggered pipeline has no row left for another host request (members, and host-pool
-        requests still prefilling, which join it next)."""
+        requests still prefilling, which join it next), or is closed to new ones (auto: its members finishing)."""
+        if self.stagger.closed:
+            return True
         prefilling = sum(1 for r in self.running if self.kv.pool_of(r.request_id) == HOST_POOL)
         return self.stagger.num_members + prefilling >= self.stagger.capacity
 

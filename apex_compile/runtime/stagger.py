@@ -353,6 +353,8 @@ class StaggerPipeline:
                                                 for _ in range(lanes)]
         self.joining: Deque[Request] = collections.deque()
         self.inside = 0  # requests in the groups of both lanes (kept by begin_step, finish, remove)
+        # offload="auto": closed to new requests, its members finishing (`Engine._update_stagger_ceiling`)
+        self.closed = False
         self.evicted = 0  # requests sent back to wait in `joining` by a fallen row limit (begin_step)
         self.rope = rope
         self.steps = 0

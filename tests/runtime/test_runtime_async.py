@@ -203,7 +203,7 @@ def test_with_the_staggered_plan_a_parked_request_keeps_the_device_pool_not_the_
 
     shape = CacheShape(num_layers=1, num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32)
     kv = KVManager(shape, 4, 16, torch.device("cpu"))
-    pipeline = types.SimpleNamespace(num_members=0, capacity=2)
+    pipeline = types.SimpleNamespace(num_members=0, capacity=2, closed=False)
     sched = Scheduler(ApexConfig(offload="staggered", preemption="swap", max_num_seqs=8,
                                  max_num_batched_tokens=64), kv, stagger=pipeline)
     running = Request(0, list(range(1, 41)), SamplingParams(max_new_tokens=4))
@@ -237,7 +237,7 @@ def test_the_pipeline_leaves_the_host_pool_room_to_park_the_device_pools_request
     shape = CacheShape(num_layers=1, num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32)
     kv = KVManager(shape, 4, 12, torch.device("cpu"))
     sched = Scheduler(ApexConfig(offload="staggered", preemption="swap", max_num_seqs=8, max_num_batched_tokens=64),
-                      kv, stagger=types.SimpleNamespace(num_members=0, capacity=8))
+                      kv, stagger=types.SimpleNamespace(num_members=0, capacity=8, closed=False))
     running = Request(0, list(range(1, 64)), SamplingParams(max_new_tokens=1))
     running.num_computed, running.status = 63, RequestStatus.RUNNING
     kv.grow(running.request_id, DEVICE_POOL, 64)  # the whole device pool

@@ -3,8 +3,8 @@ CPU is too slow, hybrid when the bound is large, never a plan predicted slower t
 APEX's inequality, explain(), and the on-disk profile cache."""
 import pytest
 
-from apex_compile.runtime.perf_model import (PLANS, STAGGER_KEEP_MARGIN, STAGGER_MARGIN, AutoOffload, PerfModel,
-                                             Profile, StepCalibration,
+from apex_compile.runtime.perf_model import (PLANS, STAGGER_HOLD_MARGIN, STAGGER_KEEP_MARGIN, STAGGER_MARGIN,
+                                             AutoOffload, PerfModel, Profile, StepCalibration,
                                              apex_pipeline_inequality,
                                              cached_profile, interpolate, profile_path)
 
@@ -259,6 +259,13 @@ def test_a_running_pipeline_needs_only_the_keep_margin():
     policy.stagger_keep_margin = gain * 1.01
     assert policy.stagger_rows(12, 576, 8, keep=True) == 0
     assert AutoOffload(model).stagger_keep_margin == STAGGER_KEEP_MARGIN < STAGGER_MARGIN
+    # hold=True (a closed pipeline's members): the hold margin, whatever `keep` says
+    assert policy.stagger_rows(12, 576, 8, keep=True, hold=True) > 0  # the default hold margin, 0
+    policy.stagger_hold_margin = gain * 1.01
+    assert policy.stagger_rows(12, 576, 8, hold=True) == 0
+    policy.stagger_hold_margin, policy.stagger_keep_margin = gain * 0.99, 10.0
+    assert policy.stagger_rows(12, 576, 8, keep=True, hold=True) > 0
+    assert AutoOffload(model).stagger_hold_margin == STAGGER_HOLD_MARGIN < STAGGER_KEEP_MARGIN
 
 
 def test_the_staggered_verdict_follows_each_kind_of_steps_learned_host_gap():

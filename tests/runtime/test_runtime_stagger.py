@@ -688,7 +688,7 @@ def test_auto_refills_a_pipeline_its_ceiling_emptied_after_the_probe(monkeypatch
     engine, stagger = apex.engine, apex.engine.stagger
 
     class Policy(StubPolicy):
-        def stagger_rows(self, gpu_requests, context, width, keep=False, host_context=None):
+        def stagger_rows(self, gpu_requests, context, width, keep=False, host_context=None, hold=False):
             return width if width >= 2 else 0
 
     engine.auto_policy = Policy()
@@ -746,7 +746,7 @@ def test_auto_learns_the_host_gap_from_its_decode_steps_only():
     class Policy:
         gap = HostGap()
 
-        def stagger_rows(self, gpu_requests, context, width, keep=False, host_context=None):
+        def stagger_rows(self, gpu_requests, context, width, keep=False, host_context=None, hold=False):
             return width
 
         def learn_cpu_job(self, fit):
@@ -914,7 +914,7 @@ def test_auto_ceiling_is_chosen_among_the_rows_the_cpu_job_fits(monkeypatch):
     asked = []
 
     class Policy(StubPolicy):  # pays from 3 rows on (the plan's overhead needs them)
-        def stagger_rows(self, gpu_requests, context, width, keep=False, host_context=None):
+        def stagger_rows(self, gpu_requests, context, width, keep=False, host_context=None, hold=False):
             asked.append(width)
             return width if width >= 3 else 0
 
@@ -977,7 +977,7 @@ def test_a_running_pipeline_is_kept_by_the_lower_margin(monkeypatch):
     asked = []
 
     class Policy(StubPolicy):  # a gain between the two margins: rows only when keeping
-        def stagger_rows(self, gpu_requests, context, width, keep=False, host_context=None):
+        def stagger_rows(self, gpu_requests, context, width, keep=False, host_context=None, hold=False):
             asked.append(keep)
             return width if keep else 0
 
@@ -997,6 +997,102 @@ def test_a_running_pipeline_is_kept_by_the_lower_margin(monkeypatch):
         engine._update_stagger_ceiling()
         assert asked[-1] is True and stagger.rows.ceiling == stagger.rows.measured
     monkeypatch.undo()
+    apex.close()
+
+
+class MarginPolicy(StubPolicy):
+    """A stand-in whose verdict depends only on the margin asked: `verdicts` maps "rise", "keep", "hold" to rows."""
+
+    def __init__(self, **verdicts):
+        super().__init__()
+        self.verdicts = verdicts
+
+    def stagger_rows(self, gpu_requests, context, width, keep=False, host_context=None, hold=False):
+        return min(width, self.verdicts["hold" if hold else "keep" if keep else "rise"])
+
+
+def test_a_pipeline_the_keep_verdict_drops_closes_and_its_members_finish(monkeypatch):
+    """auto: a pipeline with members whose keep verdict pays no rows for STAGGER_FALL_STEPS closes (no request
+    joins) at the rows that still beat GPU-only (`hold=True`), instead of parking its members at once; the keep
+    verdict back opens it; closed, it empties to a ceiling of 0 once no rows beat GPU-only for
+    STAGGER_FALL_STEPS, or at once when its last member has left. With no rows beating GPU-only at the fall, the
+    ceiling falls to 0 as before."""
+    from apex_compile.runtime.engine import STAGGER_FALL_STEPS
+
+    apex = staggered(sharp_model(), width="auto")
+    engine, stagger = apex.engine, apex.engine.stagger
+    policy = engine.auto_policy = MarginPolicy(rise=4, keep=0, hold=2)
+    engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=2))
+    engine.scheduler.schedule()
+    members = [3]
+    monkeypatch.setattr(type(stagger), "num_members", property(lambda self: members[0]))
+    stagger.rows.measured = 8
+    stagger.rows.set_ceiling(4)
+    full = engine.scheduler._pipeline_full
+    assert not full()
+
+    def update(steps):
+        engine._ceiling_key = None  # the verdicts are cached per model input; this stand-in's change is not one
+        for _ in range(steps):
+            engine._update_stagger_ceiling()
+        return stagger.rows.ceiling, stagger.closed
+
+    assert update(STAGGER_FALL_STEPS - 1) == (4, False)
+    assert update(1) == (2, True) and full()  # closed at the held rows: nothing joins
+    policy.verdicts["keep"] = 4
+    assert update(1) == (4, False) and not full()  # the keep verdict back: open again
+    policy.verdicts["keep"] = 0
+    assert update(STAGGER_FALL_STEPS) == (2, True)
+    policy.verdicts["hold"] = 0  # closed and no rows beat GPU-only: emptied after STAGGER_FALL_STEPS
+    assert update(STAGGER_FALL_STEPS - 1) == (2, True)
+    assert update(1) == (0, False)  # (and a ceiling of 0 takes no request either)
+    stagger.rows.set_ceiling(4)  # open, and none beats GPU-only at the fall: 0 as before, never closed
+    assert update(STAGGER_FALL_STEPS - 1) == (4, False)
+    assert update(1) == (0, False)
+    policy.verdicts["hold"] = 2
+    stagger.rows.set_ceiling(4)
+    assert update(STAGGER_FALL_STEPS) == (2, True)
+    members[0] = 0  # its last member left: GPU-only until a rise
+    assert update(1) == (0, False)
+    monkeypatch.undo()
+    apex.close()
+
+
+def test_a_closed_pipeline_finishes_its_members_on_the_host_and_admits_none(monkeypatch):
+    """auto end to end: the keep verdict drops while the pipeline holds requests and one row still beats
+    GPU-only: the pipeline closes; none of its members is parked (each finishes from the host pool), requests
+    arriving after it closed run in the device pool only, and every request gets HF's tokens."""
+    from apex_compile.runtime import engine as engine_module
+    from apex_compile.runtime.kv_manager import HOST_POOL
+
+    torch.manual_seed(14)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (6, 11, 4, 9, 13, 5, 7, 8, 10, 12)]
+    reference = hf_tokens(model, prompts, 20)
+    apex = staggered(model, width="auto")
+    engine, stagger = apex.engine, apex.engine.stagger
+    engine.auto_policy = MarginPolicy(rise=2, keep=2, hold=1)
+    engine.config.offload = "auto"
+    monkeypatch.setattr(engine_module, "STAGGER_FALL_STEPS", 3)
+    parked, park = [], engine.scheduler.park_from_pipeline
+    monkeypatch.setattr(engine.scheduler, "park_from_pipeline", lambda r: (parked.append(r), park(r)))
+    sampling = SamplingParams(max_new_tokens=20)
+    requests = [engine.add_request(p, sampling) for p in prompts[:6]]
+    late, members = [], []
+    while engine.has_unfinished():
+        engine.step()
+        members.append(stagger.num_members)
+        if stagger.closed and not late:
+            members_at_close = {r.request_id for r in stagger.members()}
+            late = [engine.add_request(p, sampling) for p in prompts[6:]]
+        elif stagger.num_members >= 2 and not late:
+            engine.auto_policy.verdicts["keep"] = 0  # the keep verdict drops with the pipeline in use
+    assert late and members_at_close and max(members) >= 2
+    assert not parked  # its members finished on the host, none parked to resume in the device pool
+    assert all(r.steps_per_pool[HOST_POOL] for r in requests if r.request_id in members_at_close)
+    assert not any(r.steps_per_pool[HOST_POOL] for r in late)  # nothing joined the closed pipeline
+    assert [r.output_token_ids for r in requests + late] == reference
+    assert engine.blocks_in_use() == {"device": 0, "host": 0}
     apex.close()
 
 
