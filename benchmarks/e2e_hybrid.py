@@ -184,7 +184,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
         queued.append(engine._ahead is not None)  # this step was queued by the call before
         start = time.perf_counter()
         # a step that hangs dumps every thread's Python stack (no GIL needed); not a mode's first steps, whose
-        # compiles can outlast it (the dump of a thread inside a compile crashed the process in session 44)
+        # compiles can outlast it (faulthandler's dump of a thread inside a compile can crash the process)
         watched = WATCHDOG_S and engine.stats.steps >= WATCHDOG_AFTER_STEPS
         if watched:
             faulthandler.dump_traceback_later(WATCHDOG_S)

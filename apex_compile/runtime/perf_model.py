@@ -333,9 +333,8 @@ STAGGER_MARGIN = 0.15
 # staggered modes was 1.3-6.3% there, so a kept pipeline predicted at +8% still gains.
 STAGGER_KEEP_MARGIN = 0.08
 # The gain a closed pipeline's members need to go on decoding on the host (no request joins it; it empties as they
-# finish) rather than all be parked at once to resume in the device pool, a cost the model leaves out: at 2 GiB
-# Llama-2-7B on an H100 host, a pipeline of 1-2 rows fell twice in the fill, parking 90+ members each time; the
-# window began with 90 parked and auto measured 0.89x never (notes item 59).
+# finish) rather than all be parked at once to resume in the device pool: that mass park and the device pool's
+# churn after it are costs the model leaves out (notes item 59).
 STAGGER_HOLD_MARGIN = 0.0
 # A pipeline's CPU job is predicted from its own measured fit (`AutoOffload.learn_cpu_job`), not the profile's
 # bandwidth probe: the profile is cached per machine, and a probe taken while the host was busy would cap the rows
