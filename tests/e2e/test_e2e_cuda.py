@@ -387,7 +387,7 @@ def test_auto_that_chooses_the_staggered_plan_equals_hf_generate_fp32(tmp_path, 
 
     monkeypatch.setattr(perf_profile, "measure_profile", fast_cpu)
     monkeypatch.setattr(perf_model.AutoOffload, "stagger_rows",
-                        lambda self, gpu, context, width, keep=False, host_context=None: width)
+                        lambda self, gpu, context, width, keep=False, host_context=None, hold=False: width)
     model = random_llama(torch.float32)
     ids, mask, ref, block = small_pool_case(model)
     apex = optimize(model, ApexConfig(offload="auto", gpu_cache_size=8 * block, cpu_cache_size=32 * MB))
