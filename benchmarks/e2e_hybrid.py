@@ -14,7 +14,8 @@ HF generate with its offloaded cache (KV in host memory) over as many requests a
 ideal_gain comes twice: at the workload's nominal mean context (prompt + new/2) and at the mean context of the
 window's host tokens ("eff@host", the figure to judge by). A staggered host request gains a token per
 num_layers + 1 steps, so within a window it stays near its prompt's length and reads less KV per token than the
-nominal context says.
+nominal context says. Never named again ("never,auto,never/r2": an A-B-A order) makes the baseline the mean of
+its runs: a mode's place in the process moves its decode step by a few percent.
 
 Steady state: a window's tokens come partly from requests prefilled before it (the staggered pipeline's members,
 parked requests resuming without a prefill), and a mode whose window happens to hold fewer prefill steps reads
@@ -38,7 +39,7 @@ import re
 import statistics
 import sys
 import time
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
@@ -369,7 +370,20 @@ def excess_by_kind(steps, queued, events, short=0.7):
 def without_host_tokens(runs) -> list:
     """The modes other than never whose window decoded no token from the host pool (their tokens/s against
     never's is then no host gain: an auto that stopped its host rows ran never's plan)."""
-    return [m for m, r in runs.items() if m != "never" and not r["host_tokens"]]
+    return [m for m, r in runs.items() if m not in never_modes(runs) and not r["host_tokens"]]
+
+
+def never_modes(runs) -> list:
+    """The runs of plain never (its "/rN" repeats too, not e.g. "never/spinning"): the baseline."""
+    return [m for m in runs if REPEAT_SUFFIX.sub("", m) == "never"]
+
+
+def baseline(values: dict, runs) -> Optional[float]:
+    """The mean of `values` (a figure per mode) over never's runs (None without one): a run's place in the
+    process moves its decode step by a few percent, so never run first and last ("never,...,never/r2") is the
+    fairer baseline than never run first only."""
+    own = [values[m] for m in never_modes(runs) if m in values]
+    return sum(own) / len(own) if own else None
 
 
 def _decode_median(run) -> float:
@@ -890,15 +904,18 @@ def main():
             cpu_bandwidth = (probed_before + probed_after) / 2
             context = args.prompt + args.new_tokens / 2
             ideal = perf.ideal_gain(context, cpu_bandwidth)
-            never = runs["never"]["tokens_per_s"] if "never" in runs else None  # (an A/B run of other modes)
+            # never's tokens/s, the mean over its runs (None: an A/B run of other modes)
+            never = baseline({m: r["tokens_per_s"] for m, r in runs.items()}, runs)
             efficiency = (runs["auto"]["tokens_per_s"] - never) / ideal if "auto" in runs and never else None
-            efficiencies = {m: (r["tokens_per_s"] - never) / ideal for m, r in runs.items() if never and m != "never"}
+            efficiencies = {m: (r["tokens_per_s"] - never) / ideal for m, r in runs.items()
+                            if never and m not in never_modes(runs)}
             # the same at each mode's own host contexts (the KV its host tokens read in the window): a host request
             # gains a token per num_layers + 1 steps, so in a window it runs near its prompt's length, not at the
             # workload's mean context, and the nominal ideal_gain misprices what the window's host tokens cost
             host_ideal = {m: perf.ideal_gain(r["host_context"], cpu_bandwidth) for m, r in runs.items()
                           if r.get("host_context")}
-            host_efficiencies = {m: (runs[m]["tokens_per_s"] - never) / g for m, g in host_ideal.items() if never}
+            host_efficiencies = {m: (runs[m]["tokens_per_s"] - never) / g for m, g in host_ideal.items()
+                                 if never and m not in never_modes(runs)}
             bounds = {}
             for lanes in (2, 1):
                 groups = lanes * (shape["num_hidden_layers"] + 1)  # host requests per staggered row
@@ -916,7 +933,9 @@ def main():
                              for m, r in runs.items()}
             best = max(runs, key=lambda m: runs[m]["tokens_per_s"])
             steady = steady_tokens_per_s(runs, args.prompt, args.new_tokens)
-            steady_eff = {m: (v - steady["never"]) / ideal for m, v in steady.items() if m != "never" and never}
+            steady_never = baseline(steady, runs)
+            steady_eff = {m: (v - steady_never) / ideal for m, v in steady.items()
+                          if m not in never_modes(runs) and never}
             row = {"shape": shape_name, "device_gib": gib, "requests": count, "context": context,
                    "ideal_gain": ideal, "cpu_attention_GBps": cpu_bandwidth / 1e9,
                    "cpu_attention_GBps_before_after": [probed_before / 1e9, probed_after / 1e9],
@@ -930,7 +949,8 @@ def main():
                    "efficiency": efficiencies, "steady_tokens_per_s": steady, "steady_efficiency": steady_eff,
                    "host_context": {m: r.get("host_context") for m, r in runs.items()},
                    "ideal_gain_at_host_context": host_ideal, "efficiency_at_host_context": host_efficiencies,
-                   "best_mode": best, "hf_offloaded": hf, "without_host_tokens": without_host_tokens(runs),
+                   "never_tokens_per_s": never, "never_runs": never_modes(runs), "best_mode": best,
+                   "hf_offloaded": hf, "without_host_tokens": without_host_tokens(runs),
                    "best_efficiency": (runs[best]["tokens_per_s"] - never) / ideal if never else None,
                    "modes": {m: {k: v for k, v in r.items() if k != "steps"} for m, r in runs.items()},
                    "steps": {m: r["steps"] for m, r in runs.items()}}
@@ -957,6 +977,9 @@ def main():
                   f"{perf.profile.kv_bytes_per_token * context / 1e6:.0f} MB of KV per host request-step", flush=True)
             print(f"   host pools on huge pages: the probes' {huge_before:.0%} before and {huge_after:.0%} after; "
                   + ", ".join(f"{m} {r['host_pool_huge_pages']:.0%}" for m, r in runs.items()), flush=True)
+            if len(never_modes(runs)) > 1:
+                print(f"   never's baseline: {never:.0f} tokens/s, the mean of " + ", ".join(
+                    f"{m} {runs[m]['tokens_per_s']:.0f}" for m in never_modes(runs)), flush=True)
             if efficiencies:
                 print("   efficiency per mode: " + ", ".join(f"{m} {e:.2f}" for m, e in efficiencies.items()),
                       flush=True)

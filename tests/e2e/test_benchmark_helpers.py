@@ -482,3 +482,15 @@ def test_cpu_topology_counts_cores_and_smt_siblings(tmp_path):
                                                        "smt_groups": ["0,2", "1,3"]}
     (tmp_path / "cpu4").mkdir()
     assert e2e_hybrid.cpu_topology(str(tmp_path)) == {"cpus": 5}
+
+
+def test_the_baseline_is_the_mean_of_nevers_runs():
+    """baseline: never and its "/rN" repeats (an A-B-A order) are averaged; another never variant is a mode of its
+    own, compared with that baseline, and no never run is named as a mode without host tokens."""
+    runs = {"never": {"host_tokens": 0}, "auto": {"host_tokens": 5}, "never/spinning": {"host_tokens": 0},
+            "never/r2": {"host_tokens": 0}}
+    assert e2e_hybrid.never_modes(runs) == ["never", "never/r2"]
+    rates = {"never": 100.0, "auto": 130.0, "never/spinning": 90.0, "never/r2": 110.0}
+    assert e2e_hybrid.baseline(rates, runs) == 105.0
+    assert e2e_hybrid.baseline({"auto": 130.0}, {"auto": {}}) is None
+    assert e2e_hybrid.without_host_tokens(runs) == ["never/spinning"]
