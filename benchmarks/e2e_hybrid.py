@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_throughput import SHAPES, kv_bytes_per_token, random_llama, timed_generate, write_json  # noqa: E402
 
 from apex_compile import ApexConfig, SamplingParams, optimize  # noqa: E402
+from apex_compile.ops import cpu_attention as cpu_attention_module  # noqa: E402
 from apex_compile.ops import cpu_attention_work_split  # noqa: E402
 from apex_compile.runtime import attention_runner, kv_manager  # noqa: E402
 from apex_compile.runtime import stagger as stagger_module  # noqa: E402
@@ -454,8 +455,11 @@ REPEAT_SUFFIX = re.compile(r"/r\d+")
 # a mode run with the launching thread sleeping ("/blocking", the default since session 44) or spinning
 # ("/spinning") while it waits for the GPU: sampler.BLOCKING_WAITS for that run
 WAIT_SUFFIXES = {"/blocking": True, "/spinning": False}
+# a mode whose host pool's layers start a page apart on huge pages ("/shifted") or on huge-page boundaries
+# ("/aligned", the default): cpu_attention.HUGE_PAGE_SHIFT_PAGES for that run (benchmarks/host_pool_pages.py)
+SHIFT_SUFFIXES = {"/shifted": 1, "/aligned": 0}
 _SUFFIX_NAMES = {PIECEWISE_SUFFIX, PIN_SUFFIX, *LANE_SUFFIXES, *EXCHANGE_SUFFIXES, *MOVE_SUFFIXES, *FIT_SUFFIXES,
-                 *LEARN_SUFFIXES, *RUNNER_SUFFIXES, *WAIT_SUFFIXES}
+                 *LEARN_SUFFIXES, *RUNNER_SUFFIXES, *WAIT_SUFFIXES, *SHIFT_SUFFIXES}
 _SUFFIX_PATTERNS = (THREADS_SUFFIX, SPLIT_SUFFIX, BLOCK_SUFFIX, SHARE_SUFFIX, REPEAT_SUFFIX)
 
 
@@ -578,13 +582,18 @@ def _take_suffix(mode, suffixes):
 @contextlib.contextmanager
 def process_settings(mode):
     """The process-wide settings a mode's suffixes name (the exchange's stream, the block moves, the CPU
-    attention's work split, what the layered job's row fit reads, its worker, the launcher's waits) in effect;
+    attention's work split, what the layered job's row fit reads, its worker, the launcher's waits, the host pool's
+    layout) in effect;
     yields the mode without those suffixes and restores the settings after it."""
     beside, split = attention_runner.EXCHANGE_BESIDE, list(cpu_attention_work_split().values())
     overlap, busy_fit = kv_manager.OVERLAP_MOVES, stagger_module.BUSY_FIT
     job_share, learn_job = stagger_module.JOB_SHARE, perf_model_module.LEARN_CPU_JOB
     native_runner, blocking = stagger_module.NATIVE_RUNNER, sampler_module.BLOCKING_WAITS
+    shift = cpu_attention_module.HUGE_PAGE_SHIFT_PAGES
     try:
+        mode, named_shift = _take_suffix(mode, SHIFT_SUFFIXES)
+        if named_shift is not None:
+            cpu_attention_module.HUGE_PAGE_SHIFT_PAGES = named_shift
         mode, named_wait = _take_suffix(mode, WAIT_SUFFIXES)
         if named_wait is not None:
             sampler_module.BLOCKING_WAITS = named_wait
@@ -612,6 +621,7 @@ def process_settings(mode):
             mode = SPLIT_SUFFIX.sub("", mode)
         yield mode
     finally:
+        cpu_attention_module.HUGE_PAGE_SHIFT_PAGES = shift
         sampler_module.BLOCKING_WAITS = blocking
         attention_runner.EXCHANGE_BESIDE = beside
         kv_manager.OVERLAP_MOVES = overlap

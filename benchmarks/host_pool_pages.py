@@ -1,6 +1,8 @@
 """The CPU attention op over a host pool whose layers start on huge-page boundaries (`allocate_kv_cache_cpu`)
 against one of plain torch.empty layers (madvised, but a layer of a few MiB loses up to a huge page at each end
-to 4 KiB pages): huge-page shares and GB/s, rounds alternated in one process. The shape is e2e_hybrid's B_cpu
+to 4 KiB pages) and one whose huge-page layers each start a page after the one before ("shifted",
+`cpu_attention.HUGE_PAGE_SHIFT_PAGES` = 1, as plain allocations fall): huge-page shares and GB/s, rounds
+alternated in one process. The shape is e2e_hybrid's B_cpu
 probe: a Llama-3-8B pool, every block read once a step by 8 sequences a layer.
 
     python benchmarks/host_pool_pages.py --gib 1 --rounds 11
@@ -31,9 +33,15 @@ def plain_pool(blocks):
     return pool
 
 
-def aligned_pool(blocks):
-    return [list(cpu_attention.allocate_kv_cache_cpu(blocks, KV_HEADS, BLOCK, DIM, torch.bfloat16))
-            for _ in range(LAYERS)]
+def aligned_pool(blocks, shift_pages=0):
+    """The engine's pool: every layer's K and V on huge pages, starting `shift_pages` pages after the cache
+    allocated before it (0: on a huge-page boundary; cpu_attention.HUGE_PAGE_SHIFT_PAGES)."""
+    default, cpu_attention.HUGE_PAGE_SHIFT_PAGES = cpu_attention.HUGE_PAGE_SHIFT_PAGES, shift_pages
+    try:
+        return [list(cpu_attention.allocate_kv_cache_cpu(blocks, KV_HEADS, BLOCK, DIM, torch.bfloat16))
+                for _ in range(LAYERS)]
+    finally:
+        cpu_attention.HUGE_PAGE_SHIFT_PAGES = default
 
 
 def main(argv=None):
@@ -44,7 +52,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     blocks = int(args.gib * 2**30) // (LAYERS * 2 * KV_HEADS * BLOCK * DIM * 2)
     blocks -= blocks % args.seqs
-    pools = {"plain": plain_pool(blocks), "aligned": aligned_pool(blocks)}
+    pools = {"plain": plain_pool(blocks), "aligned": aligned_pool(blocks), "shifted": aligned_pool(blocks, 1)}
     for pool in pools.values():
         for key, value in pool:
             key.normal_()

@@ -18,6 +18,7 @@ Conventions:
   variable ``APEX_CPU_ISA`` (read on every call; see ``cpu_isa``).
 """
 import ctypes
+import itertools
 import math
 import mmap
 import sys
@@ -81,6 +82,12 @@ LIB.define("kv_export_stop(int lander) -> ()")
 _ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 _MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
+# Pages (4 KiB) by which each huge-page tensor starts after the one allocated before it (mod a huge page), still
+# wholly on huge pages; 0: every one starts on a huge-page boundary. Under test (benchmarks/host_pool_pages.py):
+# tensors that all start on 2 MiB boundaries put a layer's K and V, and every layer, on the same low address
+# bits, where cache sets and memory banks may collide; plain allocations fall a page apart.
+HUGE_PAGE_SHIFT_PAGES = 0
+_shift_count = itertools.count()
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -164,17 +171,18 @@ def allocate_kv_cache_cpu(
 
 
 def _huge_page_tensor(shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised tensor whose memory starts on a huge-page boundary (Linux, 4 MiB or more), advised
-    MADV_HUGEPAGE: a layer's cache of a few MiB would otherwise lose up to a huge page at each end to 4 KiB
-    pages."""
+    """An uninitialised tensor whose memory starts on a huge-page boundary (Linux, 4 MiB or more; or
+    HUGE_PAGE_SHIFT_PAGES pages after the previous one's start, mod a huge page), advised MADV_HUGEPAGE: a
+    layer's cache of a few MiB would otherwise lose up to a huge page at each end to 4 KiB pages."""
     nbytes = math.prod(shape) * dtype.itemsize
     if not sys.platform.startswith("linux") or nbytes < (4 << 20):
         return torch.empty(shape, dtype=dtype)
-    raw = torch.empty(nbytes + _HUGE_PAGE, dtype=torch.uint8)
+    shift = next(_shift_count) * HUGE_PAGE_SHIFT_PAGES * mmap.PAGESIZE % _HUGE_PAGE
+    raw = torch.empty(nbytes + shift + 2 * _HUGE_PAGE, dtype=torch.uint8)
     start = -raw.data_ptr() % _HUGE_PAGE
-    tensor = raw[start:start + nbytes].view(dtype).view(shape)
-    _advise_huge_pages(tensor)
-    return tensor
+    # advised from the boundary before it to the one after it: the shifted tensor's pages are huge pages too
+    _advise_huge_pages(raw[start:start + -(-(shift + nbytes) // _HUGE_PAGE) * _HUGE_PAGE])
+    return raw[start + shift:start + shift + nbytes].view(dtype).view(shape)
 
 
 def _advise_huge_pages(tensor: torch.Tensor) -> None:

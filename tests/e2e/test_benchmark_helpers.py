@@ -202,6 +202,7 @@ def test_a_mode_can_name_its_block_size_its_cpu_work_split_and_an_inline_exchang
         (lambda: e2e_hybrid.stagger_module.JOB_SHARE, (("auto/share=0.97", 0.97), ("staggered:4/share=1.0", 1.0))),
         (lambda: e2e_hybrid.stagger_module.NATIVE_RUNNER, (("auto/pyrunner", False), ("auto/cxxrunner", True))),
         (lambda: e2e_hybrid.sampler_module.BLOCKING_WAITS, (("auto/t16/blocking", True), ("auto/spinning", False))),
+        (lambda: e2e_hybrid.cpu_attention_module.HUGE_PAGE_SHIFT_PAGES, (("auto/shifted", 1), ("never/aligned", 0))),
     ]
     for read, cases in settings:
         before, during = read(), []

@@ -660,3 +660,25 @@ def test_large_caches_start_on_a_huge_page_boundary():
         key_cache.fill_(1.0)
         value_cache.fill_(2.0)  # the two do not overlap
         assert bool((key_cache == 1.0).all()) and bool((value_cache == 2.0).all())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge-page alignment is a Linux allocation")
+def test_shifted_caches_start_a_page_apart_within_their_advised_huge_pages(monkeypatch):
+    """HUGE_PAGE_SHIFT_PAGES = 1: each large cache starts one 4 KiB page after the one allocated before it (mod
+    2 MiB), inside memory advised for huge pages from the boundary below its start; the caches do not overlap."""
+    from apex_compile.ops import cpu_attention
+
+    advised = []
+    real_advise = cpu_attention._advise_huge_pages
+    monkeypatch.setattr(cpu_attention, "HUGE_PAGE_SHIFT_PAGES", 1)
+    monkeypatch.setattr(cpu_attention, "_advise_huge_pages",
+                        lambda t: (advised.append((t.data_ptr(), t.nbytes)), real_advise(t)))
+    caches = [c for _ in range(3) for c in allocate_kv_cache_cpu(257, 2, 16, 128, torch.float32)]
+    offsets = [c.data_ptr() % (2 << 20) for c in caches]
+    assert all((b - a) % (2 << 20) == 4096 for a, b in zip(offsets, offsets[1:]))
+    for cache, (start, nbytes) in zip(caches, advised):
+        assert start % (2 << 20) == 0 and nbytes % (2 << 20) == 0
+        assert start <= cache.data_ptr() and cache.data_ptr() + cache.nbytes <= start + nbytes
+    for i, cache in enumerate(caches):
+        cache.fill_(float(i))
+    assert all(bool((cache == i).all()) for i, cache in enumerate(caches))
