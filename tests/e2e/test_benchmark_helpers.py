@@ -175,6 +175,9 @@ def test_a_mode_can_name_its_block_size_its_cpu_work_split_and_an_inline_exchang
     whole = e2e_hybrid.hybrid_config("auto", 1 << 30, 1 << 31, 64, 640, 256)
     blocks = e2e_hybrid.hybrid_config("auto/bs64", 1 << 30, 1 << 31, 64, 640, 256)
     assert dict(vars(whole), block_size=64) == vars(blocks) and whole.block_size == 16
+    capped = e2e_hybrid.hybrid_config("never/cap64", 1 << 30, 1 << 31, 64, 640, 256)
+    assert whole.prefill_tokens_while_decoding == 256 and capped.prefill_tokens_while_decoding == 64
+    assert dict(vars(whole), prefill_tokens_while_decoding=64, offload="never") == vars(capped)
     before = cpu_attention_work_split()
     seen = []
 
@@ -219,7 +222,7 @@ def test_modes_with_an_unknown_suffix_or_named_twice_are_refused():
     """check_modes: every suffix of e2e_hybrid's modes is known (a typo would run the defaults under an A/B arm's
     name); a mode named twice is refused, "/r2" runs it again."""
     e2e_hybrid.check_modes(["never", "auto", "auto/share=0.95", "auto/r2", "staggered:4/t14/split=4-32768-65536",
-                            "0.5/pw/bs64/pin", "auto/1lane/inline/syncmoves/timefit/profilejob",
+                            "0.5/pw/bs64/pin", "auto/cap64", "auto/1lane/inline/syncmoves/timefit/profilejob",
                             "auto/pyrunner", "auto/cxxrunner", "auto/t16/blocking", "never/spinning"])
     assert e2e_hybrid.parse_mode("auto/r2") == e2e_hybrid.parse_mode("auto")
     for modes, message in ((["auto", "auto"], "named twice"), (["auto/shar=1.0"], "unknown suffix '/shar=1.0'"),
