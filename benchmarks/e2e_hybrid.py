@@ -16,7 +16,7 @@ ideal_gain comes twice: at the workload's nominal mean context (prompt + new/2) 
 window's host tokens ("eff@host", the figure to judge by). A staggered host request gains a token per
 num_layers + 1 steps, so within a window it stays near its prompt's length and reads less KV per token than the
 nominal context says. Never named again ("never,auto,never/r2": an A-B-A order) makes the baseline the mean of
-its runs: a mode's place in the process moves its decode step by a few percent.
+its runs: runs of one plan in one process differ by up to a few percent.
 
 Steady state: a window's tokens come partly from requests prefilled before it (the staggered pipeline's members,
 parked requests resuming without a prefill), and a mode whose window happens to hold fewer prefill steps reads
@@ -381,9 +381,9 @@ def never_modes(runs) -> list:
 
 
 def baseline(values: dict, runs) -> Optional[float]:
-    """The mean of `values` (a figure per mode) over never's runs (None without one): a run's place in the
-    process moves its decode step by a few percent, so never run first and last ("never,...,never/r2") is the
-    fairer baseline than never run first only."""
+    """The mean of `values` (a figure per mode) over never's runs (None without one): runs of one plan in one
+    process differ by up to a few percent, so never run first and last ("never,...,never/r2") is a steadier
+    baseline than one run."""
     own = [values[m] for m in never_modes(runs) if m in values]
     return sum(own) / len(own) if own else None
 
