@@ -52,6 +52,10 @@ class ApexConfig:
         prompt is still taken whole (a continued host chunk attends on the CPU). For a large
         max_num_batched_tokens (whole host prompts): e.g. 256. None: no cap beyond max_num_batched_tokens (whose
         default already keeps steps short; a small cap would slow the admission of a long-prompt batch).
+    growth_reserve: the share of each device-pool request's remaining tokens (to its max_new_tokens) for which
+        the device pool keeps free blocks before it admits or resumes another request (SGLang's new-token
+        ratio): a pool filled to its last block parks a request each time one grows, and a park and its resume
+        hold the GPU for a few steps. 0: admit while the first chunk fits (and parks ahead keep their look-ahead).
     max_model_len: longest prompt + generation; None: the model's max_position_embeddings.
     preemption: what happens to a request evicted when its pool is full: "swap" (its blocks move to the other
         pool when it has room and is not running requests there; else recompute) or "recompute" (blocks freed,
@@ -87,6 +91,7 @@ class ApexConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     prefill_tokens_while_decoding: Optional[int] = None
+    growth_reserve: float = 0.0
     max_model_len: Optional[int] = None
     preemption: str = "swap"
     compile: bool = True
@@ -122,6 +127,9 @@ class ApexConfig:
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
             raise ValueError(f"ApexConfig.prefill_tokens_while_decoding must be a positive number of tokens or None, "
                              f"got {cap!r}")
+        reserve = self.growth_reserve
+        if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not 0.0 <= reserve <= 1.0:
+            raise ValueError(f"ApexConfig.growth_reserve must be a share in [0, 1], got {reserve!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"ApexConfig.max_model_len must be >= 1, got {self.max_model_len}")
         if self.preemption not in PREEMPTION_MODES:

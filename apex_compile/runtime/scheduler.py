@@ -10,10 +10,13 @@ tokens, the newest is parked after its step is queued, so the copy runs beside t
 Parked requests resume before waiting requests are admitted (with the staggered plan, waiting requests may
 meanwhile start in its pipeline, and parked ones join it while it takes them: `parked_to_pipeline`); waiting
 requests are admitted in arrival order while their first chunk fits in the pool the offload policy picks for
-them.
+them. With `ApexConfig.growth_reserve` the device pool admits or resumes a request only while its free blocks
+also cover that share of every device request's remaining tokens (SGLang's new-token ratio): a pool filled to
+its last block parks a request each time one grows.
 """
 import collections
 import dataclasses
+import math
 import warnings
 from typing import Deque, List, Optional, Tuple
 
@@ -149,7 +152,8 @@ class Scheduler:
 
         def full(pool: int) -> bool:
             last = end if pool == HOST_POOL or room is None else request.num_computed + min(rest, budget, room)
-            return self.kv.extra_blocks(request.request_id, last) > self.kv.num_free(pool)
+            return (self.kv.extra_blocks(request.request_id, last) > self.kv.num_free(pool)
+                    or pool == DEVICE_POOL and not self._keeps_reserve(request, last))
 
         if self.stagger is not None:  # the pipeline's host pool (the device pool, unless the parked wait for it)
             return (bool(self.parked) or full(DEVICE_POOL)) and not self._pipeline_takes(request)
@@ -162,10 +166,43 @@ class Scheduler:
         for its blocks and that chunk; None if not."""
         num_tokens = min(request.num_tokens - request.num_computed, budget)
         blocks = len(self.kv.tables[request.request_id].block_ids)
-        need = blocks + self.kv.extra_blocks(request.request_id, request.num_computed + num_tokens)
-        if self._parks_ahead():  # and the running requests' look-ahead, else it would be parked again at once
-            need += self._lookahead_need({})
+        end = request.num_computed + num_tokens
+        if self.config.growth_reserve and self.run_pools[0] == DEVICE_POOL:  # its own reserve and the others'
+            end = max(end, self._reserve_target(request))
+        need = blocks + self.kv.extra_blocks(request.request_id, end)
+        # the running requests' look-ahead (else it would be parked again at once) and growth reserve
+        need += self._running_need(lookahead=self._parks_ahead())
         return num_tokens if self.kv.num_free(self.run_pools[0]) >= need else None
+
+    def _reserve_target(self, request: Request) -> int:
+        """The tokens the device pool keeps blocks for, for `request`: its tokens and `growth_reserve` of those it
+        may still generate."""
+        rest = max(self.max_tokens(request) - request.num_tokens, 0)
+        return request.num_tokens + math.ceil(self.config.growth_reserve * rest)
+
+    def _running_need(self, lookahead: bool) -> int:
+        """Blocks the device pool's running requests need beyond their tables: for LOOKAHEAD_TOKENS tokens past
+        their computed ones (lookahead) and for their growth reserve (`_reserve_target`)."""
+        if not (lookahead or self.config.growth_reserve):
+            return 0
+        need = 0
+        for r in self.running:
+            if self.kv.pool_of(r.request_id) != DEVICE_POOL:
+                continue
+            target = r.num_computed + LOOKAHEAD_TOKENS if lookahead else 0
+            if self.config.growth_reserve:
+                target = max(target, self._reserve_target(r))
+            need += self.kv.extra_blocks(r.request_id, target)
+        return need
+
+    def _keeps_reserve(self, request: Request, end: int) -> bool:
+        """Whether the device pool, giving `request` blocks up to token `end`, keeps its growth reserve: that of its
+        running requests and of `request` (blocks of moves landing count as free). True without one."""
+        if not self.config.growth_reserve:
+            return True
+        need = self.kv.extra_blocks(request.request_id, max(end, self._reserve_target(request)))
+        need += self._running_need(lookahead=False)
+        return need <= self.kv.num_free(DEVICE_POOL) + self.kv.num_held(DEVICE_POOL)
 
     def _parks_ahead(self) -> bool:
         """Whether the device pool's evictions are parks ahead (overlapped moves, parked in the host pool, which
@@ -469,6 +506,8 @@ class Scheduler:
         if pool == HOST_POOL and self._splits_host_prompt(request, num_tokens):
             return None
         chunk = device_tokens if pool == DEVICE_POOL else num_tokens
+        if pool == DEVICE_POOL and not self._keeps_reserve(request, request.num_computed + chunk):
+            return None
         if self.kv.grow(request.request_id, pool, request.num_computed + chunk):
             return pool
         return None
@@ -477,8 +516,9 @@ class Scheduler:
                     fitting: List[int]) -> Optional[int]:
         """offload="auto": the device pool when it has room, else the host pool if the model says it pays."""
         end = request.num_computed + num_tokens
-        if DEVICE_POOL in fitting and self.kv.grow(request.request_id, DEVICE_POOL,
-                                                   request.num_computed + device_tokens):
+        device_end = request.num_computed + device_tokens
+        if (DEVICE_POOL in fitting and self._keeps_reserve(request, device_end)
+                and self.kv.grow(request.request_id, DEVICE_POOL, device_end)):
             return DEVICE_POOL
         if HOST_POOL not in fitting or self._splits_host_prompt(request, num_tokens):
             return None
@@ -491,8 +531,9 @@ class Scheduler:
         """The staggered plan: the device pool when it has room and no parked request waits for it, else the
         host pool while the pipeline has a row for the request, with blocks for its whole length (a pipeline
         request never waits for a block)."""
-        if not self.parked and DEVICE_POOL in fitting and self.kv.grow(
-                request.request_id, DEVICE_POOL, request.num_computed + device_tokens):
+        device_end = request.num_computed + device_tokens
+        if (not self.parked and DEVICE_POOL in fitting and self._keeps_reserve(request, device_end)
+                and self.kv.grow(request.request_id, DEVICE_POOL, device_end)):
             return DEVICE_POOL
         if HOST_POOL not in fitting or self._splits_host_prompt(request, num_tokens):
             return None

@@ -311,3 +311,28 @@ def test_a_step_queued_ahead_parks_ahead_and_the_next_one_goes_on(tiny_llama, mo
     assert delay == 10 ** 6 or "evict" not in engine.stats.not_ahead
     engine.kv.sync_moves()
     assert engine.blocks_in_use() == {"device": 0, "host": 0}
+
+
+@pytest.mark.parametrize("delay", [0, 10 ** 6])
+def test_a_growth_reserve_parks_less_and_changes_no_token(tiny_llama, monkeypatch, delay):
+    """ApexConfig.growth_reserve with overlapped moves and steps queued ahead: a request enters or resumes in the
+    device pool only with room for a share of every device request's remaining tokens, so fewer are parked; the
+    tokens are those of the synchronous engine without a reserve, and every block comes back."""
+    from apex_compile.runtime import kv_manager
+    from tests.helpers import DeferredSwap
+
+    sampling = [SamplingParams(max_new_tokens=n) for n in LENGTHS]
+    block_bytes = 2 * 2 * 2 * 16 * 16 * 4
+    config = dict(offload="never", gpu_cache_size=4 * block_bytes, cpu_cache_size=4 * MB)
+    expected, _, _ = run(tiny_llama, False, sampling, **config)
+    monkeypatch.setattr(kv_manager, "OVERLAP_MOVES", True)
+    parked = {}
+    for reserve in (0.0, 0.5):
+        engine = optimize(tiny_llama, ApexConfig(async_scheduling=True, growth_reserve=reserve, **config)).engine
+        engine.kv._swap = DeferredSwap(delay)
+        completions = engine.generate(PROMPTS, sampling)
+        assert [(c.token_ids, c.finish_reason) for c in completions] == expected
+        engine.kv.sync_moves()
+        assert engine.blocks_in_use() == {"device": 0, "host": 0}
+        parked[reserve] = engine.stats.parked
+    assert parked[0.0] > 0 and parked[0.5] < parked[0.0], parked

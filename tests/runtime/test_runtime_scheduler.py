@@ -260,3 +260,61 @@ def test_abort_all_returns_every_block():
     assert kv.num_used(DEVICE_POOL) + kv.num_used(HOST_POOL) > 0
     sched.abort_all()
     assert kv.num_used(DEVICE_POOL) == kv.num_used(HOST_POOL) == 0 and not sched.has_unfinished()
+
+
+def test_the_growth_reserve_holds_back_an_admission_the_first_chunk_would_fit():
+    """growth_reserve: a waiting request enters the device pool only while the free blocks also cover that share
+    of every device request's remaining tokens (its own too); without the reserve its first chunk is enough.
+    admits_nothing agrees, so a step queued ahead skips no admission and none is refused needlessly."""
+    for reserve, admitted in ((0.0, True), (0.5, False)):
+        sched, kv = make(8, 0, offload="never", max_num_batched_tokens=64, growth_reserve=reserve)
+        first = add(sched, 0, 4 * BLOCK, 4 * BLOCK)  # 4 blocks now, 8 at its end: a reserve of 2 more
+        advance(sched, sched.schedule())
+        waiting = add(sched, 1, BLOCK, 2 * BLOCK)  # 1 block now; its reserve: 1 more
+        assert sched.admits_nothing() is not admitted
+        plan = sched.schedule()
+        assert [c.request for c in plan.chunks] == ([first, waiting] if admitted else [first])
+        drive(sched, kv)  # held back, it starts once the first request's growth leaves room
+        assert waiting.is_finished and first.is_finished and kv.num_used(DEVICE_POOL) == 0
+
+
+def test_the_growth_reserve_parks_less_and_every_request_finishes():
+    """A steady stream of requests into a small device pool: with a growth reserve fewer requests are parked and
+    resumed, and every request still finishes with all blocks back (no request waits for a reserve forever)."""
+    counts = {}
+    for reserve in (0.0, 0.25):
+        rng = random.Random("reserve")
+        sched, kv = make(24, 64, offload="never", max_num_batched_tokens=64, max_num_seqs=16,
+                         prefill_tokens_while_decoding=16, growth_reserve=reserve)
+        requests = [add(sched, i, rng.randint(8, 48), rng.randint(16, 80)) for i in range(40)]
+        plans, _ = drive(sched, kv, max_steps=5000)
+        assert all(r.is_finished and len(r.output_token_ids) == r.sampling.max_new_tokens for r in requests)
+        assert kv.num_used(DEVICE_POOL) == kv.num_used(HOST_POOL) == 0 and not kv.tables
+        counts[reserve] = sum(len(p.parked) for p in plans), sum(len(p.resumed) for p in plans)
+    assert counts[0.0][0] > 0 and counts[0.25][0] < counts[0.0][0] / 2, counts
+
+
+def test_a_parked_request_resumes_only_with_room_for_the_growth_reserve():
+    """_resumes: a parked request's blocks and next token fit, but not the running requests' reserve: it stays
+    parked; without the reserve it resumes."""
+    for reserve, resumes in ((0.0, True), (0.5, False)):
+        sched, kv = make(8, 8, offload="never", max_num_batched_tokens=64, growth_reserve=reserve)
+        running = add(sched, 0, 4 * BLOCK, 4 * BLOCK)
+        advance(sched, sched.schedule())  # its prompt: 4 of the 8 blocks
+        parked = Request(1, list(range(1, 2 * BLOCK + 1)), SamplingParams(max_new_tokens=2 * BLOCK))
+        kv.grow(parked.request_id, HOST_POOL, 2 * BLOCK)  # as if parked after its prompt and first token
+        parked.num_computed, parked.status = 2 * BLOCK, RequestStatus.PARKED
+        parked.output_token_ids.append(0)
+        sched.parked.append(parked)
+        # the running request's next token takes a 5th block; the parked one needs its 2 and a 3rd for its
+        # next token: the 3 free blocks. With the reserve: the running request's 2 more and the parked one's 1
+        plan = sched.schedule()
+        assert (parked in plan.resumed) is resumes
+        drive(sched, kv)
+        assert running.is_finished and parked.is_finished and kv.num_used(DEVICE_POOL) == 0
+
+
+def test_the_growth_reserve_is_validated():
+    for bad in (-0.1, 1.5, True, "0.2"):
+        with pytest.raises(ValueError, match="growth_reserve"):
+            ApexConfig(growth_reserve=bad)

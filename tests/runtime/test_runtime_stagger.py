@@ -1413,3 +1413,23 @@ def test_steps_run_ahead_with_the_pipeline_give_the_same_tokens(stop, lanes, mon
     else:
         assert [ids for ids, _ in results[1]] == hf_tokens(model, prompts, 60)[:3] + [
             ids[:n] for ids, n in zip(hf_tokens(model, prompts[3:], 16), (12, 14, 9, 16, 11, 13, 10))]
+
+
+def test_a_growth_reserve_sends_more_requests_to_the_pipeline_and_the_tokens_stay_hf_equal():
+    """ApexConfig.growth_reserve with the staggered plan: a request the device pool could start but not keep room
+    to grow goes to the pipeline instead (while it has rows); tokens are HF's and every block comes back."""
+    from apex_compile.runtime.kv_manager import HOST_POOL
+
+    torch.manual_seed(3)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (6, 11, 4, 9, 13, 5, 7, 8)]
+    reference = hf_tokens(model, prompts, 12)
+    host_steps = {}
+    for reserve in (0.0, 1.0):
+        apex = staggered(model, width=2, device_blocks=6, growth_reserve=reserve)
+        done = apex.engine.generate(prompts, SamplingParams(max_new_tokens=12))
+        assert [c.token_ids for c in done] == reference
+        assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+        host_steps[reserve] = apex.engine.stats.requests_per_pool[HOST_POOL]
+        apex.close()
+    assert host_steps[1.0] > host_steps[0.0], host_steps
