@@ -7,7 +7,8 @@ give its tokens/s; the median step of that window is its step time. Modes: never
 (overlap plan), "staggered:W" (the staggered plan with W rows per step; "staggered:auto": the rows in use
 follow the measured CPU job); a suffix "/1lane" or "/2lane" sets the staggered plan's lanes, "/pw" runs mixed
 steps piecewise, "/pin" pins the launching thread off the worker's cores, "/t14" runs 14 CPU attention threads,
-"/cap64" lets a decoding step take 64 device-pool prompt tokens (--prefill-while-decoding for the others).
+"/cap64" lets a decoding step take 64 device-pool prompt tokens (--prefill-while-decoding for the others),
+"/reserve=0.15" sets ApexConfig.growth_reserve.
 Per configuration also: ideal_gain (the tokens/s the CPU's measured attention
 bandwidth could add: B_cpu / KV bytes a host request reads per step) with its inputs, auto's
 offload efficiency (auto - never) / ideal_gain, the model's predicted decode step against the measured one, and
@@ -439,6 +440,9 @@ BLOCK_SUFFIX = re.compile(r"/bs(\d+)\b")  # "/bs64": a mode run with KV blocks o
 # "/cap64": a mode whose decoding steps take at most that many device-pool prompt tokens (instead of
 # --prefill-while-decoding; ApexConfig.prefill_tokens_while_decoding)
 CAP_SUFFIX = re.compile(r"/cap(\d+)\b")
+# "/reserve=0.15": a mode whose device pool keeps room for that share of its requests' remaining tokens before it
+# admits or resumes one (ApexConfig.growth_reserve; benchmarks/park_churn.py)
+RESERVE_SUFFIX = re.compile(r"/reserve=([0-9.]+)")
 # a mode run with block moves overlapped ("/overlapmoves") or waited for on the host ("/syncmoves"):
 # kv_manager.OVERLAP_MOVES for that run
 MOVE_SUFFIXES = {"/overlapmoves": True, "/syncmoves": False}
@@ -464,7 +468,8 @@ WAIT_SUFFIXES = {"/blocking": True, "/spinning": False}
 SHIFT_SUFFIXES = {"/shifted": 1, "/aligned": 0}
 _SUFFIX_NAMES = {PIECEWISE_SUFFIX, PIN_SUFFIX, *LANE_SUFFIXES, *EXCHANGE_SUFFIXES, *MOVE_SUFFIXES, *FIT_SUFFIXES,
                  *LEARN_SUFFIXES, *RUNNER_SUFFIXES, *WAIT_SUFFIXES, *SHIFT_SUFFIXES}
-_SUFFIX_PATTERNS = (THREADS_SUFFIX, SPLIT_SUFFIX, BLOCK_SUFFIX, CAP_SUFFIX, SHARE_SUFFIX, REPEAT_SUFFIX)
+_SUFFIX_PATTERNS = (THREADS_SUFFIX, SPLIT_SUFFIX, BLOCK_SUFFIX, CAP_SUFFIX, RESERVE_SUFFIX, SHARE_SUFFIX,
+                    REPEAT_SUFFIX)
 
 
 def _share_of(mode: str):
@@ -518,6 +523,9 @@ def hybrid_config(mode, device_bytes, host_bytes, max_seqs, max_tokens, prefill_
     block = {"block_size": int(block_size.group(1))} if block_size else {}
     cap = CAP_SUFFIX.search(mode)
     prefill_while_decoding = int(cap.group(1)) if cap else prefill_while_decoding
+    reserve = RESERVE_SUFFIX.search(mode)
+    if reserve:
+        block["growth_reserve"] = float(reserve.group(1))
     return ApexConfig(offload=offload, stagger_width=width, gpu_cache_size=device_bytes,
                       mixed_graphs=PIECEWISE_SUFFIX not in mode,
                       stagger_lanes=next((n for s, n in LANE_SUFFIXES.items() if s in mode), None),

@@ -178,6 +178,8 @@ def test_a_mode_can_name_its_block_size_its_cpu_work_split_and_an_inline_exchang
     capped = e2e_hybrid.hybrid_config("never/cap64", 1 << 30, 1 << 31, 64, 640, 256)
     assert whole.prefill_tokens_while_decoding == 256 and capped.prefill_tokens_while_decoding == 64
     assert dict(vars(whole), prefill_tokens_while_decoding=64, offload="never") == vars(capped)
+    reserved = e2e_hybrid.hybrid_config("auto/reserve=0.15", 1 << 30, 1 << 31, 64, 640, 256)
+    assert whole.growth_reserve == 0.0 and dict(vars(whole), growth_reserve=0.15) == vars(reserved)
     before = cpu_attention_work_split()
     seen = []
 
@@ -222,7 +224,8 @@ def test_modes_with_an_unknown_suffix_or_named_twice_are_refused():
     """check_modes: every suffix of e2e_hybrid's modes is known (a typo would run the defaults under an A/B arm's
     name); a mode named twice is refused, "/r2" runs it again."""
     e2e_hybrid.check_modes(["never", "auto", "auto/share=0.95", "auto/r2", "staggered:4/t14/split=4-32768-65536",
-                            "0.5/pw/bs64/pin", "auto/cap64", "auto/1lane/inline/syncmoves/timefit/profilejob",
+                            "0.5/pw/bs64/pin", "auto/cap64", "never/reserve=0.2",
+                            "auto/1lane/inline/syncmoves/timefit/profilejob",
                             "auto/pyrunner", "auto/cxxrunner", "auto/t16/blocking", "never/spinning"])
     assert e2e_hybrid.parse_mode("auto/r2") == e2e_hybrid.parse_mode("auto")
     for modes, message in ((["auto", "auto"], "named twice"), (["auto/shar=1.0"], "unknown suffix '/shar=1.0'"),
@@ -498,3 +501,17 @@ def test_the_baseline_is_the_mean_of_nevers_runs():
     assert e2e_hybrid.baseline(rates, runs) == 105.0
     assert e2e_hybrid.baseline({"auto": 130.0}, {"auto": {}}) is None
     assert e2e_hybrid.without_host_tokens(runs) == ["never/spinning"]
+
+
+def test_park_churn_counts_fewer_parks_with_a_growth_reserve():
+    """benchmarks/park_churn.py: the scheduler alone over a small device pool parks and resumes requests; a growth
+    reserve parks fewer, and the modelled step time counts each park and resume."""
+    import park_churn
+
+    pool = 2 * 1024  # tokens: a few 96-token requests
+    none = park_churn.simulate(pool, 0.0, prompt=48, new_tokens=48, steps=600, window_start=200)
+    reserved = park_churn.simulate(pool, 0.3, prompt=48, new_tokens=48, steps=600, window_start=200)
+    assert none["parks"] > 0 and reserved["parks"] < none["parks"]
+    free = park_churn.simulate(pool, 0.0, prompt=48, new_tokens=48, steps=600, window_start=200, park_s=0.0,
+                               resume_s=0.0)
+    assert free["parks"] == none["parks"] and free["mean_step_ms"] < none["mean_step_ms"]
