@@ -171,7 +171,7 @@ class Scheduler:
             end = max(end, self._reserve_target(request))
         need = blocks + self.kv.extra_blocks(request.request_id, end)
         # the running requests' look-ahead (else it would be parked again at once) and growth reserve
-        need += self._running_need(lookahead=self._parks_ahead())
+        need += self._running_need(lookahead=self._parks_ahead(), reserve=True)
         return num_tokens if self.kv.num_free(self.run_pools[0]) >= need else None
 
     def _reserve_target(self, request: Request) -> int:
@@ -180,17 +180,20 @@ class Scheduler:
         rest = max(self.max_tokens(request) - request.num_tokens, 0)
         return request.num_tokens + math.ceil(self.config.growth_reserve * rest)
 
-    def _running_need(self, lookahead: bool) -> int:
+    def _running_need(self, lookahead: bool, reserve: bool, step_tokens: Optional[dict] = None) -> int:
         """Blocks the device pool's running requests need beyond their tables: for LOOKAHEAD_TOKENS tokens past
-        their computed ones (lookahead) and for their growth reserve (`_reserve_target`)."""
-        if not (lookahead or self.config.growth_reserve):
+        their computed ones and those of `step_tokens` (request id -> tokens this step computes), and (reserve)
+        for their growth reserve (`_reserve_target`)."""
+        reserve = reserve and bool(self.config.growth_reserve)
+        if not (lookahead or reserve):
             return 0
+        step_tokens = step_tokens or {}
         need = 0
         for r in self.running:
             if self.kv.pool_of(r.request_id) != DEVICE_POOL:
                 continue
-            target = r.num_computed + LOOKAHEAD_TOKENS if lookahead else 0
-            if self.config.growth_reserve:
+            target = r.num_computed + step_tokens.get(r.request_id, 0) + LOOKAHEAD_TOKENS if lookahead else 0
+            if reserve:
                 target = max(target, self._reserve_target(r))
             need += self.kv.extra_blocks(r.request_id, target)
         return need
@@ -201,7 +204,7 @@ class Scheduler:
         if not self.config.growth_reserve:
             return True
         need = self.kv.extra_blocks(request.request_id, max(end, self._reserve_target(request)))
-        need += self._running_need(lookahead=False)
+        need += self._running_need(lookahead=False, reserve=True)
         return need <= self.kv.num_free(DEVICE_POOL) + self.kv.num_held(DEVICE_POOL)
 
     def _parks_ahead(self) -> bool:
@@ -210,16 +213,11 @@ class Scheduler:
         return (self.kv.overlaps_moves and self.park_pool == HOST_POOL and self.run_pools[0] == DEVICE_POOL
                 and (HOST_POOL not in self.run_pools or self.stagger is not None))
 
-    def _lookahead_need(self, step_tokens: dict) -> int:
-        """Blocks the device pool's running requests need for LOOKAHEAD_TOKENS tokens beyond `step_tokens`
-        (request id -> tokens this step computes)."""
-        return sum(self.kv.extra_blocks(r.request_id, r.num_computed + step_tokens.get(r.request_id, 0)
-                                        + LOOKAHEAD_TOKENS)
-                   for r in self.running if self.kv.pool_of(r.request_id) == DEVICE_POOL)
-
     def _device_shortfall(self, step_tokens: dict) -> int:
-        """`_lookahead_need` less the device pool's free blocks and those of moves landing."""
-        return self._lookahead_need(step_tokens) - self.kv.num_free(DEVICE_POOL) - self.kv.num_held(DEVICE_POOL)
+        """The running requests' look-ahead need (`_running_need`) less the device pool's free blocks and those of
+        moves landing."""
+        return (self._running_need(lookahead=True, reserve=False, step_tokens=step_tokens)
+                - self.kv.num_free(DEVICE_POOL) - self.kv.num_held(DEVICE_POOL))
 
     def plan_parks_ahead(self, step_tokens: dict) -> None:
         """A step queued ahead computing `step_tokens` (request id -> tokens): the parks that step leaves due
