@@ -520,12 +520,12 @@ def hybrid_config(mode, device_bytes, host_bytes, max_seqs, max_tokens, prefill_
     threads = THREADS_SUFFIX.search(mode)
     cpu_threads = int(threads.group(1)) if threads else cpu_threads
     block_size = BLOCK_SUFFIX.search(mode)
-    block = {"block_size": int(block_size.group(1))} if block_size else {}
+    extra = {"block_size": int(block_size.group(1))} if block_size else {}
     cap = CAP_SUFFIX.search(mode)
     prefill_while_decoding = int(cap.group(1)) if cap else prefill_while_decoding
     reserve = RESERVE_SUFFIX.search(mode)
     if reserve:
-        block["growth_reserve"] = float(reserve.group(1))
+        extra["growth_reserve"] = float(reserve.group(1))
     return ApexConfig(offload=offload, stagger_width=width, gpu_cache_size=device_bytes,
                       mixed_graphs=PIECEWISE_SUFFIX not in mode,
                       stagger_lanes=next((n for s, n in LANE_SUFFIXES.items() if s in mode), None),
@@ -533,7 +533,7 @@ def hybrid_config(mode, device_bytes, host_bytes, max_seqs, max_tokens, prefill_
                       cpu_cache_size=host_bytes, max_num_seqs=max_seqs,
                       max_num_batched_tokens=step_budget(prompt_len, max_seqs),
                       prefill_tokens_while_decoding=prefill_while_decoding,
-                      max_model_len=max_tokens + 64, **block)
+                      max_model_len=max_tokens + 64, **extra)
 
 
 def run_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seqs, args, start_step=0):

@@ -268,9 +268,9 @@ def test_the_growth_reserve_holds_back_an_admission_the_first_chunk_would_fit():
     admits_nothing agrees, so a step queued ahead skips no admission and none is refused needlessly."""
     for reserve, admitted in ((0.0, True), (0.5, False)):
         sched, kv = make(8, 0, offload="never", max_num_batched_tokens=64, growth_reserve=reserve)
-        first = add(sched, 0, 4 * BLOCK, 4 * BLOCK)  # 4 blocks now, 8 at its end: a reserve of 2 more
+        first = add(sched, 0, 4 * BLOCK, 4 * BLOCK)  # 8 blocks at its end; with 0.5 it keeps 7 (97 tokens)
         advance(sched, sched.schedule())
-        waiting = add(sched, 1, BLOCK, 2 * BLOCK)  # 1 block now; its reserve: 1 more
+        waiting = add(sched, 1, BLOCK, 2 * BLOCK)  # its first chunk: 1 block; with 0.5 it keeps 2 (32 tokens)
         assert sched.admits_nothing() is not admitted
         plan = sched.schedule()
         assert [c.request for c in plan.chunks] == ([first, waiting] if admitted else [first])
