@@ -3,8 +3,9 @@
 e2e_hybrid's workload (512-token prompts, a fixed max_new_tokens, the engine kept supplied with requests) runs
 through `Scheduler` alone (no model; the KV pools hold one tiny layer, only their block counts matter) over a
 Llama-3-8B-sized device pool, for each `ApexConfig.growth_reserve`. Each step's time is modelled from what an
-H200 measured (session 45, `benchmarks/results/e2e_2026-12-05_h200_s45.txt`): a decode step of 4.6 ms + 0.042 ms
-a row, 24.7 us a prompt token, and what a park (6.5 ms) or a resume (9.6 ms) added to its step over the median.
+H200 measured (session 45, `benchmarks/results/e2e_2026-12-05_h200_s45.txt`, never at 2 GiB): a decode step of
+4.6 ms + 0.042 ms a row, 24.7 us a prompt token, and what a park (~10 ms: queued ones +9.5, unqueued +12) or a
+resume (~7 ms) added to its step over the median.
 Moves here are synchronous (no GPU): parks happen when a request needs the block, not a step ahead. A model, not
 a measurement: it ranks the reserves; e2e_hybrid's "/reserve=X" measures them.
 
@@ -25,7 +26,7 @@ KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # Llama-3-8B, bf16: K and V of 32 lay
 
 def simulate(device_tokens, reserve, prompt=512, new_tokens=512, steps=2324, window_start=1300, max_seqs=64,
              prefill_cap=256, step_budget=2048, base_s=4.6e-3, row_s=0.042e-3, prompt_token_s=24.7e-6,
-             park_s=6.5e-3, resume_s=9.6e-3):
+             park_s=10e-3, resume_s=7e-3):
     """{tokens_per_s, parks, resumes, prompt_steps, mean_rows, mean_step_ms} over steps window_start..steps-1."""
     shape = CacheShape(num_layers=1, num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32)
     kv = KVManager(shape, device_tokens // 16, 64 * (prompt + new_tokens) // 16 * 4, torch.device("cpu"))
