@@ -373,7 +373,8 @@ def excess_by_kind(steps, queued, events, short=0.7):
 def without_host_tokens(runs) -> list:
     """The modes other than never whose window decoded no token from the host pool (their tokens/s against
     never's is then no host gain: an auto that stopped its host rows ran never's plan)."""
-    return [m for m, r in runs.items() if m not in never_modes(runs) and not r["host_tokens"]]
+    nevers = never_modes(runs)
+    return [m for m, r in runs.items() if m not in nevers and not r["host_tokens"]]
 
 
 def never_modes(runs) -> list:
@@ -930,16 +931,17 @@ def main():
             ideal = perf.ideal_gain(context, cpu_bandwidth)
             # never's tokens/s, the mean over its runs (None: an A/B run of other modes)
             never = baseline({m: r["tokens_per_s"] for m, r in runs.items()}, runs)
+            nevers = never_modes(runs)
             efficiency = (runs["auto"]["tokens_per_s"] - never) / ideal if "auto" in runs and never else None
             efficiencies = {m: (r["tokens_per_s"] - never) / ideal for m, r in runs.items()
-                            if never and m not in never_modes(runs)}
+                            if never and m not in nevers}
             # the same at each mode's own host contexts (the KV its host tokens read in the window): a host request
             # gains a token per num_layers + 1 steps, so in a window it runs near its prompt's length, not at the
             # workload's mean context, and the nominal ideal_gain misprices what the window's host tokens cost
             host_ideal = {m: perf.ideal_gain(r["host_context"], cpu_bandwidth) for m, r in runs.items()
                           if r.get("host_context")}
             host_efficiencies = {m: (runs[m]["tokens_per_s"] - never) / g for m, g in host_ideal.items()
-                                 if never and m not in never_modes(runs)}
+                                 if never and m not in nevers}
             bounds = {}
             for lanes in (2, 1):
                 groups = lanes * (shape["num_hidden_layers"] + 1)  # host requests per staggered row
@@ -959,7 +961,7 @@ def main():
             steady = steady_tokens_per_s(runs, args.prompt, args.new_tokens)
             steady_never = baseline(steady, runs)
             steady_eff = {m: (v - steady_never) / ideal for m, v in steady.items()
-                          if m not in never_modes(runs) and never}
+                          if m not in nevers and never}
             row = {"shape": shape_name, "device_gib": gib, "requests": count, "context": context,
                    "ideal_gain": ideal, "cpu_attention_GBps": cpu_bandwidth / 1e9,
                    "cpu_attention_GBps_before_after": [probed_before / 1e9, probed_after / 1e9],
@@ -973,7 +975,7 @@ def main():
                    "efficiency": efficiencies, "steady_tokens_per_s": steady, "steady_efficiency": steady_eff,
                    "host_context": {m: r.get("host_context") for m, r in runs.items()},
                    "ideal_gain_at_host_context": host_ideal, "efficiency_at_host_context": host_efficiencies,
-                   "never_tokens_per_s": never, "never_runs": never_modes(runs), "best_mode": best,
+                   "never_tokens_per_s": never, "never_runs": nevers, "best_mode": best,
                    "hf_offloaded": hf, "without_host_tokens": without_host_tokens(runs),
                    "best_efficiency": (runs[best]["tokens_per_s"] - never) / ideal if never else None,
                    "modes": {m: {k: v for k, v in r.items() if k != "steps"} for m, r in runs.items()},
@@ -1001,9 +1003,9 @@ def main():
                   f"{perf.profile.kv_bytes_per_token * context / 1e6:.0f} MB of KV per host request-step", flush=True)
             print(f"   host pools on huge pages: the probes' {huge_before:.0%} before and {huge_after:.0%} after; "
                   + ", ".join(f"{m} {r['host_pool_huge_pages']:.0%}" for m, r in runs.items()), flush=True)
-            if len(never_modes(runs)) > 1:
+            if len(nevers) > 1:
                 print(f"   never's baseline: {never:.0f} tokens/s, the mean of " + ", ".join(
-                    f"{m} {runs[m]['tokens_per_s']:.0f}" for m in never_modes(runs)), flush=True)
+                    f"{m} {runs[m]['tokens_per_s']:.0f}" for m in nevers), flush=True)
             if efficiencies:
                 print("   efficiency per mode: " + ", ".join(f"{m} {e:.2f}" for m, e in efficiencies.items()),
                       flush=True)
