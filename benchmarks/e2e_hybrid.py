@@ -8,7 +8,8 @@ give its tokens/s; the median step of that window is its step time. Modes: never
 follow the measured CPU job); a suffix "/1lane" or "/2lane" sets the staggered plan's lanes, "/pw" runs mixed
 steps piecewise, "/pin" pins the launching thread off the worker's cores, "/t14" runs 14 CPU attention threads,
 "/cap64" lets a decoding step take 64 device-pool prompt tokens (--prefill-while-decoding for the others),
-"/reserve=0.15" sets ApexConfig.growth_reserve.
+"/reserve=0" sets ApexConfig.growth_reserve (0.15 by default since session 46), "/aligned" puts the host pool's
+layers on huge-page boundaries (cpu_attention.HUGE_PAGE_SHIFT_PAGES = 0; "/shifted", the default, a page apart).
 Per configuration also: ideal_gain (the tokens/s the CPU's measured attention
 bandwidth could add: B_cpu / KV bytes a host request reads per step) with its inputs, auto's
 offload efficiency (auto - never) / ideal_gain, the model's predicted decode step against the measured one, and
@@ -177,8 +178,9 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
         if stagger is not None:
             host_ids.update(r.request_id for r in stagger.members())
         # the block's rows holding a request (on average over its groups: each is one layer of the CPU job)
-        staggered = (round(sum(g.size for g in stagger.groups) / len(stagger.groups))
-                     if stagger is not None and stagger.active else 0)
+        # the lane's mean group size, as the engine's own gap samples take it (a rounded one mispriced the CPU job
+        # of a pipeline running 1-2 rows)
+        staggered = stagger.host_rows if stagger is not None else 0
         context = sum(r.num_tokens for r in running) / max(len(running), 1)
         # the context the step's CPU job prices its rows at (a staggered host request lags the device rows')
         host_context = stagger.rows.context if staggered else None
@@ -441,8 +443,8 @@ BLOCK_SUFFIX = re.compile(r"/bs(\d+)\b")  # "/bs64": a mode run with KV blocks o
 # "/cap64": a mode whose decoding steps take at most that many device-pool prompt tokens (instead of
 # --prefill-while-decoding; ApexConfig.prefill_tokens_while_decoding)
 CAP_SUFFIX = re.compile(r"/cap(\d+)\b")
-# "/reserve=0.15": a mode whose device pool keeps room for that share of its requests' remaining tokens before it
-# admits or resumes one (ApexConfig.growth_reserve; benchmarks/park_churn.py)
+# "/reserve=0.3": a mode whose device pool keeps room for that share of its requests' remaining tokens before it
+# admits or resumes one ("/reserve=0": none; ApexConfig.growth_reserve; benchmarks/park_churn.py)
 RESERVE_SUFFIX = re.compile(r"/reserve=([0-9.]+)")
 # a mode run with block moves overlapped ("/overlapmoves") or waited for on the host ("/syncmoves"):
 # kv_manager.OVERLAP_MOVES for that run
@@ -464,8 +466,8 @@ REPEAT_SUFFIX = re.compile(r"/r\d+")
 # a mode run with the launching thread sleeping ("/blocking", the default since session 44) or spinning
 # ("/spinning") while it waits for the GPU: sampler.BLOCKING_WAITS for that run
 WAIT_SUFFIXES = {"/blocking": True, "/spinning": False}
-# a mode whose host pool's layers start a page apart on huge pages ("/shifted") or on huge-page boundaries
-# ("/aligned", the default): cpu_attention.HUGE_PAGE_SHIFT_PAGES for that run (benchmarks/host_pool_pages.py)
+# a mode whose host pool's layers start a page apart on huge pages ("/shifted", the default since session 46) or
+# on huge-page boundaries ("/aligned"): cpu_attention.HUGE_PAGE_SHIFT_PAGES for that run (host_pool_pages.py)
 SHIFT_SUFFIXES = {"/shifted": 1, "/aligned": 0}
 _SUFFIX_NAMES = {PIECEWISE_SUFFIX, PIN_SUFFIX, *LANE_SUFFIXES, *EXCHANGE_SUFFIXES, *MOVE_SUFFIXES, *FIT_SUFFIXES,
                  *LEARN_SUFFIXES, *RUNNER_SUFFIXES, *WAIT_SUFFIXES, *SHIFT_SUFFIXES}

@@ -35,7 +35,7 @@ def plain_pool(blocks):
 
 def aligned_pool(blocks, shift_pages=0):
     """The engine's pool: every layer's K and V on huge pages, starting `shift_pages` pages after the cache
-    allocated before it (0: on a huge-page boundary; cpu_attention.HUGE_PAGE_SHIFT_PAGES)."""
+    allocated before it (0: on a huge-page boundary; the engine's is cpu_attention.HUGE_PAGE_SHIFT_PAGES)."""
     default, cpu_attention.HUGE_PAGE_SHIFT_PAGES = cpu_attention.HUGE_PAGE_SHIFT_PAGES, shift_pages
     try:
         return [list(cpu_attention.allocate_kv_cache_cpu(blocks, KV_HEADS, BLOCK, DIM, torch.bfloat16))

@@ -9,6 +9,10 @@ has it. One PNG per shape; a hollow point: that mode's window decoded no token f
 its request's prefill, the window's own prefill taken out), computed from the steps where a result predates it.
 Rows cut short after their modes (partial) are plotted without the bounds they lack; results of different
 machines plotted together compare only loosely (the CPU's bandwidth differs between device hosts).
+
+--series "LABEL=MODE|MODE" (repeatable) plots one line from whichever listed mode each row has, the first
+listed that it has (tables whose A/B modes were named differently, e.g. by their suffixes); with it only never
+and the series are plotted.
 """
 import argparse
 import gzip
@@ -28,6 +32,32 @@ def rows_of(results):
     return list(rows.values())
 
 
+def parse_series(specs):
+    """[(label, [modes, in order of preference])] from "LABEL=MODE|MODE" strings."""
+    series = []
+    for spec in specs:
+        label, sep, modes = spec.partition("=")
+        if not sep or not label or not modes:
+            raise SystemExit(f"--series {spec!r}: expected LABEL=MODE|MODE")
+        series.append((label, modes.split("|")))
+    return series
+
+
+def add_series(row, series):
+    """The row with each series' label standing for the first of its modes the row has (in its modes and its
+    steady-state figures); a row with none of them gets no point on that line."""
+    for label, modes in series:
+        mode = next((m for m in modes if m in row["modes"]), None)
+        if mode is None:
+            continue
+        row["modes"][label] = row["modes"][mode]
+        if row.get("steady_tokens_per_s") and mode in row["steady_tokens_per_s"]:
+            row["steady_tokens_per_s"][label] = row["steady_tokens_per_s"][mode]
+        if row.get("steps") and mode in row["steps"]:
+            row["steps"][label] = row["steps"][mode]
+    return row
+
+
 def tokens_per_s(row, steady: bool):
     """Mode -> the row's tokens/s: the window's own, or its steady-state figure."""
     if not steady:
@@ -44,7 +74,10 @@ def main():
     parser.add_argument("result", nargs="+", help="JSON written by benchmarks/e2e_hybrid.py --out")
     parser.add_argument("--steady", action="store_true", help="plot the steady-state tokens/s (see above)")
     parser.add_argument("--out", default=None, help="PNG path (default: the first result's path, .png, per shape)")
+    parser.add_argument("--series", action="append", default=[],
+                        help='"LABEL=MODE|MODE": one line from whichever of those modes each row has (see above)')
     args = parser.parse_args()
+    series = parse_series(args.series)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,7 +91,7 @@ def main():
         for row in result["rows"]:
             for key in ("prompt", "new_tokens"):
                 row.setdefault(key, result.get("args", {}).get(key))
-    rows = rows_of(results)
+    rows = [add_series(row, series) for row in rows_of(results)]
     if not rows:
         raise SystemExit(f"{', '.join(args.result)}: no row with a finished mode")
     by_shape = defaultdict(list)
@@ -68,12 +101,16 @@ def main():
         shape_rows.sort(key=lambda r: r["device_gib"])
         pools = [r["device_gib"] for r in shape_rows]
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        modes = [m for m in shape_rows[0]["modes"] if all(m in r["modes"] for r in shape_rows)]
+        if series:  # never and the series, each where its rows have it
+            modes = [m for m in ["never"] + [label for label, _ in series] if any(m in r["modes"] for r in shape_rows)]
+        else:  # every mode that all the rows ran
+            modes = [m for m in shape_rows[0]["modes"] if all(m in r["modes"] for r in shape_rows)]
         rates = [tokens_per_s(r, args.steady) for r in shape_rows]
         hollow = False
         for mode in modes:
-            line, = ax.plot(pools, [t[mode] for t in rates], marker="o", label=mode)
-            idle = [(r["device_gib"], t[mode]) for r, t in zip(shape_rows, rates)
+            have = [(r, t) for r, t in zip(shape_rows, rates) if mode in t]
+            line, = ax.plot([r["device_gib"] for r, _ in have], [t[mode] for _, t in have], marker="o", label=mode)
+            idle = [(r["device_gib"], t[mode]) for r, t in have
                     if mode != "never" and not r["modes"][mode].get("host_tokens")]
             if idle:  # no host token in the window: never's plan ran, its gap to never is no host gain
                 ax.plot(*zip(*idle), marker="o", linestyle="none", markerfacecolor="white",

@@ -875,7 +875,7 @@ class Engine:
         if (stagger.active and not stagger.measures_decode) or self.runner.exports.queued():
             return None
         on_device = [r.num_tokens for r in running if self.kv.pool_of(r.request_id) == DEVICE_POOL]
-        rows = sum(g.size for g in stagger.groups) / len(stagger.groups) if stagger.active else 0.0
+        rows = stagger.host_rows
         host_context = stagger.rows.context or None
         context = sum(on_device) / len(on_device) if on_device else (host_context or 0.0)
         return len(on_device), rows, context, host_context, stagger.rows.job_seconds(rows) if rows else None

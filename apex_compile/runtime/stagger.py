@@ -408,6 +408,12 @@ class StaggerPipeline:
         return self.lanes[self.steps % self.num_lanes]
 
     @property
+    def host_rows(self) -> float:
+        """Host rows per layer of the current step's lane: its groups' mean size (what its CPU job and auto's
+        model price; fractional while the groups differ, 0.0 when no group holds a request)."""
+        return sum(g.size for g in self.groups) / len(self.groups) if self.active else 0.0
+
+    @property
     def capacity(self) -> int:
         """Requests the pipeline takes at once (every row in use of every group of every lane)."""
         return self.num_lanes * self.rows.capacity_rows(self.num_layers + 1)

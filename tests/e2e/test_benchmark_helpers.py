@@ -178,8 +178,8 @@ def test_a_mode_can_name_its_block_size_its_cpu_work_split_and_an_inline_exchang
     capped = e2e_hybrid.hybrid_config("never/cap64", 1 << 30, 1 << 31, 64, 640, 256)
     assert whole.prefill_tokens_while_decoding == 256 and capped.prefill_tokens_while_decoding == 64
     assert dict(vars(whole), prefill_tokens_while_decoding=64, offload="never") == vars(capped)
-    reserved = e2e_hybrid.hybrid_config("auto/reserve=0.15", 1 << 30, 1 << 31, 64, 640, 256)
-    assert whole.growth_reserve == 0.0 and dict(vars(whole), growth_reserve=0.15) == vars(reserved)
+    unreserved = e2e_hybrid.hybrid_config("auto/reserve=0", 1 << 30, 1 << 31, 64, 640, 256)
+    assert whole.growth_reserve == 0.15 and dict(vars(whole), growth_reserve=0.0) == vars(unreserved)
     before = cpu_attention_work_split()
     seen = []
 
@@ -380,6 +380,25 @@ def test_plot_rows_take_each_pools_last_row_partial_ones_included():
     assert sorted((r["device_gib"], r["modes"]["never"]["tokens_per_s"]) for r in rows) == [(1.0, 110), (2.0, 200)]
 
 
+def test_plot_series_take_the_first_listed_mode_each_row_has():
+    """--series "LABEL=A|B": a row with A plots A under LABEL, one with only B plots B, one with neither no point;
+    a malformed spec is refused."""
+    import plot_hybrid
+
+    series = plot_hybrid.parse_series(["new=auto/reserve=0.15/shifted|auto/reserve=0.15"])
+    assert series == [("new", ["auto/reserve=0.15/shifted", "auto/reserve=0.15"])]
+    both = _plot_row("a", 1.0, 100, 150, 40)
+    both["modes"]["auto/reserve=0.15/shifted"] = dict(both["modes"]["auto"], tokens_per_s=170)
+    both["modes"]["auto/reserve=0.15"] = dict(both["modes"]["auto"], tokens_per_s=160)
+    second = _plot_row("a", 2.0, 200, 210, 0)
+    second["modes"]["auto/reserve=0.15"] = dict(second["modes"]["auto"], tokens_per_s=230)
+    third = _plot_row("a", 4.0, 300, 310, 0)
+    rates = [plot_hybrid.tokens_per_s(plot_hybrid.add_series(r, series), False) for r in (both, second, third)]
+    assert [r.get("new") for r in rates] == [170, 230, None]
+    with pytest.raises(SystemExit, match="LABEL=MODE"):
+        plot_hybrid.parse_series(["no-equals-sign"])
+
+
 def test_plot_hybrid_draws_a_png_per_shape(tmp_path):
     pytest.importorskip("matplotlib")
     import subprocess
@@ -406,6 +425,10 @@ def test_plot_hybrid_draws_a_png_per_shape(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "s_a.png").stat().st_size > 0 and (tmp_path / "s_b.png").stat().st_size > 0
+    done = subprocess.run([sys.executable, script, str(paths[0]), "--series", "hybrid=staggered|auto", "--out",
+                           str(tmp_path / "series.png")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "series_a.png").stat().st_size > 0
 
 
 def test_gemm_rows_writes_swiglu_rows_where_the_fused_kernel_won(tmp_path, monkeypatch):

@@ -648,9 +648,13 @@ def test_decode_step_under_torch_compile_fullgraph():
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge-page alignment is a Linux allocation")
-def test_large_caches_start_on_a_huge_page_boundary():
-    """A layer's cache of 4 MiB or more starts on a 2 MiB boundary (all its memory can be backed by transparent
-    huge pages, none lost to 4 KiB pages at its ends); K and V are separate, contiguous, of the asked shape."""
+def test_large_caches_start_on_a_huge_page_boundary(monkeypatch):
+    """HUGE_PAGE_SHIFT_PAGES = 0: a layer's cache of 4 MiB or more starts on a 2 MiB boundary (all its memory can
+    be backed by transparent huge pages, none lost to 4 KiB pages at its ends); K and V are separate, contiguous,
+    of the asked shape."""
+    from apex_compile.ops import cpu_attention
+
+    monkeypatch.setattr(cpu_attention, "HUGE_PAGE_SHIFT_PAGES", 0)
     for num_blocks in (257, 1000):  # 4 MiB + one block, ~15.6 MiB of fp32 per cache
         key_cache, value_cache = allocate_kv_cache_cpu(num_blocks, 2, 16, 128, torch.float32)
         for cache in (key_cache, value_cache):

@@ -109,7 +109,9 @@ def test_admits_nothing_is_true_only_where_the_next_step_admits_nothing():
 
     shape = CacheShape(num_layers=1, num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32)
     kv = KVManager(shape, 4, 4, torch.device("cpu"))
-    sched = Scheduler(ApexConfig(offload="never", max_num_seqs=2, max_num_batched_tokens=64), kv)
+    # no growth reserve: the block counts below are the first chunks' alone (the reserve's own test is in
+    # tests/runtime/test_runtime_scheduler.py)
+    sched = Scheduler(ApexConfig(offload="never", max_num_seqs=2, max_num_batched_tokens=64, growth_reserve=0.0), kv)
     assert sched.admits_nothing()  # nothing waits
     first = Request(0, list(range(1, 33)), SamplingParams(max_new_tokens=4))
     sched.add(first)

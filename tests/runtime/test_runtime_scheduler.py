@@ -133,8 +133,9 @@ def test_prompt_tokens_are_capped_while_requests_decode():
 
 def test_admits_nothing_knows_the_capped_first_chunk():
     """A step queued ahead must not skip an admission: with the cap the first chunk of a prompt too long for
-    the device pool's free blocks fits them, so the next step admits it."""
-    sched, kv = make(5, 0, offload="never", max_num_batched_tokens=64, prefill_tokens_while_decoding=12)
+    the device pool's free blocks fits them, so the next step admits it (no growth reserve to hold it back)."""
+    sched, kv = make(5, 0, offload="never", max_num_batched_tokens=64, prefill_tokens_while_decoding=12,
+                     growth_reserve=0.0)
     first = add(sched, 0, 40, 6)
     advance(sched, sched.schedule())  # 3 of 5 blocks held: 32 tokens free
     waiting = add(sched, 1, 60, 2)

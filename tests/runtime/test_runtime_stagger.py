@@ -270,6 +270,24 @@ def test_pipeline_returns_a_request_after_every_layer():
     assert not engine.has_unfinished() and engine.stagger.num_members == 0 and not engine.stagger.active
 
 
+def test_host_rows_are_the_lanes_mean_group_size_not_rounded():
+    """StaggerPipeline.host_rows (what auto's gap samples and e2e_hybrid's step records price the CPU job by): the
+    mean size of the current lane's groups, a fraction while one request crosses the layers, 0 with none."""
+    torch.manual_seed(3)
+    engine = staggered(sharp_model(), width=1, device_blocks=1).engine
+    assert engine.stagger.host_rows == 0.0
+    engine.add_request(list(range(3, 23)), SamplingParams(max_new_tokens=2))  # longer than the device pool
+    engine.step()  # the host prefill; then the request joins a lane's group 0
+    seen = []
+    while engine.has_unfinished():
+        lane = engine.stagger.groups
+        seen.append(engine.stagger.host_rows)
+        assert seen[-1] == sum(g.size for g in lane) / len(lane)
+        engine.step()
+    assert set(seen) == {0.0, 1 / (LAYERS + 1)}  # its lane's turns, and the other lane's
+    assert engine.stagger.host_rows == 0.0
+
+
 def test_row_limit_keeps_the_cpu_job_within_a_step():
     from apex_compile.runtime.stagger import JOB_SHARE, RowLimit
 
