@@ -177,9 +177,8 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
         on_host = len(host_ids)
         if stagger is not None:
             host_ids.update(r.request_id for r in stagger.members())
-        # the block's rows holding a request (on average over its groups: each is one layer of the CPU job)
-        # the lane's mean group size, as the engine's own gap samples take it (a rounded one mispriced the CPU job
-        # of a pipeline running 1-2 rows)
+        # the block's rows holding a request: the lane's mean group size (each group is one layer of the CPU job),
+        # unrounded, as the engine's gap samples take it, so the model prices a 1.6-row job as such
         staggered = stagger.host_rows if stagger is not None else 0
         context = sum(r.num_tokens for r in running) / max(len(running), 1)
         # the context the step's CPU job prices its rows at (a staggered host request lags the device rows')
