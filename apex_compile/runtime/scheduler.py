@@ -504,19 +504,20 @@ class Scheduler:
         if pool == HOST_POOL and self._splits_host_prompt(request, num_tokens):
             return None
         chunk = device_tokens if pool == DEVICE_POOL else num_tokens
-        if pool == DEVICE_POOL and not self._keeps_reserve(request, request.num_computed + chunk):
-            return None
-        if self.kv.grow(request.request_id, pool, request.num_computed + chunk):
-            return pool
-        return None
+        return pool if self._grow(request, pool, request.num_computed + chunk) else None
+
+    def _grow(self, request: Request, pool: int, end: int) -> bool:
+        """Gives `request` blocks in `pool` up to token `end` if they fit, in the device pool only while it keeps
+        its growth reserve (`_keeps_reserve`)."""
+        if pool == DEVICE_POOL and not self._keeps_reserve(request, end):
+            return False
+        return self.kv.grow(request.request_id, pool, end)
 
     def _admit_auto(self, request: Request, num_tokens: int, device_tokens: int,
                     fitting: List[int]) -> Optional[int]:
         """offload="auto": the device pool when it has room, else the host pool if the model says it pays."""
         end = request.num_computed + num_tokens
-        device_end = request.num_computed + device_tokens
-        if (DEVICE_POOL in fitting and self._keeps_reserve(request, device_end)
-                and self.kv.grow(request.request_id, DEVICE_POOL, device_end)):
+        if DEVICE_POOL in fitting and self._grow(request, DEVICE_POOL, request.num_computed + device_tokens):
             return DEVICE_POOL
         if HOST_POOL not in fitting or self._splits_host_prompt(request, num_tokens):
             return None
@@ -529,9 +530,8 @@ class Scheduler:
         """The staggered plan: the device pool when it has room and no parked request waits for it, else the
         host pool while the pipeline has a row for the request, with blocks for its whole length (a pipeline
         request never waits for a block)."""
-        device_end = request.num_computed + device_tokens
-        if (not self.parked and DEVICE_POOL in fitting and self._keeps_reserve(request, device_end)
-                and self.kv.grow(request.request_id, DEVICE_POOL, device_end)):
+        if not self.parked and DEVICE_POOL in fitting and self._grow(request, DEVICE_POOL,
+                                                                     request.num_computed + device_tokens):
             return DEVICE_POOL
         if HOST_POOL not in fitting or self._splits_host_prompt(request, num_tokens):
             return None
