@@ -1,6 +1,7 @@
 """Swap preemption's block moves alone: one request's KV moved device -> host (a park) and back (a resume) with
 `KVManager.move` then `sync_moves` (the host waits for the copy, as every move did before overlapped moves),
-timed to the host's return.
+timed to the host's return; and `move` alone (issue ms: a move must not block the launching thread, which it
+does once the host pool reads as unpinned and the copy runs synchronously).
 
 Why: in the e2e windows every step above 7 ms coincides with a park or a resume, and each costs 10-34 ms
 (notes item 43) where the copy's bytes alone would take ~2 ms over PCIe. This separates the move from the rest
@@ -70,20 +71,22 @@ def busy(cycles_per_ms: float, ms: float) -> None:
 
 
 def time_moves(kv: KVManager, request_id: int, repeat: int, busy_ms: float, device: torch.device):
-    """(park ms, resume ms) medians over `repeat` round trips, each move to the host's return (busy_ms of queued
-    GPU work included)."""
+    """(park ms, resume ms, park issue ms, resume issue ms) medians over `repeat` round trips: each move to the
+    host's return from `sync_moves` (busy_ms of queued GPU work included), and to its return from `move` alone
+    (an asynchronous copy returns at once, a blocking one after the queued work and its copy)."""
     cycles_per_ms = sleep_cycles_per_ms(device) if busy_ms > 0 else 0.0
-    park, resume = [], []
+    park, resume, park_issue, resume_issue = [], [], [], []
     for _ in range(repeat):
-        for dst, out in ((HOST_POOL, park), (DEVICE_POOL, resume)):
+        for dst, out, issue in ((HOST_POOL, park, park_issue), (DEVICE_POOL, resume, resume_issue)):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             busy(cycles_per_ms, busy_ms)
             start = time.perf_counter()
             kv.move(request_id, dst)
+            issue.append((time.perf_counter() - start) * 1e3)
             kv.sync_moves()
             out.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(park), statistics.median(resume)
+    return tuple(statistics.median(x) for x in (park, resume, park_issue, resume_issue))
 
 
 def run_variant(variant: str, shape: CacheShape, tokens: int, host_blocks: int, repeat: int, busy_ms: float,
@@ -101,10 +104,11 @@ def run_variant(variant: str, shape: CacheShape, tokens: int, host_blocks: int, 
         runs = host_runs(kv.tables[0].block_ids)
         kv.move(0, DEVICE_POOL)
         kv.sync_moves()
-        park_ms, resume_ms = time_moves(kv, 0, repeat, busy_ms if variant == "busy" else 0.0, device)
+        park_ms, resume_ms, park_issue_ms, resume_issue_ms = time_moves(kv, 0, repeat, busy_ms if variant == "busy" else 0.0, device)
         moved = blocks * shape.block_bytes
         return {"variant": variant, "tokens": tokens, "blocks": blocks, "host_runs": runs,
                 "copies": runs * 2 * shape.num_layers, "bytes": moved, "park_ms": park_ms, "resume_ms": resume_ms,
+                "park_issue_ms": park_issue_ms, "resume_issue_ms": resume_issue_ms,
                 "park_GBps": moved / park_ms / 1e6, "busy_ms": busy_ms if variant == "busy" else 0.0}
     finally:
         kv.close()
@@ -134,7 +138,7 @@ def main():
     print(f"{args.shape} on {device}: a block is {shape.block_bytes} bytes over all layers; host pool "
           f"{host_blocks} blocks")
     print(f"{'variant':>10} {'tokens':>6} {'blocks':>6} {'runs':>5} {'copies':>6} {'park ms':>8} {'resume ms':>9} "
-          f"{'park GB/s':>9}")
+          f"{'park GB/s':>9} {'issue ms (park, resume)':>23}")
     for tokens in [int(t) for t in args.tokens.split(",") if t]:
         if 2 * kv_blocks(tokens, shape) > host_blocks:
             parser.error(f"--host-gib too small for {tokens}-token requests scattered over every other block")
@@ -142,7 +146,8 @@ def main():
             row = run_variant(variant, shape, tokens, host_blocks, args.repeat, args.busy_ms, device)
             rows.append(row)
             print(f"{variant:>10} {tokens:>6} {row['blocks']:>6} {row['host_runs']:>5} {row['copies']:>6} "
-                  f"{row['park_ms']:>8.2f} {row['resume_ms']:>9.2f} {row['park_GBps']:>9.1f}", flush=True)
+                  f"{row['park_ms']:>8.2f} {row['resume_ms']:>9.2f} {row['park_GBps']:>9.1f} "
+                  f"{row['park_issue_ms']:>11.2f} {row['resume_issue_ms']:>11.2f}", flush=True)
     if args.out:
         machine = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
         with open(args.out, "w") as f:

@@ -173,16 +173,22 @@ def allocate_kv_cache_cpu(
 def _huge_page_tensor(shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised tensor whose memory starts on a huge-page boundary (Linux, 4 MiB or more; or
     HUGE_PAGE_SHIFT_PAGES pages after the previous one's start, mod a huge page), advised MADV_HUGEPAGE: a
-    layer's cache of a few MiB would otherwise lose up to a huge page at each end to 4 KiB pages."""
+    layer's cache of a few MiB would otherwise lose up to a huge page at each end to 4 KiB pages.
+
+    The memory is a private anonymous mapping of its own and the tensor's storage starts where the tensor does:
+    torch's `is_pinned` (and so a copy's choice to run asynchronously) looks at the storage's first byte, which
+    must lie inside the range the host pool page-locks (`kv_manager.HostRegistration`)."""
     nbytes = math.prod(shape) * dtype.itemsize
     if not sys.platform.startswith("linux") or nbytes < (4 << 20):
         return torch.empty(shape, dtype=dtype)
     shift = next(_shift_count) * HUGE_PAGE_SHIFT_PAGES * mmap.PAGESIZE % _HUGE_PAGE
-    raw = torch.empty(nbytes + shift + 2 * _HUGE_PAGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % _HUGE_PAGE
+    memory = mmap.mmap(-1, nbytes + shift + 2 * _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(memory, dtype=torch.uint8)  # the storage keeps the mapping alive
+    start = -whole.data_ptr() % _HUGE_PAGE
     # advised from the boundary before it to the one after it: the shifted tensor's pages are huge pages too
-    _advise_huge_pages(raw[start:start + -(-(shift + nbytes) // _HUGE_PAGE) * _HUGE_PAGE])
-    return raw[start + shift:start + shift + nbytes].view(dtype).view(shape)
+    _advise_huge_pages(whole[start:start + -(-(shift + nbytes) // _HUGE_PAGE) * _HUGE_PAGE])
+    raw = torch.frombuffer(memory, dtype=torch.uint8, count=nbytes, offset=start + shift)
+    return raw.view(dtype).view(shape)
 
 
 def _advise_huge_pages(tensor: torch.Tensor) -> None:

@@ -15,7 +15,10 @@ from apex_compile.runtime.context import attention_runner
 from apex_compile.passes import run_pipeline
 from tests.helpers import engine_step, rel_err, runner_for, tiny_model
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+def cuda(test):
+    """Marked `cuda` (the device calls select tests with -m cuda) and skipped without a GPU."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
 
 
 def _compile(fn, dynamic=None, **options):

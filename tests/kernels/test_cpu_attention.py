@@ -666,6 +666,20 @@ def test_large_caches_start_on_a_huge_page_boundary(monkeypatch):
         assert bool((key_cache == 1.0).all()) and bool((value_cache == 2.0).all())
 
 
+@pytest.mark.parametrize("shift_pages", [0, 1])
+def test_a_large_cache_is_its_storage(monkeypatch, shift_pages):
+    """A cache's storage starts at its first element and ends at its last: torch's `is_pinned` looks at the
+    storage's first byte, so a cache inside a larger allocation would read as unpinned once the host pool
+    page-locks the cache's own range, and every swap copy would block the launching thread."""
+    from apex_compile.ops import cpu_attention
+
+    monkeypatch.setattr(cpu_attention, "HUGE_PAGE_SHIFT_PAGES", shift_pages)
+    for num_blocks in (3, 257):  # below and above the huge-page path's 4 MiB
+        for cache in allocate_kv_cache_cpu(num_blocks, 2, 16, 128, torch.float32):
+            storage = cache.untyped_storage()
+            assert storage.data_ptr() == cache.data_ptr() and storage.nbytes() == cache.nbytes
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge-page alignment is a Linux allocation")
 def test_shifted_caches_start_a_page_apart_within_their_advised_huge_pages(monkeypatch):
     """HUGE_PAGE_SHIFT_PAGES = 1: each large cache starts one 4 KiB page after the one allocated before it (mod

@@ -130,6 +130,7 @@ def test_empty_pool_allocates_nothing():
     assert 1 not in kv.tables
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_host_pool_is_page_locked_at_its_exact_size_and_unlocked_at_close():
     """cudaHostRegister on plain memory instead of torch's pinned allocator (which rounds each layer's cache up
@@ -153,6 +154,33 @@ def test_the_host_pool_is_page_locked_at_its_exact_size_and_unlocked_at_close():
     assert not host.registration.tensors and not host.key_caches
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_moves_of_a_large_host_pool_leave_the_launching_thread_free():
+    """Host layers of several MiB (the huge-page path) read as pinned, so a park and a resume queued behind
+    GPU work return to the host at once (their copies wait on the swap stream, not on the host), and land."""
+    from apex_compile.runtime import kv_manager
+
+    assert kv_manager.OVERLAP_MOVES
+    shape = CacheShape(num_layers=2, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
+    kv = KVManager(shape, 64, 200, torch.device("cuda"))  # a host layer's cache: 6.25 MiB
+    host = kv.pools[HOST_POOL]
+    assert all(cache.is_pinned() for cache in host.key_caches + host.value_caches)
+    kv.grow(1, DEVICE_POOL, 64 * 16)
+    filled = torch.randn(kv.pools[DEVICE_POOL].key_caches[0].shape, dtype=torch.bfloat16, device="cuda")
+    kv.pools[DEVICE_POOL].key_caches[0].copy_(filled)
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of queued GPU work ahead of the moves
+    kv.move(1, HOST_POOL)
+    assert not kv.landed(1)  # the host returned before the copy ran
+    kv.move(1, DEVICE_POOL)
+    assert torch.cuda.current_stream().query() is False
+    kv.sync_moves()
+    blocks = kv.tables[1].block_ids
+    assert torch.equal(kv.pools[DEVICE_POOL].key_caches[0][blocks].cpu(), filled.cpu())
+    kv.close()
+
+
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_host_pool_collected_without_close_is_unregistered_by_the_next_one():
     import gc
