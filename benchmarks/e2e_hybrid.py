@@ -9,7 +9,8 @@ follow the measured CPU job); a suffix "/1lane" or "/2lane" sets the staggered p
 steps piecewise, "/pin" pins the launching thread off the worker's cores, "/t14" runs 14 CPU attention threads,
 "/cap64" lets a decoding step take 64 device-pool prompt tokens (--prefill-while-decoding for the others),
 "/reserve=0" sets ApexConfig.growth_reserve (0.15 by default since session 46), "/aligned" puts the host pool's
-layers on huge-page boundaries (cpu_attention.HUGE_PAGE_SHIFT_PAGES = 0; "/shifted", the default, a page apart).
+layers on huge-page boundaries (cpu_attention.HUGE_PAGE_SHIFT_PAGES = 0; "/shifted", the default, a page apart),
+"/width=12" gives an adaptive staggered block (auto, "staggered:auto") that many rows (engine.AUTO_STAGGER_WIDTH).
 Per configuration also: ideal_gain (the tokens/s the CPU's measured attention
 bandwidth could add: B_cpu / KV bytes a host request reads per step) with its inputs, auto's
 offload efficiency (auto - never) / ideal_gain, the model's predicted decode step against the measured one, and
@@ -53,6 +54,7 @@ from apex_compile import ApexConfig, SamplingParams, optimize  # noqa: E402
 from apex_compile.ops import cpu_attention as cpu_attention_module  # noqa: E402
 from apex_compile.ops import cpu_attention_work_split  # noqa: E402
 from apex_compile.runtime import attention_runner, kv_manager  # noqa: E402
+from apex_compile.runtime import engine as engine_module  # noqa: E402
 from apex_compile.runtime import stagger as stagger_module  # noqa: E402
 from apex_compile.runtime import perf_model as perf_model_module  # noqa: E402
 from apex_compile.runtime import sampler as sampler_module  # noqa: E402
@@ -468,10 +470,13 @@ WAIT_SUFFIXES = {"/blocking": True, "/spinning": False}
 # a mode whose host pool's layers start a page apart on huge pages ("/shifted", the default since session 46) or
 # on huge-page boundaries ("/aligned"): cpu_attention.HUGE_PAGE_SHIFT_PAGES for that run (host_pool_pages.py)
 SHIFT_SUFFIXES = {"/shifted": 1, "/aligned": 0}
+# "/width=12": a mode whose adaptive staggered block has that many rows, of which the measured CPU job and the
+# model use what fits (engine.AUTO_STAGGER_WIDTH; and perf_model.STAGGER_ROWS, the rows explain() considers)
+WIDTH_SUFFIX = re.compile(r"/width=(\d+)\b")
 _SUFFIX_NAMES = {PIECEWISE_SUFFIX, PIN_SUFFIX, *LANE_SUFFIXES, *EXCHANGE_SUFFIXES, *MOVE_SUFFIXES, *FIT_SUFFIXES,
                  *LEARN_SUFFIXES, *RUNNER_SUFFIXES, *WAIT_SUFFIXES, *SHIFT_SUFFIXES}
 _SUFFIX_PATTERNS = (THREADS_SUFFIX, SPLIT_SUFFIX, BLOCK_SUFFIX, CAP_SUFFIX, RESERVE_SUFFIX, SHARE_SUFFIX,
-                    REPEAT_SUFFIX)
+                    REPEAT_SUFFIX, WIDTH_SUFFIX)
 
 
 def _share_of(mode: str):
@@ -599,13 +604,18 @@ def _take_suffix(mode, suffixes):
 def process_settings(mode):
     """The process-wide settings a mode's suffixes name (the exchange's stream, the block moves, the CPU
     attention's work split, what the layered job's row fit reads, its worker, the launcher's waits, the host pool's
-    layout) in effect; yields the mode without those suffixes and restores the settings after it."""
+    layout, the adaptive staggered block's rows) in effect; yields the mode without those suffixes and restores the settings after it."""
     beside, split = attention_runner.EXCHANGE_BESIDE, list(cpu_attention_work_split().values())
     overlap, busy_fit = kv_manager.OVERLAP_MOVES, stagger_module.BUSY_FIT
     job_share, learn_job = stagger_module.JOB_SHARE, perf_model_module.LEARN_CPU_JOB
     native_runner, blocking = stagger_module.NATIVE_RUNNER, sampler_module.BLOCKING_WAITS
     shift = cpu_attention_module.HUGE_PAGE_SHIFT_PAGES
+    width, explained_rows = engine_module.AUTO_STAGGER_WIDTH, perf_model_module.STAGGER_ROWS
     try:
+        named = WIDTH_SUFFIX.search(mode)
+        if named:
+            engine_module.AUTO_STAGGER_WIDTH = perf_model_module.STAGGER_ROWS = int(named.group(1))
+            mode = WIDTH_SUFFIX.sub("", mode)
         mode, named_shift = _take_suffix(mode, SHIFT_SUFFIXES)
         if named_shift is not None:
             cpu_attention_module.HUGE_PAGE_SHIFT_PAGES = named_shift
@@ -636,6 +646,7 @@ def process_settings(mode):
             mode = SPLIT_SUFFIX.sub("", mode)
         yield mode
     finally:
+        engine_module.AUTO_STAGGER_WIDTH, perf_model_module.STAGGER_ROWS = width, explained_rows
         cpu_attention_module.HUGE_PAGE_SHIFT_PAGES = shift
         sampler_module.BLOCKING_WAITS = blocking
         attention_runner.EXCHANGE_BESIDE = beside

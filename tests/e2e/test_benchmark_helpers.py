@@ -208,6 +208,8 @@ def test_a_mode_can_name_its_block_size_its_cpu_work_split_and_an_inline_exchang
         (lambda: e2e_hybrid.stagger_module.NATIVE_RUNNER, (("auto/pyrunner", False), ("auto/cxxrunner", True))),
         (lambda: e2e_hybrid.sampler_module.BLOCKING_WAITS, (("auto/t16/blocking", True), ("auto/spinning", False))),
         (lambda: e2e_hybrid.cpu_attention_module.HUGE_PAGE_SHIFT_PAGES, (("auto/shifted", 1), ("never/aligned", 0))),
+        (lambda: (e2e_hybrid.engine_module.AUTO_STAGGER_WIDTH, e2e_hybrid.perf_model_module.STAGGER_ROWS),
+         (("auto/width=12", (12, 12)), ("staggered:auto/width=10/r2", (10, 10)))),
     ]
     for read, cases in settings:
         before, during = read(), []
@@ -226,12 +228,14 @@ def test_modes_with_an_unknown_suffix_or_named_twice_are_refused():
     e2e_hybrid.check_modes(["never", "auto", "auto/share=0.95", "auto/r2", "staggered:4/t14/split=4-32768-65536",
                             "0.5/pw/bs64/pin", "auto/cap64", "never/reserve=0.2",
                             "auto/1lane/inline/syncmoves/timefit/profilejob",
-                            "auto/pyrunner", "auto/cxxrunner", "auto/t16/blocking", "never/spinning"])
+                            "auto/pyrunner", "auto/cxxrunner", "auto/t16/blocking", "never/spinning",
+                            "auto/width=12/share=0.95"])
     assert e2e_hybrid.parse_mode("auto/r2") == e2e_hybrid.parse_mode("auto")
     for modes, message in ((["auto", "auto"], "named twice"), (["auto/shar=1.0"], "unknown suffix '/shar=1.0'"),
                            (["auto/barrier"], "unknown suffix '/barrier'"), (["auto/gcfreeze"], "unknown suffix"),
                            (["auto/gil=0.1"], "unknown suffix"),
-                           (["auto/r"], "unknown suffix"), (["auto/share=1.0x"], "unknown suffix")):
+                           (["auto/r"], "unknown suffix"), (["auto/share=1.0x"], "unknown suffix"),
+                           (["auto/width=x"], "unknown suffix")):
         with pytest.raises(ValueError, match=message):
             e2e_hybrid.check_modes(modes)
     with pytest.raises(ValueError):
