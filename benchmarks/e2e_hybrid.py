@@ -604,7 +604,8 @@ def _take_suffix(mode, suffixes):
 def process_settings(mode):
     """The process-wide settings a mode's suffixes name (the exchange's stream, the block moves, the CPU
     attention's work split, what the layered job's row fit reads, its worker, the launcher's waits, the host pool's
-    layout, the adaptive staggered block's rows) in effect; yields the mode without those suffixes and restores the settings after it."""
+    layout, the adaptive staggered block's rows) in effect; yields the mode without those suffixes and restores
+    the settings after it."""
     beside, split = attention_runner.EXCHANGE_BESIDE, list(cpu_attention_work_split().values())
     overlap, busy_fit = kv_manager.OVERLAP_MOVES, stagger_module.BUSY_FIT
     job_share, learn_job = stagger_module.JOB_SHARE, perf_model_module.LEARN_CPU_JOB

@@ -104,7 +104,8 @@ def run_variant(variant: str, shape: CacheShape, tokens: int, host_blocks: int, 
         runs = host_runs(kv.tables[0].block_ids)
         kv.move(0, DEVICE_POOL)
         kv.sync_moves()
-        park_ms, resume_ms, park_issue_ms, resume_issue_ms = time_moves(kv, 0, repeat, busy_ms if variant == "busy" else 0.0, device)
+        park_ms, resume_ms, park_issue_ms, resume_issue_ms = time_moves(
+            kv, 0, repeat, busy_ms if variant == "busy" else 0.0, device)
         moved = blocks * shape.block_bytes
         return {"variant": variant, "tokens": tokens, "blocks": blocks, "host_runs": runs,
                 "copies": runs * 2 * shape.num_layers, "bytes": moved, "park_ms": park_ms, "resume_ms": resume_ms,
