@@ -10,7 +10,8 @@ steps piecewise, "/pin" pins the launching thread off the worker's cores, "/t14"
 "/cap64" lets a decoding step take 64 device-pool prompt tokens (--prefill-while-decoding for the others),
 "/reserve=0" sets ApexConfig.growth_reserve (0.15 by default since session 46), "/aligned" puts the host pool's
 layers on huge-page boundaries (cpu_attention.HUGE_PAGE_SHIFT_PAGES = 0; "/shifted", the default, a page apart),
-"/width=12" gives an adaptive staggered block (auto, "staggered:auto") that many rows (engine.AUTO_STAGGER_WIDTH).
+"/width=12" gives an adaptive staggered block (auto, "staggered:auto") that many rows (engine.AUTO_STAGGER_WIDTH),
+"/resumeahead" resumes parked requests beside a step queued ahead (scheduler.RESUME_AHEAD; "/resumeinstep": not).
 Per configuration also: ideal_gain (the tokens/s the CPU's measured attention
 bandwidth could add: B_cpu / KV bytes a host request reads per step) with its inputs, auto's
 offload efficiency (auto - never) / ideal_gain, the model's predicted decode step against the measured one, and
@@ -58,6 +59,7 @@ from apex_compile.runtime import engine as engine_module  # noqa: E402
 from apex_compile.runtime import stagger as stagger_module  # noqa: E402
 from apex_compile.runtime import perf_model as perf_model_module  # noqa: E402
 from apex_compile.runtime import sampler as sampler_module  # noqa: E402
+from apex_compile.runtime import scheduler as scheduler_module  # noqa: E402
 from apex_compile.runtime.engine import PHASES  # noqa: E402
 from apex_compile.runtime.kv_manager import HOST_POOL  # noqa: E402
 from apex_compile.runtime.perf_model import (PerfModel, StepCalibration, online_predictions,  # noqa: E402
@@ -262,6 +264,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     gc.callbacks.append(on_gc)
     begin, tokens, host_tokens, host_context, steps = time.perf_counter(), engine.stats.generated_tokens, 0, 0, []
     ahead, not_ahead = engine.stats.ahead_steps, dict(engine.stats.not_ahead)
+    resumed_ahead = engine.stats.resumed_ahead
     captured = engine._captured_seconds()
     try:
         for _ in range(window_steps):
@@ -274,6 +277,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     seconds = time.perf_counter() - begin
     captured = engine._captured_seconds() - captured  # graphs of shapes first met inside the window
     ahead = engine.stats.ahead_steps - ahead  # the window's steps queued before the previous step's tokens
+    resumed_ahead = engine.stats.resumed_ahead - resumed_ahead  # the window's resumes beside a queued step
     not_ahead = {k: v - not_ahead.get(k, 0) for k, v in engine.stats.not_ahead.items() if v != not_ahead.get(k, 0)}
     window_queued = queued[-window_steps:] if window_steps else []
     # the window's time in steps not queued ahead, above the median of those that were (the GPU idle meanwhile)
@@ -294,6 +298,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
             "window_gc": {str(g): list(v) for g, v in sorted(collections_seen.items())},
             "fill_steps": filled, "fill_s": fill_s, "pipeline_filled": filled_share,
             "ahead_steps": ahead, "not_ahead": not_ahead, "unqueued_excess_s": unqueued_excess,
+            "resumed_ahead": resumed_ahead,
             "window_capture_s": captured,
             "queued_ahead": window_queued, "window_start": window_start,
             # per window step: what changed in the engine's counters (_event_counts), to tie slow steps to parks
@@ -461,6 +466,9 @@ SHARE_SUFFIX = re.compile(r"/share=([0-9.]+)")
 # a mode run with the layered jobs on the C++ runner's thread ("/cxxrunner", the default since session 38) or
 # called by a Python worker thread ("/pyrunner", before): stagger.NATIVE_RUNNER for that run
 RUNNER_SUFFIXES = {"/cxxrunner": True, "/pyrunner": False}
+# a mode whose parked requests resume while a step is queued ahead ("/resumeahead") or in a step scheduled on the
+# host ("/resumeinstep"): scheduler.RESUME_AHEAD for that run
+RESUME_SUFFIXES = {"/resumeahead": True, "/resumeinstep": False}
 # "/r2": a mode run again under its own name and otherwise the same settings, for an A-B-A order (the first hybrid
 # mode of a run came out lowest in three of session 35's four A/B runs)
 REPEAT_SUFFIX = re.compile(r"/r\d+")
@@ -474,7 +482,7 @@ SHIFT_SUFFIXES = {"/shifted": 1, "/aligned": 0}
 # model use what fits (engine.AUTO_STAGGER_WIDTH; and perf_model.STAGGER_ROWS, the rows explain() considers)
 WIDTH_SUFFIX = re.compile(r"/width=(\d+)\b")
 _SUFFIX_NAMES = {PIECEWISE_SUFFIX, PIN_SUFFIX, *LANE_SUFFIXES, *EXCHANGE_SUFFIXES, *MOVE_SUFFIXES, *FIT_SUFFIXES,
-                 *LEARN_SUFFIXES, *RUNNER_SUFFIXES, *WAIT_SUFFIXES, *SHIFT_SUFFIXES}
+                 *LEARN_SUFFIXES, *RUNNER_SUFFIXES, *WAIT_SUFFIXES, *SHIFT_SUFFIXES, *RESUME_SUFFIXES}
 _SUFFIX_PATTERNS = (THREADS_SUFFIX, SPLIT_SUFFIX, BLOCK_SUFFIX, CAP_SUFFIX, RESERVE_SUFFIX, SHARE_SUFFIX,
                     REPEAT_SUFFIX, WIDTH_SUFFIX)
 
@@ -610,6 +618,7 @@ def process_settings(mode):
     overlap, busy_fit = kv_manager.OVERLAP_MOVES, stagger_module.BUSY_FIT
     job_share, learn_job = stagger_module.JOB_SHARE, perf_model_module.LEARN_CPU_JOB
     native_runner, blocking = stagger_module.NATIVE_RUNNER, sampler_module.BLOCKING_WAITS
+    resume_ahead = scheduler_module.RESUME_AHEAD
     shift = cpu_attention_module.HUGE_PAGE_SHIFT_PAGES
     width, explained_rows = engine_module.AUTO_STAGGER_WIDTH, perf_model_module.STAGGER_ROWS
     try:
@@ -623,6 +632,9 @@ def process_settings(mode):
         mode, named_wait = _take_suffix(mode, WAIT_SUFFIXES)
         if named_wait is not None:
             sampler_module.BLOCKING_WAITS = named_wait
+        mode, named_resume = _take_suffix(mode, RESUME_SUFFIXES)
+        if named_resume is not None:
+            scheduler_module.RESUME_AHEAD = named_resume
         mode, named_runner = _take_suffix(mode, RUNNER_SUFFIXES)
         if named_runner is not None:
             stagger_module.NATIVE_RUNNER = named_runner
@@ -657,6 +669,7 @@ def process_settings(mode):
         stagger_module.JOB_SHARE = job_share
         perf_model_module.LEARN_CPU_JOB = learn_job
         stagger_module.NATIVE_RUNNER = native_runner
+        scheduler_module.RESUME_AHEAD = resume_ahead
 
 
 def _run_engine_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seqs, args, start_step):
@@ -680,10 +693,10 @@ def _run_engine_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens,
     if engine.stagger is not None:  # the rows in use per turn at the window's end (below the width when adaptive)
         rows = engine.stagger.rows
         result["stagger_rows"] = [rows.limit, rows.width]
-        # the CPU job's fit at the window's end: its fixed part, a row's part at the window's context
-        context = statistics.median(s[2] for s in run["steps"]) if run["steps"] else 0.0
+        # the CPU job's fit at the window's end: its fixed part, a row's part at the job rows' last mean context
+        # (the one its limit uses; host rows lag the device rows' context)
         result["row_fit"] = {"fixed_s": rows.fixed, "measured": rows.measured, "ceiling": rows.ceiling,
-                             "per_row_s": rows.row_seconds(context)}
+                             "per_row_s": rows.row_seconds(), "context": rows.context}
     result["plan"] = "staggered" if engine.stagger is not None else "overlap"  # of the steps with host rows
     result["host_pool_huge_pages"] = huge_page_share(host_pool_tensors(engine))
     result["calibration"] = dataclasses.asdict(engine.calibration)  # the model's replays of this engine's graphs
@@ -874,7 +887,8 @@ def main():
                     cpu += f", rows in use {r['stagger_rows'][0]} of {r['stagger_rows'][1]}"
                     fit = r["row_fit"]
                     if fit["per_row_s"]:
-                        cpu += (f" (job fit {fit['fixed_s'] * 1e3:.2f} ms + {fit['per_row_s'] * 1e3:.2f} ms a row: "
+                        cpu += (f" (job fit {fit['fixed_s'] * 1e3:.2f} ms + {fit['per_row_s'] * 1e3:.2f} ms a row of "
+                                f"{fit.get('context', 0):.0f} tokens: "
                                 f"{fit['measured']} rows; model {fit['ceiling']})")
                 if r.get("row_limits"):
                     lim = r["row_limits"]
@@ -887,6 +901,8 @@ def main():
                     cpu += (" (not: " + ", ".join(f"{k} {v}" for k, v in sorted(r["not_ahead"].items()))
                             + f"; their time above a queued step's median {r['unqueued_excess_s'] * 1e3:.0f} ms, "
                             f"{r['unqueued_excess_s'] / r['window_s']:.1%} of the window)")
+                if r.get("resumed_ahead"):
+                    cpu += f", {r['resumed_ahead']} parked requests resumed beside a queued step"
                 if r.get("window_capture_s"):
                     cpu += f", graphs captured inside the window {r['window_capture_s'] * 1e3:.0f} ms"
                 only = r["decode_only_step_s"]

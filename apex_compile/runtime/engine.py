@@ -87,6 +87,7 @@ class EngineStats:
     parked: int = 0
     recomputed: int = 0
     ahead_steps: int = 0  # steps queued before the previous step's tokens reached the host (async scheduling)
+    resumed_ahead: int = 0  # parked requests moved back while a step was queued ahead (`Scheduler.resume_ahead`)
     # why a step was not queued ahead, per reason (`Engine._ahead_chunks`): each such step leaves the GPU idle while
     # the host schedules and prepares it
     not_ahead: Dict[str, int] = dataclasses.field(default_factory=dict)
@@ -932,6 +933,7 @@ class Engine:
             if chunk.samples or device_ids is not None:
                 logit_rows.append(row - 1)
                 sampled.append(chunk.request)
+        self.kv.order_arrivals(c.request.request_id for c in chunks)  # requests resumed ahead: after their copies
         logits = self._forward_chunks(chunks, logit_rows, device_ids)
         if self.stagger is not None:
             self.stagger.forward_queued()  # the CPU job of the step before may start now
@@ -974,11 +976,12 @@ class Engine:
 
     def _ahead_chunks(self, launched: _Launched) -> Optional[Tuple[List[ScheduledChunk], DeviceIds]]:
         """The next step's chunks, and where its input ids come from, if it can be queued before `launched`'s
-        tokens are known: every running request decodes one token in the device pool, nothing is admitted or
-        resumed, no sampling rule needs the last token on the host; requests that `launched`'s token stops by
-        length are left out. Takes their blocks and plans the parks the step leaves due (overlapped moves). None
-        when any condition fails (counted per reason in `EngineStats.not_ahead`; the next step is scheduled as
-        usual)."""
+        tokens are known: every running request decodes one token in the device pool (its input id sampled by
+        `launched`, or on the host: a request resumed ahead), nothing is admitted, no sampling rule needs the last
+        token on the host; requests that `launched`'s token stops by length are left out. Takes their blocks,
+        resumes ahead the parked requests the device pool takes back (they run from the step after this one:
+        `Scheduler.resume_ahead`) and plans the parks the step leaves due (overlapped moves). None when any
+        condition fails (counted per reason in `EngineStats.not_ahead`; the next step is scheduled as usual)."""
         scheduler = self.scheduler
         if not self._async:
             return None
@@ -989,17 +992,19 @@ class Engine:
         # (and less those parked once `launched` was queued: their token arrives while parked)
         alive = [r for r in launched.sampled if not r.is_finished and r.request_id not in launched.in_pipeline
                  and r.status is not RequestStatus.PARKED]
+        # and running requests that `launched` left out whose next input id is on the host (resumed ahead)
+        sampled = {r.request_id for r in alive}
+        alive += [r for r in scheduler.running
+                  if r.request_id not in sampled and r.num_tokens - r.num_computed == 1]
         if len(alive) != len(scheduler.running):
             return self._not_ahead("rows")  # a request joined, finished or runs a prompt chunk
-        if not scheduler.admits_nothing():
-            return self._not_ahead("admits")  # a parked or waiting request may start
         kept = []
         for request in alive:
             sampling = request.sampling
             if self.kv.pool_of(request.request_id) != DEVICE_POOL or sampling.repetition_penalty != 1.0 or (
                     sampling.eos_token_ids and sampling.min_new_tokens > len(request.output_token_ids)):
                 return self._not_ahead("host rules")  # the host-side rules need the token first
-            if not self._at_length(request, pending=1):
+            if not self._at_length(request, pending=int(request.request_id in sampled)):
                 kept.append(request)
         graphs = self.stagger_graphs if self.stagger is not None and self.stagger.active else self.graphs
         if not kept:
@@ -1011,6 +1016,9 @@ class Engine:
         ids = self._ahead_ids(launched, kept)
         if ids is None:
             return self._not_ahead("ids")  # a group-0 token is neither on the host nor sampled by `launched`
+        self.stats.resumed_ahead += len(scheduler.resume_ahead())  # (not in this step: their copies go beside it)
+        if not scheduler.admits_nothing():
+            return self._not_ahead("admits")  # a parked or waiting request may start
         # with overlapped moves, the parks this step leaves due, issued once it is queued (`_launch_ahead`)
         scheduler.plan_parks_ahead({r.request_id: 1 for r in kept})
         for request in kept:
@@ -1023,9 +1031,9 @@ class Engine:
 
     def _ahead_ids(self, launched: _Launched, kept: List[Request]) -> Optional[DeviceIds]:
         """The input ids of a step queued after `launched`, on the device from its sampled ids: the device rows
-        (`kept`, after the staggered block) and the block's group-0 rows whose token `launched` samples (one
-        lane: a request re-enters group 0 the step after it sampled). None if a token is neither on the host
-        nor among them."""
+        (`kept`, after the staggered block) that `launched` samples (the others' ids are on the host: resumed
+        ahead) and the block's group-0 rows whose token `launched` samples (one lane: a request re-enters group
+        0 the step after it sampled). None if a group-0 token is neither on the host nor among them."""
         source = {r.request_id: i for i, r in enumerate(launched.sampled)}
         rows, sources, first = [], [], 0
         if self.stagger is not None and self.stagger.active:
@@ -1035,8 +1043,10 @@ class Engine:
                     return None
                 rows.append(row)
                 sources.append(source[request.request_id])
-        rows += range(first, first + len(kept))
-        sources += [source[r.request_id] for r in kept]
+        for row, request in enumerate(kept, start=first):
+            if request.request_id in source:
+                rows.append(row)
+                sources.append(source[request.request_id])
         return DeviceIds(launched.pending.device, rows, sources)
 
     def _launch_ahead(self, launched: _Launched) -> Optional[_Launched]:

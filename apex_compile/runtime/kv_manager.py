@@ -312,6 +312,9 @@ class KVManager:
         # once it lands; and the event of each request's copy into the host pool, for host code that reads it
         self._held: List[tuple] = []
         self._landing: Dict[int, object] = {}
+        # the copy of each request resumed ahead into the device pool (`move(later=True)`): the compute stream
+        # waits for it before the first step that runs the request (`order_arrivals`), not before the next one
+        self._arriving: Dict[int, object] = {}
         # called with host block ids before a move reads them or they are freed: the runner waits there for the
         # prompt K/V exports still writing them (`KVExports.settle`)
         self.settle_host: Callable[[List[int]], None] = lambda block_ids: None
@@ -395,8 +398,14 @@ class KVManager:
     def free(self, request_id: int) -> None:
         """Returns every block of the request (no-op when it holds none)."""
         table = self.tables.pop(request_id, None)
-        if table is not None:  # a copy into the host pool still landing keeps its blocks until it has
-            self._release(table.pool, table.block_ids, self._landing.pop(request_id, None))
+        if table is not None:  # a copy into either pool still landing keeps its blocks until it has
+            self._release(table.pool, table.block_ids, self._in_flight(request_id, pop=True))
+
+    def _in_flight(self, request_id: int, pop: bool = False):
+        """The event of the request's copy still landing into its pool (None: none in flight)."""
+        get = dict.pop if pop else dict.get
+        event = get(self._landing, request_id, None)
+        return event if event is not None else get(self._arriving, request_id, None)
 
     def _release(self, pool: int, ids: List[int], event) -> None:
         """Frees `ids` of `pool` now, or once `event` (a move still using them) has landed."""
@@ -413,7 +422,7 @@ class KVManager:
         table = self.tables[request_id]
         keep = self.blocks_for(num_tokens)
         if keep < len(table.block_ids):
-            self._release(table.pool, table.block_ids[keep:], self._landing.get(request_id))
+            self._release(table.pool, table.block_ids[keep:], self._in_flight(request_id))
             self.tables[request_id] = BlockTable(table.pool, table.block_ids[:keep])
 
     def can_move(self, request_id: int, dst_pool: int) -> bool:
@@ -421,7 +430,7 @@ class KVManager:
         table = self.tables[request_id]
         return table.pool != dst_pool and len(table.block_ids) <= self.num_free(dst_pool)
 
-    def move(self, request_id: int, dst_pool: int, hold: bool = False) -> None:
+    def move(self, request_id: int, dst_pool: int, hold: bool = False, later: bool = False) -> None:
         """Copies the request's blocks to `dst_pool` (every layer, K and V) and frees the source blocks.
 
         On CUDA the copies run on a side stream after the compute stream's queued work. Without overlapped moves
@@ -430,7 +439,9 @@ class KVManager:
         for a move into the device pool or one whose freed device blocks the next step may take; freed host
         blocks return once the move has read them; the destination host blocks are read by host code only after
         `host_ready`. hold: a park ahead (`Scheduler.park_launched`) whose device blocks the next step must not
-        take: they return once the copy has read them, and the compute stream does not wait for it.
+        take: they return once the copy has read them, and the compute stream does not wait for it. later: a
+        resume ahead into the device pool (`Scheduler.resume_ahead`) whose request runs in a later step than the
+        next: the compute stream waits for its copy only before that step (`order_arrivals`).
         """
         table = self.tables[request_id]
         if not self.can_move(request_id, dst_pool):
@@ -445,7 +456,8 @@ class KVManager:
             src.allocator.free(table.block_ids)
             return
         event = self._swap.run(lambda: self._copy_layers(src, dst, table.block_ids, dst_ids))
-        self._landing.pop(request_id, None)  # a park still landing: this copy follows it on the swap stream
+        self._landing.pop(request_id, None)  # a move still landing: this copy follows it on the swap stream
+        self._arriving.pop(request_id, None)
         if not self.overlaps_moves:
             src.allocator.free(table.block_ids)
             self._swap_event = event
@@ -454,7 +466,9 @@ class KVManager:
             self._held.append((event, src.index, table.block_ids))
         else:
             src.allocator.free(table.block_ids)
-        if not (hold and src.index == DEVICE_POOL):
+        if later and dst_pool == DEVICE_POOL:
+            self._arriving[request_id] = event
+        elif not (hold and src.index == DEVICE_POOL):
             self._swap_event = event
         if dst_pool == HOST_POOL:
             self._landing[request_id] = event
@@ -483,6 +497,15 @@ class KVManager:
                 self._swap_event.synchronize()
             self._swap_event = None
 
+    def order_arrivals(self, request_ids) -> None:
+        """Before a step that runs `request_ids`: orders the compute stream after the copies of those of them
+        resumed ahead (`move(later=True)`) on the device."""
+        if self._arriving:
+            for request_id in request_ids:
+                event = self._arriving.pop(request_id, None)
+                if event is not None:
+                    self._swap.order_compute(event)
+
     def sync_moves(self) -> None:
         """Waits on the host for every move issued so far and returns the blocks they held."""
         if self._swap is not None:
@@ -490,7 +513,7 @@ class KVManager:
         self._swap_event = None
         for event, pool, ids in self._held:
             self.pools[pool].allocator.free(ids)
-        self._held, self._landing = [], {}
+        self._held, self._landing, self._arriving = [], {}, {}
 
     def num_used(self, pool: int) -> int:
         """Blocks of `pool` held by requests."""

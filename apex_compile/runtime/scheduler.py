@@ -29,6 +29,11 @@ from apex_compile.runtime.request import Request, RequestStatus
 # (its blocks held) the free blocks still cover the steps queued ahead meanwhile (2 tokens left none: each park
 # cost a step scheduled on the host waiting for that copy)
 LOOKAHEAD_TOKENS = 8
+# overlapped moves with steps queued ahead: a parked request that the device pool can take back is moved while a
+# step is queued ahead and decodes from the step after it (`resume_ahead`), so its copy runs beside that step and
+# no step is scheduled on the host for it. False: it resumes in a step scheduled on the host, its copy issued
+# there and waited for by that step (e2e_hybrid "/resumeinstep" and "/resumeahead" for the same-run A/B)
+RESUME_AHEAD = False
 
 
 @dataclasses.dataclass
@@ -218,6 +223,27 @@ class Scheduler:
         moves landing."""
         return (self._running_need(lookahead=True, reserve=False, step_tokens=step_tokens)
                 - self.kv.num_free(DEVICE_POOL) - self.kv.num_held(DEVICE_POOL))
+
+    def resume_ahead(self) -> List[Request]:
+        """While a step is queued ahead (`RESUME_AHEAD`, the device pool parking ahead): the parked requests, first
+        parked first, that the device pool takes back now (`_resumes`), each between two decode tokens (one parked
+        mid-prompt resumes in a scheduled step). Their blocks move now, the copies after the steps queued so
+        far; they run from the step after the one being queued (the engine orders that step after their copies:
+        `KVManager.order_arrivals`). Returns them, running."""
+        resumed: List[Request] = []
+        if not (RESUME_AHEAD and self._parks_ahead()):
+            return resumed
+        while self.parked and len(self.running) < self.config.max_num_seqs:
+            request = self.parked[0]
+            budget = self.config.max_num_batched_tokens - len(self.running)
+            if request.num_tokens - request.num_computed != 1 or self._resumes(request, budget) is None:
+                break
+            self.kv.move(request.request_id, DEVICE_POOL, later=True)
+            self.parked.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            resumed.append(request)
+        return resumed
 
     def plan_parks_ahead(self, step_tokens: dict) -> None:
         """A step queued ahead computing `step_tokens` (request id -> tokens): the parks that step leaves due

@@ -88,14 +88,17 @@ def test_steps_run_ahead_equal_hf_and_the_synchronous_engine(fp32_model):
     sync.close()
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_swaps_with_overlapped_moves_equal_hf_generate_fp32(fp32_model, monkeypatch, overlap):
+@pytest.mark.parametrize("overlap,resume_ahead", [(False, False), (True, False), (True, True)])
+def test_swaps_with_overlapped_moves_equal_hf_generate_fp32(fp32_model, monkeypatch, overlap, resume_ahead):
     """A device pool too small for the batch (requests parked to the host pool and resumed), steps queued
     ahead and captured graphs, with moves waited for on the host or overlapped (kv_manager.OVERLAP_MOVES:
-    parks ahead, device-side ordering): HF's tokens, every block back."""
+    parks ahead, device-side ordering; with scheduler.RESUME_AHEAD resumes beside a queued step, the step that
+    runs them ordered after their copies): HF's tokens, every block back."""
     from apex_compile.runtime import kv_manager
+    from apex_compile.runtime import scheduler as scheduler_module
 
     monkeypatch.setattr(kv_manager, "OVERLAP_MOVES", overlap)
+    monkeypatch.setattr(scheduler_module, "RESUME_AHEAD", resume_ahead)
     ids, mask = left_padded_batch([30, 12, 50, 41, 7, 26, 60, 33])
     with torch.no_grad():
         ref = fp32_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False,
@@ -106,11 +109,13 @@ def test_swaps_with_overlapped_moves_equal_hf_generate_fp32(fp32_model, monkeypa
                                            capture_sizes=(2, 4, 8)))
     holds = []
     move = apex.engine.kv.move
-    apex.engine.kv.move = lambda request_id, dst, hold=False: (holds.append(hold), move(request_id, dst, hold))
+    apex.engine.kv.move = lambda request_id, dst, hold=False, **kw: (holds.append(hold),
+                                                                     move(request_id, dst, hold, **kw))
     out = apex.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False, eos_token_id=None,
                         pad_token_id=0)
     assert torch.equal(out, ref)
     assert apex.engine.stats.parked > 0 and any(holds) == overlap
+    assert (apex.engine.stats.resumed_ahead > 0) == resume_ahead
     apex.engine.kv.sync_moves()
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
     apex.close()

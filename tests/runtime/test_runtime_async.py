@@ -272,7 +272,7 @@ def test_overlapped_moves_park_ahead_and_lose_nothing(tiny_llama, monkeypatch, d
     engine.kv._swap = swap = DeferredSwap(delay)
     holds = []
     move = engine.kv.move
-    engine.kv.move = lambda request_id, dst, hold=False: (holds.append(hold), move(request_id, dst, hold))
+    engine.kv.move = lambda request_id, dst, hold=False, **kw: (holds.append(hold), move(request_id, dst, hold, **kw))
     completions = engine.generate(PROMPTS, sampling)
     assert [(c.token_ids, c.finish_reason) for c in completions] == expected
     assert any(holds) and swap.issued == len(holds) > 0 and engine.stats.parked > 0
@@ -338,3 +338,71 @@ def test_a_growth_reserve_parks_less_and_changes_no_token(tiny_llama, monkeypatc
         assert engine.blocks_in_use() == {"device": 0, "host": 0}
         parked[reserve] = engine.stats.parked
     assert parked[0.0] > 0 and parked[0.5] < parked[0.0], parked
+
+
+@pytest.mark.parametrize("delay", [0, 3, 10 ** 6])
+def test_resumes_ahead_keep_the_steps_queued_and_change_no_token(tiny_llama, monkeypatch, delay):
+    """scheduler.RESUME_AHEAD with overlapped moves: a parked request the device pool can take back is moved
+    while a step is queued ahead and decodes from the step after it, its input id from the host, that step
+    ordered after its copy; fewer steps are left to the host for an admission, and the tokens are the
+    synchronous engine's with every block back, whether the copies land at once, later or only when waited for.
+    Without the order before the step that runs it, a copy that lands late is read before it is written."""
+    from apex_compile.runtime import kv_manager
+    from apex_compile.runtime import scheduler as scheduler_module
+    from tests.helpers import DeferredSwap
+
+    prompts = PROMPTS
+    sampling = [SamplingParams(max_new_tokens=n) for n in (60, 50, 40, 45, 55)]
+    block_bytes = 2 * 2 * 2 * 16 * 16 * 4
+    config = dict(offload="never", gpu_cache_size=7 * block_bytes, cpu_cache_size=4 * MB)
+    expected, _, _ = run(tiny_llama, False, sampling, prompts, **config)
+    monkeypatch.setattr(kv_manager, "OVERLAP_MOVES", True)
+    stats = {}
+    for ahead in (False, True):
+        monkeypatch.setattr(scheduler_module, "RESUME_AHEAD", ahead)
+        engine = optimize(tiny_llama, ApexConfig(async_scheduling=True, **config)).engine
+        engine.kv._swap = DeferredSwap(delay)
+        completions = engine.generate(prompts, sampling)
+        assert [(c.token_ids, c.finish_reason) for c in completions] == expected
+        engine.kv.sync_moves()
+        assert engine.blocks_in_use() == {"device": 0, "host": 0}
+        stats[ahead] = engine.stats
+    assert stats[False].resumed_ahead == 0 < stats[True].resumed_ahead
+    if delay != 10 ** 6:  # (copies landing only when waited for park less: fewer resumes to take ahead)
+        assert stats[True].not_ahead.get("admits", 0) < stats[False].not_ahead.get("admits", 0)
+    engine = optimize(tiny_llama, ApexConfig(async_scheduling=True, **config)).engine
+    engine.kv._swap = DeferredSwap(10 ** 6)
+    engine.kv.order_arrivals = lambda request_ids: None
+    assert [(c.token_ids, c.finish_reason) for c in engine.generate(prompts, sampling)] != expected
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_resumes_ahead_beside_a_closed_pipeline_change_no_token(lanes, monkeypatch):
+    """The staggered plan with its pipeline taking nothing (ceiling 0): the device pool's evictions are parked
+    and resume ahead (overlapped moves on a stand-in swap stream whose copies land late), with the tokens of
+    the synchronous engine and every block back."""
+    from apex_compile.runtime import kv_manager
+    from apex_compile.runtime import scheduler as scheduler_module
+    from tests.helpers import DeferredSwap
+    from tests.runtime.test_runtime_stagger import sharp_model, staggered
+
+    torch.manual_seed(31)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4, 8, 6)]
+    sampling = [SamplingParams(max_new_tokens=n) for n in (40, 30, 45, 35, 40, 28, 44, 38)]
+
+    def generate(async_scheduling):
+        apex = staggered(model, width=2, lanes=lanes, device_blocks=6, async_scheduling=async_scheduling)
+        if async_scheduling:
+            apex.engine.kv._swap = DeferredSwap(delay=3)
+        apex.engine.stagger.rows.set_ceiling(0)
+        done = apex.engine.generate(prompts, sampling)
+        apex.engine.kv.sync_moves()
+        assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+        return [(c.token_ids, c.finish_reason) for c in done], apex.engine.stats
+
+    expected, _ = generate(False)
+    monkeypatch.setattr(kv_manager, "OVERLAP_MOVES", True)
+    monkeypatch.setattr(scheduler_module, "RESUME_AHEAD", True)
+    got, stats = generate(True)
+    assert got == expected and stats.parked > 0 and stats.resumed_ahead > 0

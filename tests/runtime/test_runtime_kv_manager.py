@@ -271,6 +271,34 @@ def test_a_resume_orders_the_compute_and_holds_its_host_blocks(overlapped):
     assert kv.num_free(HOST_POOL) == 3 and kv.num_held(HOST_POOL) == 0
 
 
+def test_a_resume_ahead_is_waited_for_only_by_a_step_that_runs_it(overlapped):
+    """move(later=True) into the device pool (a resume ahead): the next step's `wait_for_moves` and a step of
+    other requests do not wait for it; `order_arrivals` with the request orders the compute after it once.
+    Freed or shrunk before it landed, its device blocks return only once the copy has written them."""
+    kv = overlapped
+    expected = fill(kv, 1, HOST_POOL, 40)
+    kv.move(1, DEVICE_POOL, later=True)
+    kv.wait_for_moves()
+    kv.order_arrivals([7, 8])
+    assert kv._swap.ordered == 0 and kv._swap.pending
+    kv.order_arrivals([7, 1])
+    assert kv._swap.ordered == 1 and not kv._swap.pending
+    assert_holds(kv, 1, expected, 40)
+    kv.order_arrivals([1])
+    assert kv._swap.ordered == 1  # waited for once
+    kv.move(1, HOST_POOL)
+    kv.sync_moves()
+    kv.move(1, DEVICE_POOL, later=True)
+    kv.shrink(1, 16)  # 2 of its 3 device blocks, still being written
+    assert kv.num_held(DEVICE_POOL) == 2 and kv.num_free(DEVICE_POOL) == 3
+    kv.free(1)
+    assert kv.num_held(DEVICE_POOL) == 3 and kv.num_free(DEVICE_POOL) == 3 and kv._swap.pending
+    kv.order_arrivals([1])
+    assert kv._swap.ordered == 1  # forgotten with its blocks: nothing left to order
+    kv.sync_moves()
+    assert kv.num_used(DEVICE_POOL) == kv.num_used(HOST_POOL) == 0
+
+
 def test_a_park_landing_is_waited_for_by_host_readers_and_its_free(overlapped):
     """A park's destination host blocks: `host_ready` waits for the copy; freeing the request before it landed
     keeps them until it has; `sync_moves` lands everything."""
