@@ -970,6 +970,10 @@ def main():
                           if r.get("host_context")}
             host_efficiencies = {m: (runs[m]["tokens_per_s"] - never) / g for m, g in host_ideal.items()
                                  if never and m not in nevers}
+            # and against either probe alone (ideal_gain is proportional to B_cpu): how far the probes' spread moves
+            # the figure judged by
+            per_probe = {m: [e * cpu_bandwidth / b for b in (probed_before, probed_after)]
+                         for m, e in host_efficiencies.items()}
             bounds = {}
             for lanes in (2, 1):
                 groups = lanes * (shape["num_hidden_layers"] + 1)  # host requests per staggered row
@@ -1003,6 +1007,7 @@ def main():
                    "efficiency": efficiencies, "steady_tokens_per_s": steady, "steady_efficiency": steady_eff,
                    "host_context": {m: r.get("host_context") for m, r in runs.items()},
                    "ideal_gain_at_host_context": host_ideal, "efficiency_at_host_context": host_efficiencies,
+                   "efficiency_at_host_context_per_probe": per_probe,
                    "never_tokens_per_s": never, "never_runs": nevers, "best_mode": best,
                    "hf_offloaded": hf, "without_host_tokens": without_host_tokens(runs),
                    "best_efficiency": (runs[best]["tokens_per_s"] - never) / ideal if never else None,
@@ -1042,6 +1047,9 @@ def main():
                     f"{m} {runs[m]['host_context']:.0f} tokens, ideal_gain {g:.0f}"
                     + (f", efficiency {host_efficiencies[m]:.2f}" if m in host_efficiencies else "")
                     for m, g in host_ideal.items()), flush=True)
+            if per_probe:
+                print(f"   the same against either probe alone ({probed_before / 1e9:.1f} / {probed_after / 1e9:.1f} "
+                      "GB/s): " + ", ".join(f"{m} {b:.2f} / {a:.2f}" for m, (b, a) in per_probe.items()), flush=True)
             print("   steady state (the window's own prefill out, every token charged its request's prefill): "
                   + ", ".join(f"{m} {v:.0f}" + (f" ({steady_eff[m]:.2f})" if m in steady_eff else "")
                               for m, v in steady.items()) + " tokens/s (efficiency)", flush=True)
