@@ -11,7 +11,8 @@ steps piecewise, "/pin" pins the launching thread off the worker's cores, "/t14"
 "/reserve=0" sets ApexConfig.growth_reserve (0.15 by default since session 46), "/aligned" puts the host pool's
 layers on huge-page boundaries (cpu_attention.HUGE_PAGE_SHIFT_PAGES = 0; "/shifted", the default, a page apart),
 "/width=12" gives an adaptive staggered block (auto, "staggered:auto") that many rows (engine.AUTO_STAGGER_WIDTH),
-"/resumeahead" resumes parked requests beside a step queued ahead (scheduler.RESUME_AHEAD; "/resumeinstep": not).
+"/resumeahead" resumes parked requests beside a step queued ahead (scheduler.RESUME_AHEAD; "/resumeinstep": not),
+"/host=48" gives the mode a host pool of that many GiB (instead of --host-gib).
 Per configuration also: ideal_gain (the tokens/s the CPU's measured attention
 bandwidth could add: B_cpu / KV bytes a host request reads per step) with its inputs, auto's
 offload efficiency (auto - never) / ideal_gain, the model's predicted decode step against the measured one, and
@@ -139,6 +140,16 @@ def probe_cpu_bandwidth(model, device_bytes: int, max_seqs: int, with_profile: b
         return profile, bandwidth, huge_page_share(host_pool_tensors(probe.engine))
     finally:
         probe.close()
+
+
+def pipeline_bound(engine, request_tokens: int) -> dict:
+    """What bounds the staggered pipeline's members now: its rows' capacity, or the host pool (each member keeps
+    blocks for its whole length, `request_tokens`; `Scheduler.park_room` is kept free to park)."""
+    kv, block = engine.kv, engine.kv.shape.block_bytes
+    return {"members": engine.stagger.num_members, "capacity": engine.stagger.capacity,
+            "host_free_bytes": kv.num_free(HOST_POOL) * block, "host_bytes": kv.pools[HOST_POOL].num_blocks * block,
+            "member_bytes": kv.blocks_for(request_tokens) * block,
+            "park_room_bytes": engine.scheduler.park_room() * block}
 
 
 def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps=0, probe=None, start_step=0):
@@ -289,6 +300,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     prefill_phases = [p for p, s in zip(window_phases, steps) if s[4]]
     generated = engine.stats.generated_tokens - tokens
     slow = slow_steps(steps, window_phases, events[-window_steps:] if window_steps else [])
+    pipeline_end = pipeline_bound(engine, len(prompts[0]) + sampling.max_new_tokens) if stagger is not None else None
     probed = probe(lambda: one_step()[0]) if probe is not None else None
     engine.abort()
     engine._schedule = schedule
@@ -298,7 +310,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
             "window_gc": {str(g): list(v) for g, v in sorted(collections_seen.items())},
             "fill_steps": filled, "fill_s": fill_s, "pipeline_filled": filled_share,
             "ahead_steps": ahead, "not_ahead": not_ahead, "unqueued_excess_s": unqueued_excess,
-            "resumed_ahead": resumed_ahead,
+            "resumed_ahead": resumed_ahead, "pipeline_end": pipeline_end,
             "window_capture_s": captured,
             "queued_ahead": window_queued, "window_start": window_start,
             # per window step: what changed in the engine's counters (_event_counts), to tie slow steps to parks
@@ -481,10 +493,13 @@ SHIFT_SUFFIXES = {"/shifted": 1, "/aligned": 0}
 # "/width=12": a mode whose adaptive staggered block has that many rows, of which the measured CPU job and the
 # model use what fits (engine.AUTO_STAGGER_WIDTH; and perf_model.STAGGER_ROWS, the rows explain() considers)
 WIDTH_SUFFIX = re.compile(r"/width=(\d+)\b")
+# "/host=48": a mode whose host KV pool holds that many GiB (instead of --host-gib): the staggered pipeline's members
+# each keep blocks for their whole length there, so the pool can bind before the CPU does
+HOST_SUFFIX = re.compile(r"/host=([0-9.]+)")
 _SUFFIX_NAMES = {PIECEWISE_SUFFIX, PIN_SUFFIX, *LANE_SUFFIXES, *EXCHANGE_SUFFIXES, *MOVE_SUFFIXES, *FIT_SUFFIXES,
                  *LEARN_SUFFIXES, *RUNNER_SUFFIXES, *WAIT_SUFFIXES, *SHIFT_SUFFIXES, *RESUME_SUFFIXES}
 _SUFFIX_PATTERNS = (THREADS_SUFFIX, SPLIT_SUFFIX, BLOCK_SUFFIX, CAP_SUFFIX, RESERVE_SUFFIX, SHARE_SUFFIX,
-                    REPEAT_SUFFIX, WIDTH_SUFFIX)
+                    REPEAT_SUFFIX, WIDTH_SUFFIX, HOST_SUFFIX)
 
 
 def _share_of(mode: str):
@@ -555,6 +570,9 @@ def run_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seq
     """{tokens_per_s, decode_step_s, host_requests, steps: [(gpu rows, cpu rows, mean context, seconds)]} at
     steady state (a first, shorter run captures the graphs its step shapes need), its window from step
     `start_step` on at the earliest."""
+    named = HOST_SUFFIX.search(mode)
+    if named:
+        host_bytes, mode = int(float(named.group(1)) * GiB), HOST_SUFFIX.sub("", mode)
     with process_settings(mode) as mode:
         return _run_engine_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seqs, args,
                                 start_step)
@@ -903,6 +921,12 @@ def main():
                             f"{r['unqueued_excess_s'] / r['window_s']:.1%} of the window)")
                 if r.get("resumed_ahead"):
                     cpu += f", {r['resumed_ahead']} parked requests resumed beside a queued step"
+                if r.get("pipeline_end"):
+                    p = r["pipeline_end"]
+                    cpu += (f", pipeline at the window's end {p['members']} members of {p['capacity']} rows' "
+                            f"(host pool {p['host_bytes'] / GiB:.1f} GiB, {p['host_free_bytes'] / GiB:.2f} free, "
+                            f"{p['park_room_bytes'] / GiB:.2f} kept to park; a member keeps "
+                            f"{p['member_bytes'] / 2 ** 20:.0f} MiB)")
                 if r.get("window_capture_s"):
                     cpu += f", graphs captured inside the window {r['window_capture_s'] * 1e3:.0f} ms"
                 only = r["decode_only_step_s"]

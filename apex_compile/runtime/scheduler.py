@@ -305,11 +305,15 @@ class Scheduler:
         from their prompts): the device pool's blocks, at most half the host pool."""
         if self._pipeline_full():
             return False
-        reserve = 0
-        if self.park_pool == HOST_POOL:
-            reserve = min(self.kv.pools[DEVICE_POOL].num_blocks, self.kv.pools[HOST_POOL].num_blocks // 2)
         need = self.kv.extra_blocks(request.request_id, self.max_tokens(request))
-        return self.kv.num_free(HOST_POOL) >= need + reserve
+        return self.kv.num_free(HOST_POOL) >= need + self.park_room()
+
+    def park_room(self) -> int:
+        """Host blocks the staggered pipeline leaves free to park the device pool's requests (swap preemption):
+        the device pool's blocks, at most half the host pool; 0 without parking there."""
+        if self.park_pool != HOST_POOL:
+            return 0
+        return min(self.kv.pools[DEVICE_POOL].num_blocks, self.kv.pools[HOST_POOL].num_blocks // 2)
 
     def _pipeline_full(self) -> bool:
         """Whether the staggered pipeline has no row left for another host request (members, and host-pool

@@ -193,6 +193,14 @@ def test_a_mode_can_name_its_block_size_its_cpu_work_split_and_an_inline_exchang
             prefill_while_decoding=256, cpu_threads=None), start_step=0)
     assert seen == [("auto", {"items_per_thread": 4, "min_item_bytes": 32768, "min_thread_bytes": 65536}, False)]
     assert cpu_attention_work_split() == before
+    host_pools = []  # "/host=48": that mode's host pool instead of the run's
+    monkeypatch.setattr(e2e_hybrid, "optimize", lambda model, config: host_pools.append(config.cpu_cache_size)
+                        or fake_run(model, config.offload))
+    for mode in ("auto/host=48/width=10", "auto/host=0.5", "never"):
+        with pytest.raises(RuntimeError, match="run failed"):
+            e2e_hybrid.run_mode(None, mode, 1 << 30, 1 << 31, [[1, 2]], 2, 64, SimpleNamespace(
+                prefill_while_decoding=256, cpu_threads=None), start_step=0)
+    assert host_pools == [48 << 30, 1 << 29, 1 << 31]
     default = e2e_hybrid.attention_runner.EXCHANGE_BESIDE
     with pytest.raises(RuntimeError, match="run failed"):
         e2e_hybrid.run_mode(None, "staggered:2/beside", 1 << 30, 1 << 31, [[1, 2]], 2, 64, SimpleNamespace(
@@ -334,9 +342,16 @@ def test_a_staggered_window_records_which_row_limit_binds():
     assert ramp[0]["members"] <= ramp[-1]["members"] and all(
         s["capacity"] == engine.stagger.num_lanes * math.floor((engine.stagger.num_layers + 1) * s["share"])
         and s["limit"] <= s["share"] < s["limit"] + 1 for s in ramp)
+    # what bounds the members at the window's end (before the benchmark aborts its requests): each keeps blocks
+    # for its whole length (5 + 4 tokens: one block), the device pool's 4 blocks kept free to park
+    end = run["pipeline_end"]
+    assert end["members"] == limits["members"][0] or 0 < end["members"] <= end["capacity"]
+    assert (end["member_bytes"], end["park_room_bytes"], end["host_bytes"]) == (
+        block_bytes, 4 * block_bytes, 128 * block_bytes)
+    assert 0 < end["host_free_bytes"] < end["host_bytes"]
     never = optimize(model, ApexConfig(offload="never", compile=False, max_num_seqs=4)).engine
     idle = e2e_hybrid.steady_state(never, prompts, SamplingParams(max_new_tokens=3), warm_steps=1, window_steps=2)
-    assert idle["row_limits"] is None and idle["row_limit_steps"] == []
+    assert idle["row_limits"] is None and idle["row_limit_steps"] == [] and idle["pipeline_end"] is None
 
 
 def test_the_staggered_bound_is_the_tighter_of_host_pool_and_cpu_less_the_prefill():
