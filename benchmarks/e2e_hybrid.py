@@ -12,7 +12,8 @@ steps piecewise, "/pin" pins the launching thread off the worker's cores, "/t14"
 layers on huge-page boundaries (cpu_attention.HUGE_PAGE_SHIFT_PAGES = 0; "/shifted", the default, a page apart),
 "/width=12" gives an adaptive staggered block (auto, "staggered:auto") that many rows (engine.AUTO_STAGGER_WIDTH),
 "/resumeahead" resumes parked requests beside a step queued ahead (scheduler.RESUME_AHEAD; "/resumeinstep": not),
-"/host=48" gives the mode a host pool of that many GiB (instead of --host-gib).
+"/host=48" gives the mode a host pool of that many GiB (instead of --host-gib), "/hostreserve=0.3" lets the
+pipeline's members take host blocks as they grow (scheduler.PIPELINE_RESERVE; "/hostreserve=whole": not).
 Per configuration also: ideal_gain (the tokens/s the CPU's measured attention
 bandwidth could add: B_cpu / KV bytes a host request reads per step) with its inputs, auto's
 offload efficiency (auto - never) / ideal_gain, the model's predicted decode step against the measured one, and
@@ -149,7 +150,7 @@ def pipeline_bound(engine, request_tokens: int) -> dict:
     return {"members": engine.stagger.num_members, "capacity": engine.stagger.capacity,
             "host_free_bytes": kv.num_free(HOST_POOL) * block, "host_bytes": kv.pools[HOST_POOL].num_blocks * block,
             "member_bytes": kv.blocks_for(request_tokens) * block,
-            "park_room_bytes": engine.scheduler.park_room() * block}
+            "park_room_bytes": engine.scheduler.park_room() * block, "stalled": engine.stagger.stalled}
 
 
 def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps=0, probe=None, start_step=0):
@@ -496,10 +497,13 @@ WIDTH_SUFFIX = re.compile(r"/width=(\d+)\b")
 # "/host=48": a mode whose host KV pool holds that many GiB (instead of --host-gib): the staggered pipeline's members
 # each keep blocks for their whole length there, so the pool can bind before the CPU does
 HOST_SUFFIX = re.compile(r"/host=([0-9.]+)")
+# "/hostreserve=0.3": a mode whose pipeline members take host blocks as they grow, that share of the host requests'
+# remaining tokens kept free ("/hostreserve=whole": blocks for whole lengths at once): scheduler.PIPELINE_RESERVE
+HOST_RESERVE_SUFFIX = re.compile(r"/hostreserve=([0-9.]+|whole)")
 _SUFFIX_NAMES = {PIECEWISE_SUFFIX, PIN_SUFFIX, *LANE_SUFFIXES, *EXCHANGE_SUFFIXES, *MOVE_SUFFIXES, *FIT_SUFFIXES,
                  *LEARN_SUFFIXES, *RUNNER_SUFFIXES, *WAIT_SUFFIXES, *SHIFT_SUFFIXES, *RESUME_SUFFIXES}
 _SUFFIX_PATTERNS = (THREADS_SUFFIX, SPLIT_SUFFIX, BLOCK_SUFFIX, CAP_SUFFIX, RESERVE_SUFFIX, SHARE_SUFFIX,
-                    REPEAT_SUFFIX, WIDTH_SUFFIX, HOST_SUFFIX)
+                    REPEAT_SUFFIX, WIDTH_SUFFIX, HOST_SUFFIX, HOST_RESERVE_SUFFIX)
 
 
 def _share_of(mode: str):
@@ -636,7 +640,7 @@ def process_settings(mode):
     overlap, busy_fit = kv_manager.OVERLAP_MOVES, stagger_module.BUSY_FIT
     job_share, learn_job = stagger_module.JOB_SHARE, perf_model_module.LEARN_CPU_JOB
     native_runner, blocking = stagger_module.NATIVE_RUNNER, sampler_module.BLOCKING_WAITS
-    resume_ahead = scheduler_module.RESUME_AHEAD
+    resume_ahead, pipeline_reserve = scheduler_module.RESUME_AHEAD, scheduler_module.PIPELINE_RESERVE
     shift = cpu_attention_module.HUGE_PAGE_SHIFT_PAGES
     width, explained_rows = engine_module.AUTO_STAGGER_WIDTH, perf_model_module.STAGGER_ROWS
     try:
@@ -650,6 +654,10 @@ def process_settings(mode):
         mode, named_wait = _take_suffix(mode, WAIT_SUFFIXES)
         if named_wait is not None:
             sampler_module.BLOCKING_WAITS = named_wait
+        named = HOST_RESERVE_SUFFIX.search(mode)
+        if named:
+            scheduler_module.PIPELINE_RESERVE = None if named.group(1) == "whole" else float(named.group(1))
+            mode = HOST_RESERVE_SUFFIX.sub("", mode)
         mode, named_resume = _take_suffix(mode, RESUME_SUFFIXES)
         if named_resume is not None:
             scheduler_module.RESUME_AHEAD = named_resume
@@ -687,7 +695,7 @@ def process_settings(mode):
         stagger_module.JOB_SHARE = job_share
         perf_model_module.LEARN_CPU_JOB = learn_job
         stagger_module.NATIVE_RUNNER = native_runner
-        scheduler_module.RESUME_AHEAD = resume_ahead
+        scheduler_module.RESUME_AHEAD, scheduler_module.PIPELINE_RESERVE = resume_ahead, pipeline_reserve
 
 
 def _run_engine_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seqs, args, start_step):
@@ -926,7 +934,8 @@ def main():
                     cpu += (f", pipeline at the window's end {p['members']} members of {p['capacity']} rows' "
                             f"(host pool {p['host_bytes'] / GiB:.1f} GiB, {p['host_free_bytes'] / GiB:.2f} free, "
                             f"{p['park_room_bytes'] / GiB:.2f} kept to park; a member keeps "
-                            f"{p['member_bytes'] / 2 ** 20:.0f} MiB)")
+                            f"{p['member_bytes'] / 2 ** 20:.0f} MiB at most; members that waited for a block "
+                            f"{p['stalled']})")
                 if r.get("window_capture_s"):
                     cpu += f", graphs captured inside the window {r['window_capture_s'] * 1e3:.0f} ms"
                 only = r["decode_only_step_s"]

@@ -886,6 +886,7 @@ class Engine:
             if self.config.offload == "auto":
                 self._update_stagger_ceiling()
             self._park_idle_pipeline()
+            self.stats.recomputed += len(self.scheduler.unstall_pipeline())
             self.scheduler.parked_to_pipeline()
             if not self.stagger.num_members:
                 self.stagger.idle_step()

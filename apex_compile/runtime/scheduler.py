@@ -34,6 +34,13 @@ LOOKAHEAD_TOKENS = 8
 # no step is scheduled on the host for it. False: it resumes in a step scheduled on the host, its copy issued
 # there and waited for by that step (e2e_hybrid "/resumeinstep" and "/resumeahead" for the same-run A/B)
 RESUME_AHEAD = False
+# The staggered pipeline's host blocks. None: a request entering it takes blocks for its whole length at once, so
+# no member ever waits for one (the pool holds fewer members: a member 1/3 through its tokens holds 3/2 of what it
+# uses). A share r: blocks for its tokens and the next one, more as it grows (`StaggerPipeline.begin_step`), a
+# request entering only while the free blocks also cover r of every host request's remaining tokens (SGLang's
+# new-token ratio); a member with no block for its next token waits to rejoin, and when every member waits so,
+# the newest are recomputed (`unstall_pipeline`). e2e_hybrid "/hostreserve=0.3" for the same-run A/B
+PIPELINE_RESERVE: Optional[float] = None
 
 
 @dataclasses.dataclass
@@ -106,6 +113,7 @@ class Scheduler:
         self.running: List[Request] = []
         self.parked: Deque[Request] = collections.deque()
         self._park_after: List[Request] = []  # parks ahead chosen by `schedule`, issued by `park_launched`
+        self._host_rest = (None, 0)  # (when, the host requests' remaining tokens then): `_pipeline_reserve`
         self._warned_split = False  # `_warn_split` once
 
     def capacity_tokens(self) -> int:
@@ -305,8 +313,54 @@ class Scheduler:
         from their prompts): the device pool's blocks, at most half the host pool."""
         if self._pipeline_full():
             return False
-        need = self.kv.extra_blocks(request.request_id, self.max_tokens(request))
-        return self.kv.num_free(HOST_POOL) >= need + self.park_room()
+        need = self.kv.extra_blocks(request.request_id, self._host_target(request))
+        return self.kv.num_free(HOST_POOL) >= need + self.park_room() + self._pipeline_reserve(request)
+
+    def _host_target(self, request: Request) -> int:
+        """The tokens a request entering the staggered pipeline takes host blocks for: its whole length, or with
+        PIPELINE_RESERVE its tokens and the next one (more as it grows)."""
+        if PIPELINE_RESERVE is None:
+            return self.max_tokens(request)
+        return min(request.num_tokens + 1, self.max_tokens(request))
+
+    def _pipeline_reserve(self, request: Request) -> int:
+        """Host blocks kept free for the growth of the host requests (the pipeline's members, those prefilling in
+        the host pool) and of `request`: PIPELINE_RESERVE of their remaining tokens (0 without it). The members'
+        sum is taken once per pipeline turn and membership (it moves by a token per member and turn)."""
+        if PIPELINE_RESERVE is None:
+            return 0
+        when = (self.stagger.steps, self.stagger.num_members, len(self.running))
+        if self._host_rest[0] != when:
+            hosted = self.stagger.members() + [r for r in self.running
+                                               if self.kv.pool_of(r.request_id) == HOST_POOL]
+            self._host_rest = (when, sum(max(self.max_tokens(r) - r.num_tokens, 0) for r in hosted))
+        rest = self._host_rest[1] + max(self.max_tokens(request) - request.num_tokens, 0)
+        return math.ceil(PIPELINE_RESERVE * rest / self.kv.block_size)
+
+    def unstall_pipeline(self) -> List[Request]:
+        """PIPELINE_RESERVE, before a step: when no member is in the staggered pipeline's groups and the first
+        waiting to rejoin has no host block for its next token (growth outran the reserve), the newest waiting
+        members whose last token is on the host are recomputed (blocks freed, first in line to start again) until
+        it has one; returns them."""
+        recomputed: List[Request] = []
+        stagger = self.stagger
+        if PIPELINE_RESERVE is None or stagger is None or stagger.inside or not stagger.joining:
+            return recomputed
+        first = stagger.joining[0]
+        while self.kv.extra_blocks(first.request_id, first.num_computed + 1) > self.kv.num_free(HOST_POOL):
+            victim = next((r for r in reversed(stagger.joining) if r.num_tokens - r.num_computed == 1), None)
+            if victim is None:
+                break
+            stagger.remove([victim.request_id])
+            self.kv.free(victim.request_id)
+            victim.num_computed = 0
+            victim.num_preemptions += 1
+            victim.status = RequestStatus.WAITING
+            self.waiting.appendleft(victim)
+            recomputed.append(victim)
+            if victim is first:
+                break
+        return recomputed
 
     def park_room(self) -> int:
         """Host blocks the staggered pipeline leaves free to park the device pool's requests (swap preemption):
@@ -340,8 +394,8 @@ class Scheduler:
                 # waiting here would hold the launching thread for that whole step and the copy, the GPU idle after
                 continue
             if not (self._pipeline_takes(request)
-                    and self.kv.grow(request.request_id, HOST_POOL, self.max_tokens(request))):
-                break  # the host pool has no room for its whole length (nor, mostly, for the earlier parked)
+                    and self.kv.grow(request.request_id, HOST_POOL, self._host_target(request))):
+                break  # the host pool has no room for it (nor, mostly, for the earlier parked)
             del self.parked[index + 1]
             request.status = RequestStatus.RUNNING
             self.stagger.join(request)
@@ -559,7 +613,7 @@ class Scheduler:
                          fitting: List[int]) -> Optional[int]:
         """The staggered plan: the device pool when it has room and no parked request waits for it, else the
         host pool while the pipeline has a row for the request, with blocks for its whole length (a pipeline
-        request never waits for a block)."""
+        request never waits for a block) or, with PIPELINE_RESERVE, for its prompt and first token."""
         if not self.parked and DEVICE_POOL in fitting and self._grow(request, DEVICE_POOL,
                                                                      request.num_computed + device_tokens):
             return DEVICE_POOL
@@ -567,7 +621,8 @@ class Scheduler:
             return None
         if not self._pipeline_takes(request):
             return None
-        if self.kv.grow(request.request_id, HOST_POOL, self.max_tokens(request)):
+        if self.kv.grow(request.request_id, HOST_POOL, max(self._host_target(request),
+                                                           request.num_computed + num_tokens)):
             return HOST_POOL
         return None
 

@@ -356,6 +356,7 @@ class StaggerPipeline:
         # offload="auto": closed to new requests, its members finishing (`Engine._update_stagger_ceiling`)
         self.closed = False
         self.evicted = 0  # requests sent back to wait in `joining` by a fallen row limit (begin_step)
+        self.stalled = 0  # members that waited in `joining` for a host block for their next token (begin_step)
         self.rope = rope
         self.steps = 0
         self.begun = False  # begin_step ran for a step whose end_step has not
@@ -548,7 +549,9 @@ class StaggerPipeline:
         """Before a step (the engine calls it while the GPU still runs the step before, after its `end_step`): the
         next lane's groups shift by one (the last re-enters as group 0 up to the row limit, free rows of group 0
         take joining requests); its positions and residual rows go to the fixed device buffers, queued behind the
-        running step. `collect` then brings the attention outputs of its CPU job."""
+        running step. `collect` then brings the attention outputs of its CPU job. A request enters group 0 only
+        with a host block for its next token (taken now where it lacks one: scheduler.PIPELINE_RESERVE), else it
+        waits in `joining`."""
         self.begun = True
         self.steps += 1
         lane = self.lanes[self.steps % self.num_lanes]
@@ -556,25 +559,30 @@ class StaggerPipeline:
         limit = self._row_limit(lane)
         # requests going on beyond the limit (it fell: a CPU behind, or the model's ceiling) wait first in line
         # to rejoin, their blocks kept
-        evicted, used = [], 0
+        evicted, used, stalled = [], 0, 0
         for row, r in enumerate(entering):
             if r is None:
                 continue
-            if used < limit:
+            if used < limit and self._has_block(r):
                 used += 1
             else:
+                stalled += used < limit
                 entering[row] = None
                 evicted.append(r)
         self.inside -= len(evicted)
         self.joining.extendleft(reversed(evicted))
-        self.evicted += len(evicted)
+        self.evicted += len(evicted) - stalled
         for row in range(self.width):
             if used >= limit or not self.joining:
                 break
             if entering[row] is None:
+                if not self._has_block(self.joining[0]):
+                    stalled += 1
+                    break
                 entering[row] = self.joining.popleft()
                 self.inside += 1
                 used += 1
+        self.stalled += stalled
         lane.insert(0, self._group(entering))
         if self._positions_copied is not None:
             self._positions_copied.synchronize()  # the pinned positions are not rewritten under their copy
@@ -590,6 +598,11 @@ class StaggerPipeline:
             torch.index_select(table, 0, flat_positions, out=rows.view(-1, rows.shape[-1]))
         if self.num_lanes > 1:
             self.residual.copy_(self.lane_residual[self.steps % self.num_lanes])
+
+    def _has_block(self, request: Request) -> bool:
+        """Whether the request's host blocks cover its next token, taking one from the host pool where they do not
+        (False: none free)."""
+        return self.kv.grow(request.request_id, HOST_POOL, request.num_computed + 1)
 
     def _row_limit(self, lane: List[StaggerGroup]) -> int:
         """The rows of the entering group that may hold a request this turn (`RowLimit`), after the step time

@@ -327,6 +327,24 @@ def test_staggered_mixed_steps_replay_whole_graphs_and_equal_hf_generate_fp32(la
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 
+@pytest.mark.parametrize("lanes,reserve", [(2, 0.3), (1, 0.3), (2, 0.0), (1, 0.0)])
+def test_members_taking_host_blocks_as_they_grow_on_the_gpu_equal_hf_generate_fp32(lanes, reserve, monkeypatch):
+    """scheduler.PIPELINE_RESERVE on the GPU (async scheduling, captured graphs, layered jobs with one lane): a
+    host pool of 12 blocks, the members taking blocks as they grow (with no reserve, waiting for them and
+    recomputed when every member waits): HF's tokens, every block back."""
+    from apex_compile.runtime import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "PIPELINE_RESERVE", reserve)
+    ids, mask, ref, block, model = sharp_small_pool_case()
+    apex = optimize(model, ApexConfig(offload="staggered", stagger_width=2, gpu_cache_size=8 * block,
+                                      cpu_cache_size=12 * block, stagger_lanes=lanes))
+    out = apex.generate(ids, attention_mask=mask, **GREEDY_20)
+    assert torch.equal(out, ref)
+    assert apex.engine.stats.requests_per_pool[1] >= 2
+    assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+    apex.close()
+
+
 @pytest.mark.parametrize("lanes", [2, 1])
 def test_a_fallen_row_limit_on_the_gpu_equals_hf_generate_fp32(lanes):
     """The rows' ceiling falls to 0 while three rows are in use (async scheduling, captured graphs): the

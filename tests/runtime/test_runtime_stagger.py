@@ -1451,3 +1451,33 @@ def test_a_growth_reserve_sends_more_requests_to_the_pipeline_and_the_tokens_sta
         host_steps[reserve] = apex.engine.stats.requests_per_pool[HOST_POOL]
         apex.close()
     assert host_steps[1.0] > host_steps[0.0], host_steps
+
+
+@pytest.mark.parametrize("lanes", [2, 1])
+def test_members_taking_host_blocks_as_they_grow_fit_more_requests_and_equal_hf(lanes, monkeypatch):
+    """scheduler.PIPELINE_RESERVE: a request enters the pipeline with host blocks for its prompt and next token
+    and takes more as it grows, so a small host pool runs more requests there than with blocks for whole
+    lengths. A member finding no block for its next token waits to rejoin (`stalled`); with no reserve the pool
+    runs dry and, once every member waits, the newest are recomputed. HF's tokens throughout, every block back."""
+    from apex_compile.runtime import scheduler as scheduler_module
+
+    torch.manual_seed(3)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4, 8, 6, 10, 11, 13, 2)]
+    reference = hf_tokens(model, prompts, 40)
+    runs, unstalled = {}, []
+    unstall = scheduler_module.Scheduler.unstall_pipeline
+    monkeypatch.setattr(scheduler_module.Scheduler, "unstall_pipeline",
+                        lambda self: (lambda got: unstalled.extend(got) or got)(unstall(self)))
+    for reserve, host_blocks in ((None, 20), (0.3, 20), (0.0, 12)):
+        monkeypatch.setattr(scheduler_module, "PIPELINE_RESERVE", reserve)
+        apex = optimize(model, ApexConfig(offload="staggered", stagger_width=2, gpu_cache_size=4 * BLOCK_BYTES,
+                                          cpu_cache_size=host_blocks * BLOCK_BYTES, max_model_len=64,
+                                          stagger_lanes=lanes))
+        done = apex.engine.generate(prompts, SamplingParams(max_new_tokens=40))
+        assert [c.token_ids for c in done] == reference
+        assert apex.engine.blocks_in_use() == {"device": 0, "host": 0} and not apex.engine.stagger.members()
+        runs[reserve] = (apex.engine.stats, apex.engine.stagger.stalled, len(unstalled))
+        apex.close()
+    assert runs[0.3][0].requests_per_pool[1] > runs[None][0].requests_per_pool[1]
+    assert runs[None][1:] == (0, 0) and runs[0.0][1] > 0 and runs[0.0][2] > runs[0.3][2]  # recomputed members
