@@ -308,9 +308,9 @@ class Scheduler:
         return None
 
     def _pipeline_takes(self, request: Request) -> bool:
-        """Whether the staggered pipeline has a row for `request` and the host pool room for its whole length
-        beside the room kept to park the device pool's requests (swap preemption; else they would be recomputed
-        from their prompts): the device pool's blocks, at most half the host pool."""
+        """Whether the staggered pipeline has a row for `request` and the host pool room for its blocks
+        (`_host_target`) beside the room kept to park the device pool's requests (`park_room`; else they would be
+        recomputed from their prompts) and, with PIPELINE_RESERVE, that kept for the host requests' growth."""
         if self._pipeline_full():
             return False
         need = self.kv.extra_blocks(request.request_id, self._host_target(request))
