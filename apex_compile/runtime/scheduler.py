@@ -109,6 +109,8 @@ class Scheduler:
             other = 1 - self.run_pools[0]
             if kv.pools[other].num_blocks > 0:
                 self.park_pool = other
+        if stagger is not None:
+            stagger.keep_free = self.park_room()  # members grow around the room kept to park into
         self.waiting: Deque[Request] = collections.deque()
         self.running: List[Request] = []
         self.parked: Deque[Request] = collections.deque()
@@ -347,7 +349,7 @@ class Scheduler:
         if PIPELINE_RESERVE is None or stagger is None or stagger.inside or not stagger.joining:
             return recomputed
         first = stagger.joining[0]
-        while self.kv.extra_blocks(first.request_id, first.num_computed + 1) > self.kv.num_free(HOST_POOL):
+        while not stagger.can_grow(first):
             victim = next((r for r in reversed(stagger.joining) if r.num_tokens - r.num_computed == 1), None)
             if victim is None:
                 break

@@ -357,6 +357,7 @@ class StaggerPipeline:
         self.closed = False
         self.evicted = 0  # requests sent back to wait in `joining` by a fallen row limit (begin_step)
         self.stalled = 0  # members that waited in `joining` for a host block for their next token (begin_step)
+        self.keep_free = 0  # host blocks a member's growth leaves free (the scheduler's room to park into)
         self.rope = rope
         self.steps = 0
         self.begun = False  # begin_step ran for a step whose end_step has not
@@ -599,10 +600,15 @@ class StaggerPipeline:
         if self.num_lanes > 1:
             self.residual.copy_(self.lane_residual[self.steps % self.num_lanes])
 
+    def can_grow(self, request: Request) -> bool:
+        """Whether the request's host blocks cover its next token, or the host pool can add them and still keep
+        `keep_free` blocks free (a device request parked there costs less than a member recomputed)."""
+        need = self.kv.extra_blocks(request.request_id, request.num_computed + 1)
+        return not need or self.kv.num_free(HOST_POOL) >= need + self.keep_free
+
     def _has_block(self, request: Request) -> bool:
-        """Whether the request's host blocks cover its next token, taking one from the host pool where they do not
-        (False: none free)."""
-        return self.kv.grow(request.request_id, HOST_POOL, request.num_computed + 1)
+        """`can_grow`, taking the blocks it lacks."""
+        return self.can_grow(request) and self.kv.grow(request.request_id, HOST_POOL, request.num_computed + 1)
 
     def _row_limit(self, lane: List[StaggerGroup]) -> int:
         """The rows of the entering group that may hold a request this turn (`RowLimit`), after the step time
