@@ -934,7 +934,7 @@ def main():
                     cpu += (f", pipeline at the window's end {p['members']} members of {p['capacity']} rows' "
                             f"(host pool {p['host_bytes'] / GiB:.1f} GiB, {p['host_free_bytes'] / GiB:.2f} free, "
                             f"{p['park_room_bytes'] / GiB:.2f} kept to park; a member keeps "
-                            f"{p['member_bytes'] / 2 ** 20:.0f} MiB at most; members that waited for a block "
+                            f"{p['member_bytes'] / 2 ** 20:.0f} MiB at most; member-turns waiting for a block "
                             f"{p['stalled']})")
                 if r.get("window_capture_s"):
                     cpu += f", graphs captured inside the window {r['window_capture_s'] * 1e3:.0f} ms"

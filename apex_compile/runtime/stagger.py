@@ -356,7 +356,7 @@ class StaggerPipeline:
         # offload="auto": closed to new requests, its members finishing (`Engine._update_stagger_ceiling`)
         self.closed = False
         self.evicted = 0  # requests sent back to wait in `joining` by a fallen row limit (begin_step)
-        self.stalled = 0  # members that waited in `joining` for a host block for their next token (begin_step)
+        self.stalled = 0  # turns a member waited in `joining` for a host block for its next token (begin_step)
         self.keep_free = 0  # host blocks a member's growth leaves free (the scheduler's room to park into)
         self.rope = rope
         self.steps = 0
@@ -560,30 +560,34 @@ class StaggerPipeline:
         limit = self._row_limit(lane)
         # requests going on beyond the limit (it fell: a CPU behind, or the model's ceiling) wait first in line
         # to rejoin, their blocks kept
-        evicted, used, stalled = [], 0, 0
+        evicted, used, stalled = [], 0, set()
         for row, r in enumerate(entering):
             if r is None:
                 continue
             if used < limit and self._has_block(r):
                 used += 1
             else:
-                stalled += used < limit
+                if used < limit:
+                    stalled.add(r.request_id)
                 entering[row] = None
                 evicted.append(r)
         self.inside -= len(evicted)
         self.joining.extendleft(reversed(evicted))
-        self.evicted += len(evicted) - stalled
-        for row in range(self.width):
-            if used >= limit or not self.joining:
-                break
-            if entering[row] is None:
-                if not self._has_block(self.joining[0]):
-                    stalled += 1
-                    break
-                entering[row] = self.joining.popleft()
-                self.inside += 1
-                used += 1
-        self.stalled += stalled
+        self.evicted += len(evicted) - len(stalled)
+        # free rows take joining requests in order, passing over those without a block for their next token
+        free_rows = collections.deque(row for row in range(self.width) if entering[row] is None)
+        passed = []
+        while free_rows and used < limit and self.joining:
+            r = self.joining.popleft()
+            if not self._has_block(r):
+                stalled.add(r.request_id)
+                passed.append(r)
+                continue
+            entering[free_rows.popleft()] = r
+            self.inside += 1
+            used += 1
+        self.joining.extendleft(reversed(passed))
+        self.stalled += len(stalled)
         lane.insert(0, self._group(entering))
         if self._positions_copied is not None:
             self._positions_copied.synchronize()  # the pinned positions are not rewritten under their copy
