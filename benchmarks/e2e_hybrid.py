@@ -931,9 +931,10 @@ def main():
                     cpu += f", {r['resumed_ahead']} parked requests resumed beside a queued step"
                 if r.get("pipeline_end"):
                     p = r["pipeline_end"]
-                    cpu += (f", pipeline at the window's end {p['members']} members of {p['capacity']} rows' "
-                            f"(host pool {p['host_bytes'] / GiB:.1f} GiB, {p['host_free_bytes'] / GiB:.2f} free, "
-                            f"{p['park_room_bytes'] / GiB:.2f} kept to park; a member keeps "
+                    cpu += (f", pipeline at the window's end {p['members']} members, its rows room for "
+                            f"{p['capacity']} (host pool {p['host_bytes'] / GiB:.1f} GiB, "
+                            f"{p['host_free_bytes'] / GiB:.2f} free, {p['park_room_bytes'] / GiB:.2f} kept to park; "
+                            f"a member keeps "
                             f"{p['member_bytes'] / 2 ** 20:.0f} MiB at most; member-turns waiting for a block "
                             f"{p['stalled']})")
                 if r.get("window_capture_s"):

@@ -12,7 +12,9 @@ meanwhile start in its pipeline, and parked ones join it while it takes them: `p
 requests are admitted in arrival order while their first chunk fits in the pool the offload policy picks for
 them. With `ApexConfig.growth_reserve` the device pool admits or resumes a request only while its free blocks
 also cover that share of every device request's remaining tokens (SGLang's new-token ratio): a pool filled to
-its last block parks a request each time one grows.
+its last block parks a request each time one grows. With `RESUME_AHEAD` a parked request resumes while a step is
+queued ahead (`resume_ahead`), its copy beside that step. The staggered pipeline's members keep host blocks for
+their whole length, or with `PIPELINE_RESERVE` take them as they grow (`unstall_pipeline` where growth runs dry).
 """
 import collections
 import dataclasses
