@@ -330,17 +330,22 @@ def test_staggered_mixed_steps_replay_whole_graphs_and_equal_hf_generate_fp32(la
 @pytest.mark.parametrize("lanes,reserve", [(2, 0.3), (1, 0.3), (2, 0.0), (1, 0.0)])
 def test_members_taking_host_blocks_as_they_grow_on_the_gpu_equal_hf_generate_fp32(lanes, reserve, monkeypatch):
     """scheduler.PIPELINE_RESERVE on the GPU (async scheduling, captured graphs, layered jobs with one lane): a
-    host pool of 12 blocks, the members taking blocks as they grow (with no reserve, waiting for them and
-    recomputed when every member waits): HF's tokens, every block back."""
+    small host pool, the members taking blocks as they grow (with no reserve, waiting for them and recomputed
+    when every member waits): HF's tokens, every block back."""
     from apex_compile.runtime import scheduler as scheduler_module
+    from apex_compile.runtime.stagger import StaggerPipeline
 
     monkeypatch.setattr(scheduler_module, "PIPELINE_RESERVE", reserve)
+    grown = []  # a member re-entering group 0 past its blocks
+    can_grow = StaggerPipeline.can_grow
+    monkeypatch.setattr(StaggerPipeline, "can_grow", lambda self, r: grown.append(
+        self.kv.extra_blocks(r.request_id, r.num_computed + 1) > 0) or can_grow(self, r))
     ids, mask, ref, block, model = sharp_small_pool_case()
     apex = optimize(model, ApexConfig(offload="staggered", stagger_width=2, gpu_cache_size=8 * block,
-                                      cpu_cache_size=12 * block, stagger_lanes=lanes))
+                                      cpu_cache_size=16 * block, stagger_lanes=lanes))
     out = apex.generate(ids, attention_mask=mask, **GREEDY_20)
     assert torch.equal(out, ref)
-    assert apex.engine.stats.requests_per_pool[1] >= 2
+    assert apex.engine.stats.requests_per_pool[1] >= 1 and any(grown)
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
     apex.close()
 
