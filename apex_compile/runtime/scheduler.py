@@ -356,11 +356,8 @@ class Scheduler:
             if victim is None:
                 break
             stagger.remove([victim.request_id])
-            self.kv.free(victim.request_id)
-            victim.num_computed = 0
             victim.num_preemptions += 1
-            victim.status = RequestStatus.WAITING
-            self.waiting.appendleft(victim)
+            self._requeue(victim)
             recomputed.append(victim)
             if victim is first:
                 break
@@ -564,12 +561,16 @@ class Scheduler:
             self.parked.append(request)
             out.parked.append(request)
             return False
+        self._requeue(request)
+        out.recomputed.append(request)
+        return False
+
+    def _requeue(self, request: Request) -> None:
+        """Recompute preemption: frees the request's blocks; it waits first in line to be prefilled again."""
         self.kv.free(request.request_id)
         request.num_computed = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
-        out.recomputed.append(request)
-        return False
 
     def _admit_pool(self, request: Request, num_tokens: int, device_tokens: int) -> Optional[int]:
         """Allocates the first chunk of a waiting request in the pool the offload policy picks (`num_tokens` in
