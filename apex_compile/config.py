@@ -31,7 +31,7 @@ class ApexConfig:
         (`apex_compile.runtime.stagger`; a token takes stagger_lanes * (num_layers + 1) steps: throughput, not
         latency).
     stagger_width: rows per step of staggered host requests; the pipeline holds stagger_lanes * (num_layers + 1)
-        * width requests. None: 4 with offload="staggered", "auto" with offload="auto". "auto": up to 8, the rows in
+        * width requests. None: 4 with offload="staggered", "auto" with offload="auto". "auto": up to 12, the rows in
         use following the measured CPU job (as many as keep it within 90% of a step;
         `apex_compile.runtime.stagger.RowLimit`) and, under offload="auto", the performance model.
     stagger_lanes: 2: two lanes take turns, each lane's CPU job runs between two of its steps (while the other

@@ -10,10 +10,12 @@ steps piecewise, "/pin" pins the launching thread off the worker's cores, "/t14"
 "/cap64" lets a decoding step take 64 device-pool prompt tokens (--prefill-while-decoding for the others),
 "/reserve=0" sets ApexConfig.growth_reserve (0.15 by default since session 46), "/aligned" puts the host pool's
 layers on huge-page boundaries (cpu_attention.HUGE_PAGE_SHIFT_PAGES = 0; "/shifted", the default, a page apart),
-"/width=12" gives an adaptive staggered block (auto, "staggered:auto") that many rows (engine.AUTO_STAGGER_WIDTH),
+"/width=8" gives an adaptive staggered block (auto, "staggered:auto") that many rows (engine.AUTO_STAGGER_WIDTH,
+12 by default since session 49),
 "/resumeahead" resumes parked requests beside a step queued ahead (scheduler.RESUME_AHEAD; "/resumeinstep": not),
 "/host=48" gives the mode a host pool of that many GiB (instead of --host-gib), "/hostreserve=0.3" lets the
-pipeline's members take host blocks as they grow (scheduler.PIPELINE_RESERVE; "/hostreserve=whole": not).
+pipeline's members take host blocks as they grow (scheduler.PIPELINE_RESERVE, 0.3 by default since session 49;
+"/hostreserve=whole": blocks for their whole length at once).
 Per configuration also: ideal_gain (the tokens/s the CPU's measured attention
 bandwidth could add: B_cpu / KV bytes a host request reads per step) with its inputs, auto's
 offload efficiency (auto - never) / ideal_gain, the model's predicted decode step against the measured one, and

@@ -45,7 +45,7 @@ STAGGER_RISE_STEPS = 64
 # refilling it takes a rise and a lane's cycle; a dip of the measured rows, the job fit's noise, read as a verdict
 # of 0 for one step)
 STAGGER_FALL_STEPS = 32
-AUTO_STAGGER_WIDTH = 8  # stagger_width="auto": the block's rows, of which the measured CPU job decides the used
+AUTO_STAGGER_WIDTH = 12  # stagger_width="auto": the block's rows, of which the measured CPU job decides the used
 
 
 @dataclasses.dataclass

@@ -319,7 +319,7 @@ def summarize(profile: Profile) -> Dict[str, float]:
     return {"cpu_attention_GBps": model.cpu_bandwidth() / 1e9, "gpu_attention_GBps": model.gpu_bandwidth() / 1e9}
 
 
-STAGGER_ROWS = 8  # the most host rows per step explain() considers (the engine's AUTO_STAGGER_WIDTH)
+STAGGER_ROWS = 12  # the most host rows per step explain() considers (the engine's AUTO_STAGGER_WIDTH)
 # The predicted gain the staggered plan must show over GPU-only: its model counts decode steps only and leaves
 # out part of the block's host work (its prompts' export, its mixed steps). Same-run measurements on the H200
 # (notes item 35): at 2 GiB a predicted +8-11% measured -16% to +2%, at 4 GiB +4.5% measured -2.6%, at 1 GiB

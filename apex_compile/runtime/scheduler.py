@@ -41,8 +41,9 @@ RESUME_AHEAD = False
 # uses). A share r: blocks for its tokens and the next one, more as it grows (`StaggerPipeline.begin_step`), a
 # request entering only while the free blocks also cover r of every host request's remaining tokens (SGLang's
 # new-token ratio); a member with no block for its next token waits to rejoin, and when every member waits so,
-# the newest are recomputed (`unstall_pipeline`). e2e_hybrid "/hostreserve=0.3" for the same-run A/B
-PIPELINE_RESERVE: Optional[float] = None
+# the newest are recomputed (`unstall_pipeline`). The default 0.3: the same host pool holds more members, so it
+# does not bind the pipeline before its rows do (e2e_hybrid "/hostreserve=whole" for the same-run A/B)
+PIPELINE_RESERVE: Optional[float] = 0.3
 
 
 @dataclasses.dataclass

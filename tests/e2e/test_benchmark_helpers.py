@@ -217,9 +217,9 @@ def test_a_mode_can_name_its_block_size_its_cpu_work_split_and_an_inline_exchang
         (lambda: e2e_hybrid.sampler_module.BLOCKING_WAITS, (("auto/t16/blocking", True), ("auto/spinning", False))),
         (lambda: e2e_hybrid.cpu_attention_module.HUGE_PAGE_SHIFT_PAGES, (("auto/shifted", 1), ("never/aligned", 0))),
         (lambda: (e2e_hybrid.engine_module.AUTO_STAGGER_WIDTH, e2e_hybrid.perf_model_module.STAGGER_ROWS),
-         (("auto/width=12", (12, 12)), ("staggered:auto/width=10/r2", (10, 10)))),
+         (("auto/width=8", (8, 8)), ("staggered:auto/width=10/r2", (10, 10)))),
         (lambda: e2e_hybrid.scheduler_module.RESUME_AHEAD, (("never/resumeahead", True), ("auto/resumeinstep", False))),
-        (lambda: e2e_hybrid.scheduler_module.PIPELINE_RESERVE, (("auto/hostreserve=0.3", 0.3),
+        (lambda: e2e_hybrid.scheduler_module.PIPELINE_RESERVE, (("auto/hostreserve=whole", None),
                                                                 ("staggered:auto/hostreserve=0/r2", 0.0))),
     ]
     for read, cases in settings:

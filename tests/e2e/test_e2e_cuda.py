@@ -11,6 +11,7 @@ import torch
 
 from apex_compile.config import ApexConfig
 from apex_compile.model import optimize
+from apex_compile.runtime.engine import AUTO_STAGGER_WIDTH
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -422,7 +423,7 @@ def test_auto_that_chooses_the_staggered_plan_equals_hf_generate_fp32(tmp_path, 
     assert apex.engine.stagger is not None and apex.engine.stagger.rows.adaptive
     apex.engine.warmup()
     calibration = apex.engine.calibration
-    assert calibration.rows and calibration.stagger_rows and calibration.stagger_width == 8
+    assert calibration.rows and calibration.stagger_rows and calibration.stagger_width == AUTO_STAGGER_WIDTH
     assert all(t > 0 for t in calibration.step_s + calibration.stagger_s)
     out = apex.generate(ids, attention_mask=mask, **GREEDY_20)
     assert torch.equal(out, ref)
