@@ -195,16 +195,19 @@ def test_a_parked_request_admits_nothing_until_the_device_pool_can_take_it_back(
     assert sched.schedule().resumed == [parked] and kv.pool_of(parked.request_id) == DEVICE_POOL
 
 
-def test_with_the_staggered_plan_a_parked_request_keeps_the_device_pool_not_the_pipeline():
+def test_with_the_staggered_plan_a_parked_request_keeps_the_device_pool_not_the_pipeline(monkeypatch):
     """While a parked request waits for the device pool, waiting requests may start in the staggered pipeline's
     host pool (never in the device pool ahead of it): the next step admits one while the pipeline has a row."""
     import types
+
+    from apex_compile.runtime import scheduler as scheduler_module
 
     from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, CacheShape, KVManager
     from apex_compile.runtime.request import RequestStatus
 
     shape = CacheShape(num_layers=1, num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32)
     kv = KVManager(shape, 4, 16, torch.device("cpu"))
+    monkeypatch.setattr(scheduler_module, "PIPELINE_RESERVE", None)  # a stand-in pipeline: whole-length blocks
     pipeline = types.SimpleNamespace(num_members=0, capacity=2, closed=False)
     sched = Scheduler(ApexConfig(offload="staggered", preemption="swap", max_num_seqs=8,
                                  max_num_batched_tokens=64), kv, stagger=pipeline)
@@ -228,16 +231,20 @@ def test_with_the_staggered_plan_a_parked_request_keeps_the_device_pool_not_the_
     assert [c.request for c in sched.schedule().chunks] == [running, short]
 
 
-def test_the_pipeline_leaves_the_host_pool_room_to_park_the_device_pools_requests():
+def test_the_pipeline_leaves_the_host_pool_room_to_park_the_device_pools_requests(monkeypatch):
     """A request starts in the staggered pipeline only while the host pool keeps room to park the device pool's
-    blocks (else full pools would recompute evicted requests from their prompts): the next step admits nothing."""
+    blocks (else full pools would recompute evicted requests from their prompts): the next step admits nothing.
+    With whole-length host blocks (the block counts below; the reserve's room: test_runtime_stagger)."""
     import types
+
+    from apex_compile.runtime import scheduler as scheduler_module
 
     from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, CacheShape, KVManager
     from apex_compile.runtime.request import RequestStatus
 
     shape = CacheShape(num_layers=1, num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32)
     kv = KVManager(shape, 4, 12, torch.device("cpu"))
+    monkeypatch.setattr(scheduler_module, "PIPELINE_RESERVE", None)
     sched = Scheduler(ApexConfig(offload="staggered", preemption="swap", max_num_seqs=8, max_num_batched_tokens=64),
                       kv, stagger=types.SimpleNamespace(num_members=0, capacity=8, closed=False))
     running = Request(0, list(range(1, 64)), SamplingParams(max_new_tokens=1))

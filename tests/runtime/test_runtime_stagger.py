@@ -925,7 +925,7 @@ def test_auto_ceiling_is_chosen_among_the_rows_the_cpu_job_fits(monkeypatch):
     fewer rows than its overhead needs to pay gets a ceiling of 0 (no request enters the pipeline), where the
     model alone would have asked for more rows than the CPU can serve. From 0 the ceiling rises only after the
     verdict held STAGGER_RISE_STEPS steps (a flickering verdict paid host prefills only to park them again)."""
-    from apex_compile.runtime.engine import STAGGER_FALL_STEPS, STAGGER_RISE_STEPS
+    from apex_compile.runtime.engine import AUTO_STAGGER_WIDTH, STAGGER_FALL_STEPS, STAGGER_RISE_STEPS
 
     apex = staggered(sharp_model(), width="auto")
     engine, stagger = apex.engine, apex.engine.stagger
@@ -940,7 +940,7 @@ def test_auto_ceiling_is_chosen_among_the_rows_the_cpu_job_fits(monkeypatch):
     engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=2))
     engine.scheduler.schedule()  # a running request: the ceiling is computed beside it
     engine._update_stagger_ceiling()
-    assert asked[-1] == 8 and stagger.rows.ceiling == 8  # nothing measured yet: every row
+    assert asked[-1] == stagger.width == AUTO_STAGGER_WIDTH and stagger.rows.ceiling == stagger.width  # every row
     stagger.rows.measured = 2
     engine._update_stagger_ceiling()
     assert asked[-1] == 2 and stagger.rows.ceiling == 0 and stagger.rows.update(0) == 0
@@ -1115,16 +1115,18 @@ def test_a_closed_pipeline_finishes_its_members_on_the_host_and_admits_none(monk
 
 
 def test_an_adaptive_pipeline_gives_hf_tokens():
+    from apex_compile.runtime.engine import AUTO_STAGGER_WIDTH
+
     torch.manual_seed(7)
     model = sharp_model()
     prompts = [torch.randint(3, 96, (n,)).tolist() for n in (6, 11, 4, 9, 13, 5, 7)]
     apex = staggered(model, width="auto")
-    assert apex.engine.stagger.width == 8 and apex.engine.stagger.rows.adaptive
+    assert apex.engine.stagger.width == AUTO_STAGGER_WIDTH and apex.engine.stagger.rows.adaptive
     done = apex.engine.generate(prompts, SamplingParams(max_new_tokens=8))
     assert [c.token_ids for c in done] == hf_tokens(model, prompts, 8)
     assert sum(1 for c in done if c.steps_per_pool["host"]) >= 3
     rows = apex.engine.stagger.rows
-    assert rows.rate is not None and rows.step is not None and 1 <= rows.limit <= 8
+    assert rows.rate is not None and rows.step is not None and 1 <= rows.limit <= AUTO_STAGGER_WIDTH
 
 
 def test_config_checks():
