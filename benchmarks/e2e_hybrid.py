@@ -496,8 +496,8 @@ SHIFT_SUFFIXES = {"/shifted": 1, "/aligned": 0}
 # "/width=12": a mode whose adaptive staggered block has that many rows, of which the measured CPU job and the
 # model use what fits (engine.AUTO_STAGGER_WIDTH; and perf_model.STAGGER_ROWS, the rows explain() considers)
 WIDTH_SUFFIX = re.compile(r"/width=(\d+)\b")
-# "/host=48": a mode whose host KV pool holds that many GiB (instead of --host-gib): the staggered pipeline's members
-# each keep blocks for their whole length there, so the pool can bind before the CPU does
+# "/host=48": a mode whose host KV pool holds that many GiB (instead of --host-gib): it bounds the staggered
+# pipeline's members (with "/hostreserve=whole" before the CPU does: each keeps blocks for its whole length)
 HOST_SUFFIX = re.compile(r"/host=([0-9.]+)")
 # "/hostreserve=0.3": a mode whose pipeline members take host blocks as they grow, that share of the host requests'
 # remaining tokens kept free ("/hostreserve=whole": blocks for whole lengths at once): scheduler.PIPELINE_RESERVE
@@ -936,9 +936,8 @@ def main():
                     cpu += (f", pipeline at the window's end {p['members']} members, its rows room for "
                             f"{p['capacity']} (host pool {p['host_bytes'] / GiB:.1f} GiB, "
                             f"{p['host_free_bytes'] / GiB:.2f} free, {p['park_room_bytes'] / GiB:.2f} kept to park; "
-                            f"a member keeps "
-                            f"{p['member_bytes'] / 2 ** 20:.0f} MiB at most; member-turns waiting for a block "
-                            f"{p['stalled']})")
+                            f"a member keeps {p['member_bytes'] / 2 ** 20:.0f} MiB at most; member-turns waiting "
+                            f"for a block {p['stalled']})")
                 if r.get("window_capture_s"):
                     cpu += f", graphs captured inside the window {r['window_capture_s'] * 1e3:.0f} ms"
                 only = r["decode_only_step_s"]
