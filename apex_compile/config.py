@@ -32,7 +32,7 @@ class ApexConfig:
         latency).
     stagger_width: rows per step of staggered host requests; the pipeline holds stagger_lanes * (num_layers + 1)
         * width requests. None: 4 with offload="staggered", "auto" with offload="auto". "auto": up to 12, the rows in
-        use following the measured CPU job (as many as keep it within 90% of a step;
+        use following the measured CPU job (as many as keep it within 95% of a step;
         `apex_compile.runtime.stagger.RowLimit`) and, under offload="auto", the performance model.
     stagger_lanes: 2: two lanes take turns, each lane's CPU job runs between two of its steps (while the other
         lane's step runs); 1: one lane, each layer's CPU attention runs between that layer of two steps, the GPU

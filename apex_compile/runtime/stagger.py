@@ -47,7 +47,7 @@ from apex_compile.runtime.sampler import host_wait_event
 
 ROPE_KINDS = ("cos", "sin")
 LANES = 2  # lanes taking turns by default (1: one lane whose layers wait on the device, `LayerJobs`)
-JOB_SHARE = 0.9  # an adaptive pipeline keeps its CPU job within this share of a step (the worker runs one per step)
+JOB_SHARE = 0.95  # an adaptive pipeline keeps its CPU job within this share of a step (the worker runs one per step)
 EMA = 0.2  # weight of the newest measurement in the adaptive pipeline's running averages
 FIT_EMA = 0.05  # decay per job of the weighted sums the job-time fit (fixed + rate x work) uses: ~20 jobs of memory
 FIT_SPREAD = 0.1  # the fit's slope is taken only from jobs whose work spreads by this share of its mean (a ramp)

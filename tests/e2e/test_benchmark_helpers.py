@@ -356,9 +356,10 @@ def test_a_staggered_window_records_which_row_limit_binds():
     assert idle["row_limits"] is None and idle["row_limit_steps"] == [] and idle["pipeline_end"] is None
 
 
-def test_the_staggered_bound_is_the_tighter_of_host_pool_and_cpu_less_the_prefill():
+def test_the_staggered_bound_is_the_tighter_of_host_pool_and_cpu_less_the_prefill(monkeypatch):
     """The staggered plan's bound from never's run: rows = min(host-pool rows, JOB_SHARE x decode step x
     ideal_gain), one token per row at the mean step, less the device tokens their prefill takes."""
+    monkeypatch.setattr(e2e_hybrid.stagger_module, "JOB_SHARE", 0.9)  # the formula's case, not the default's
     never = {"decode_only_step_s": 0.005, "decode_step_s": 0.005, "window_s": 1.8, "steps": [None] * 300,
              "prefill_s_per_token": 20e-6, "tokens_per_s": 2000.0}
     cpu_bound = e2e_hybrid.staggered_bound(never, 1000.0, 8, 512, 128)  # the CPU fits 0.9 x 5 ms x 1000 = 4.5

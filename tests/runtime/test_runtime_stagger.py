@@ -293,12 +293,12 @@ def test_row_limit_keeps_the_cpu_job_within_a_step():
 
     rows = RowLimit(width=8, num_layers=32, adaptive=True)
     assert rows.update(576) == 8  # nothing measured yet: every row
-    rows.observe_job(3.8e-3, work=32 * 4 * 576)  # four rows of 576 tokens at every layer: 0.95 ms a row
+    rows.observe_job(4.0e-3, work=32 * 4 * 576)  # four rows of 576 tokens at every layer: 1 ms a row
     rows.observe_step(6.0e-3)
-    assert rows.update(576) == int(JOB_SHARE * 6.0 / 0.95) == 5
+    assert rows.update(576) == int(JOB_SHARE * 6.0 / 1.0) == 5
     assert rows.update(2 * 576) == 2  # twice the context, half the rows
     for _ in range(40):  # the CPU gets 3x slower: the average follows, the limit drops to one row
-        rows.observe_job(3 * 3.8e-3, work=32 * 4 * 576)
+        rows.observe_job(3 * 4.0e-3, work=32 * 4 * 576)
     assert rows.update(576) == 1
     fixed = RowLimit(width=4, num_layers=32, adaptive=False)
     fixed.observe_job(1.0, work=1)
@@ -380,21 +380,21 @@ def test_the_row_limit_separates_the_jobs_fixed_cost_from_its_rows():
     rows = RowLimit(width=8, num_layers=32, adaptive=True)
     for used in (1, 2, 3, 4, 5, 6, 7, 8, 8, 8):
         rows.observe_job(3.2e-3 + 0.36e-3 * used, work=used * work_per_row)
-    rows.observe_step(6.3e-3)
+    rows.observe_step(6.0e-3)
     assert rows.fixed == pytest.approx(3.2e-3, rel=1e-6)
     assert rows.rate * work_per_row == pytest.approx(0.36e-3, rel=1e-6)
-    assert rows.update(576) == int((JOB_SHARE * 6.3 - 3.2) / 0.36) == 6
+    assert rows.update(576) == int((JOB_SHARE * 6.0 - 3.2) / 0.36) == 6
     # the same jobs read as a per-work rate: 6.08 ms for 8 rows, 0.76 ms a row, 7 rows (the fixed part would
     # count once per row); with the jobs of one row only, 3.56 ms a row: 1
     # jobs whose time grows faster than their work (a fill's contention): never a negative fixed part
     steep = RowLimit(width=8, num_layers=32, adaptive=True)
     for used in (2, 4, 6, 8):
         steep.observe_job(-1e-3 + 1e-3 * used, work=used * work_per_row)
-    steep.observe_step(6.3e-3)
-    assert steep.fixed == 0.0 and steep.update(576) >= int(JOB_SHARE * 6.3 / 1.0) - 1
+    steep.observe_step(6.0e-3)
+    assert steep.fixed == 0.0 and steep.update(576) >= int(JOB_SHARE * 6.0 / 1.0) - 1
     averaged = RowLimit(width=8, num_layers=32, adaptive=True)
     averaged.observe_job(3.2e-3 + 0.36e-3, work=work_per_row)
-    averaged.observe_step(6.3e-3)
+    averaged.observe_step(6.0e-3)
     assert averaged.update(576) == 1
 
 
@@ -506,13 +506,13 @@ def test_steps_with_prompt_chunks_do_not_widen_the_decode_steps_budget():
     from apex_compile.runtime.stagger import JOB_SHARE, RowLimit
 
     rows = RowLimit(width=8, num_layers=32, adaptive=True)
-    rows.observe_job(3.8e-3, work=32 * 4 * 576)  # 0.95 ms a row
+    rows.observe_job(4.0e-3, work=32 * 4 * 576)  # 1 ms a row
     rows.observe_step(6.0e-3)
     for _ in range(20):
         rows.observe_step(60e-3, decode=False)
-    assert rows.step == pytest.approx(6.0e-3) and rows.update(576) == int(JOB_SHARE * 6.0 / 0.95) == 5
+    assert rows.step == pytest.approx(6.0e-3) and rows.update(576) == int(JOB_SHARE * 6.0 / 1.0) == 5
     mixed = RowLimit(width=8, num_layers=32, adaptive=True)  # the old average: every step counted
-    mixed.observe_job(3.8e-3, work=32 * 4 * 576)
+    mixed.observe_job(4.0e-3, work=32 * 4 * 576)
     mixed.observe_step(6.0e-3)
     for _ in range(20):
         mixed.observe_step(60e-3)
@@ -623,7 +623,7 @@ def test_an_empty_pipeline_probes_its_rows_again_after_a_hold():
     from apex_compile.runtime.stagger import IDLE_HOLD, JOB_SHARE, MAX_IDLE_HOLD, REGROW_STEPS, RowLimit
 
     rows = RowLimit(width=8, num_layers=32, adaptive=True)
-    rows.observe_job(3.8e-3, work=32 * 4 * 576)  # 0.95 ms a row: 5 rows fit a 6 ms step
+    rows.observe_job(4.0e-3, work=32 * 4 * 576)  # 1 ms a row: 5 rows fit a 6 ms step
     rows.observe_step(6.0e-3)
     assert rows.update(576) == 5
     for _ in range(8 * rows.cycle):  # the launching thread waits for the job: the guard falls to one row
@@ -636,10 +636,10 @@ def test_an_empty_pipeline_probes_its_rows_again_after_a_hold():
     rows.idle_step()
     assert rows.probes == 1 and rows.guard == rows.measured == 2 and rows.rate is None
     assert rows.idle_hold == 2 * IDLE_HOLD and rows.limit == 0  # the ceiling is the model's to raise
-    rows.observe_job(3.8e-3, work=32 * 4 * 576)  # the probe's jobs: the rows follow them, within the guard
+    rows.observe_job(4.0e-3, work=32 * 4 * 576)  # the probe's jobs: the rows follow them, within the guard
     rows.observe_step(6.0e-3)
     rows.update(576)
-    assert rows.measured == 2 < int(JOB_SHARE * 6.0 / 0.95) == 5
+    assert rows.measured == 2 < int(JOB_SHARE * 6.0 / 1.0) == 5
     for _ in range(3 * REGROW_STEPS):  # calm decode steps: the guard regrows to what the fit allows
         rows.observe_step(6.0e-3)
     rows.update(576)
@@ -653,7 +653,7 @@ def test_an_empty_pipeline_probes_its_rows_again_after_a_hold():
     assert rows.probes == 1
     rows.idle_step()
     assert rows.probes == 2 and rows.idle_hold == 4 * IDLE_HOLD and rows.measured == 2
-    rows.observe_job(3.8e-3, work=32 * 4 * 576)
+    rows.observe_job(4.0e-3, work=32 * 4 * 576)
     rows.observe_step(6.0e-3)
     rows.update(576)
     rows.idle_hold = MAX_IDLE_HOLD
@@ -817,7 +817,7 @@ def test_a_ceiling_of_zero_admits_nothing_and_parks_the_pipelines_requests(monke
     from apex_compile.runtime.stagger import RowLimit
 
     rows = RowLimit(width=8, num_layers=32, adaptive=True)
-    rows.observe_job(3.8e-3, work=32 * 4 * 576)
+    rows.observe_job(4.0e-3, work=32 * 4 * 576)
     rows.observe_step(6.0e-3)
     rows.set_ceiling(3)
     assert rows.update(576) == 3 and rows.measured == 5  # the lower of the model's and the measured rows
