@@ -1,0 +1,178 @@
+"""Offline throughput, like `vllm bench throughput`: R requests submitted at once, measured to the last token.
+
+Per device KV pool size (emulating smaller GPUs) and per offload mode, in one process: an engine with the
+default config (but the pools), warmed up, is handed all R requests in one `stream` call; the run ends with
+the batch's last token. Reports makespan, requests/s, output tokens/s, TTFT and TPOT (p50/p90/p99), the
+requests that ran in each pool, GPU energy per token on CUDA, and each mode's tokens/s against the first mode
+(the baseline, "never" by default). Several --requests values give one row each (tokens/s against R in the plot).
+
+    python benchmarks/offline.py --shape llama3_8b --device-gib 1,2 --requests 192 --prompt 768 --output 192
+    python benchmarks/offline.py --shape llama3_8b --device-gib 1 --requests 1000 --prompt 1024 --output 256
+    python benchmarks/offline.py --shape llama2_7b --dist chat --prompt 128:2048 --output 64:512 --requests 64,400
+    python benchmarks/offline.py --shape smollm2 --requests 16 --prompt 64 --output 32 --device-gib 0.01  # CPU smoke
+"""
+import argparse
+import gc
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workload import (GiB, Lengths, RequestTimes, EnergyMeter, build_model, fmt_ms, machine,  # noqa: E402
+                      parse_range, prompts_for, run_to_length, summarize, write_json)
+
+from apex_compile import ApexConfig, optimize  # noqa: E402
+
+
+def parse_offload(mode: str):
+    """An offload mode as ApexConfig takes it: a name or a host fraction."""
+    try:
+        return float(mode)
+    except ValueError:
+        return mode
+
+
+def engine_config(mode: str, device_gib: float, host_gib: float, args) -> ApexConfig:
+    """The default config, but the pools, the mode and the user's explicit overrides."""
+    extra = {}
+    if args.max_num_seqs:
+        extra["max_num_seqs"] = args.max_num_seqs
+    if args.max_num_batched_tokens:
+        extra["max_num_batched_tokens"] = args.max_num_batched_tokens
+    return ApexConfig(offload=parse_offload(mode), gpu_cache_size=int(device_gib * GiB),
+                      cpu_cache_size=int(host_gib * GiB), max_model_len=args.max_model_len, **extra)
+
+
+def run_batch(model, config: ApexConfig, prompts, lengths, progress_s: float = 10.0) -> dict:
+    """One engine over one batch: every request submitted at once, timed to its last token."""
+    apex = optimize(model, config)
+    engine = apex.engine
+    try:
+        start = time.perf_counter()
+        engine.warmup()
+        warmup_s = time.perf_counter() - start
+        sampling = [run_to_length(out) for _, out in lengths]
+        requests_before = list(engine.stats.requests_per_pool)
+        steps_before = engine.stats.steps
+        with EnergyMeter() as energy:
+            start = time.perf_counter()
+            times = [RequestTimes(start) for _ in prompts]
+            last_print, done = start, 0
+            for event in engine.stream(prompts, sampling, progress=False):
+                now = time.perf_counter()
+                times[event.index].token_times.append(now)
+                done += event.finish_reason is not None
+                if now - last_print > progress_s:
+                    last_print = now
+                    print(f"    {now - start:6.0f}s  {done}/{len(prompts)} requests done", flush=True)
+            end = time.perf_counter()
+        result = summarize(times, start, end)
+        result.update(energy.report(result["output_tokens"]))
+        result["warmup_s"] = warmup_s
+        result["steps"] = engine.stats.steps - steps_before
+        result["requests_per_pool"] = dict(zip(("device", "host"),
+                                               (a - b for a, b in zip(engine.stats.requests_per_pool,
+                                                                      requests_before))))
+        predict = getattr(engine, "predicted_makespan", None)
+        if predict is not None and predict() is not None:
+            result["predicted_makespan_s"] = predict()
+        return result
+    finally:
+        apex.close()
+        del apex, engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def print_row(pool, mode, requests, result, base):
+    ratio = "" if base is None else f"{result['output_tokens_per_s'] / base:5.2f}x"
+    print(f"  {pool:>5} GiB  {mode:>10}  R={requests:<5} {result['output_tokens_per_s']:8.1f} tok/s {ratio:>6}  "
+          f"makespan {result['duration_s']:7.1f}s  {result['requests_per_s']:6.2f} req/s  "
+          f"TTFT p50/p99 {fmt_ms(result['ttft_s']['p50'])}/{fmt_ms(result['ttft_s']['p99'])} ms  "
+          f"TPOT p50/p99 {fmt_ms(result['tpot_s']['p50'])}/{fmt_ms(result['tpot_s']['p99'])} ms  "
+          f"host requests {result['requests_per_pool']['host']}"
+          + (f"  {result['tokens_per_joule']:.2f} tok/J" if "tokens_per_joule" in result else "")
+          + (f"  predicted {result['predicted_makespan_s']:.1f}s" if "predicted_makespan_s" in result else ""),
+          flush=True)
+
+
+def plot(result: dict, path: str) -> None:
+    """tokens/s against R, one line per (mode, pool)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series = {}
+    for row in result["rows"]:
+        series.setdefault((row["mode"], row["device_gib"]), []).append((row["num_requests"],
+                                                                        row["output_tokens_per_s"]))
+    for (mode, pool), points in sorted(series.items()):
+        points.sort()
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"{mode}, {pool} GiB")
+    ax.set_xlabel("requests in the batch (R)")
+    ax.set_ylabel("output tokens/s (to the last token)")
+    ax.set_title(f"offline: {result['model']}, {result['lengths']}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="llama3_8b", help="llama3_8b | llama2_7b | smollm2 (embedded)")
+    parser.add_argument("--modes", default="never,auto", help="offload modes; the first is the baseline")
+    parser.add_argument("--device-gib", default="1,2", help="device KV pool sizes, GiB")
+    parser.add_argument("--host-gib", type=float, default=32.0, help="host KV pool, GiB")
+    parser.add_argument("--requests", default="192", help="batch sizes R (comma-separated)")
+    parser.add_argument("--dist", choices=("fixed", "uniform", "chat"), default="fixed")
+    parser.add_argument("--prompt", default="768", help="prompt length, or lo:hi for uniform / chat")
+    parser.add_argument("--output", default="192", help="output length, or lo:hi for uniform / chat")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="override ApexConfig.max_num_seqs")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--out", default=None, help="JSON result path")
+    parser.add_argument("--plot", default=None, help="PNG path (tokens/s against R)")
+    args = parser.parse_args(argv)
+
+    lengths_spec = Lengths(args.dist, parse_range(args.prompt), parse_range(args.output))
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    pools = [float(x) for x in args.device_gib.split(",")]
+    counts = [int(x) for x in args.requests.split(",")]
+    model, label = build_model(args.shape)
+    result = {"benchmark": "offline", "model": label, "lengths": lengths_spec.describe(), "modes": modes,
+              "host_gib": args.host_gib, "machine": machine(), "rows": []}
+    print(f"offline: {label}, {lengths_spec.describe()}, modes {modes}, device pools {pools} GiB, "
+          f"host {args.host_gib} GiB", flush=True)
+    for count in counts:
+        lengths = lengths_spec.draw(count, args.seed)
+        prompts = prompts_for(lengths, model.config.vocab_size, args.seed)
+        for pool in pools:
+            base = None
+            for mode in modes:
+                row = run_batch(model, engine_config(mode, pool, args.host_gib, args), prompts, lengths)
+                row.update(mode=mode, device_gib=pool, num_requests=count)
+                if base is None:
+                    base = row["output_tokens_per_s"]
+                else:
+                    row["vs_baseline"] = row["output_tokens_per_s"] / base
+                print_row(pool, mode, count, row, None if mode == modes[0] else base)
+                result["rows"].append(row)
+                write_json(args.out, result)  # after every row: a run cut short keeps what it measured
+    if args.plot:
+        plot(result, args.plot)
+    return result
+
+
+if __name__ == "__main__":
+    main()

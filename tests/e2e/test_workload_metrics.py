@@ -1,0 +1,54 @@
+"""The user-workload benchmarks' arithmetic (benchmarks/workload.py, online.py): lengths, metrics, arrivals."""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+
+from workload import Lengths, RequestTimes, parse_range, percentiles, summarize  # noqa: E402
+
+
+def test_lengths_are_reproducible_and_within_their_ranges():
+    for dist in ("fixed", "uniform", "chat"):
+        spec = Lengths(dist, (128, 2048), (64, 512)) if dist != "fixed" else Lengths(dist, (768, 768), (192, 192))
+        a, b = spec.draw(500, seed=3), spec.draw(500, seed=3)
+        assert a == b
+        prompts, outputs = np.array([p for p, _ in a]), np.array([o for _, o in a])
+        assert prompts.min() >= spec.prompt[0] and prompts.max() <= spec.prompt[1]
+        assert outputs.min() >= spec.output[0] and outputs.max() <= spec.output[1]
+    chat = np.array([p for p, _ in Lengths("chat", (128, 2048), (64, 512)).draw(2000, 0)])
+    assert np.median(chat) < chat.mean()  # skewed: a long tail above a short median
+    assert parse_range("768") == (768, 768) and parse_range("128:2048") == (128, 2048)
+    with pytest.raises(ValueError):
+        Lengths("zipf")
+    with pytest.raises(ValueError):
+        Lengths("uniform", (10, 5))
+
+
+def test_ttft_tpot_itl_and_goodput_follow_the_vllm_definitions():
+    # request 0: submitted at 0, tokens at 1, 2, 3 -> TTFT 1, TPOT (3 - 1) / 2 = 1, ITL [1, 1]
+    # request 1: submitted at 1, tokens at 1.5, 1.6 -> TTFT 0.5, TPOT 0.1
+    # request 2: one token only -> no TPOT (never fails the TPOT SLO)
+    times = [RequestTimes(0.0, [1.0, 2.0, 3.0]), RequestTimes(1.0, [1.5, 1.6]), RequestTimes(2.0, [2.2])]
+    assert times[0].tpot == pytest.approx(1.0) and times[1].tpot == pytest.approx(0.1)
+    assert times[2].tpot is None
+    out = summarize(times, start=0.0, end=4.0, slo_ttft=0.6, slo_tpot=0.5)
+    assert out["output_tokens"] == 6 and out["output_tokens_per_s"] == pytest.approx(1.5)
+    assert out["ttft_s"]["p50"] == pytest.approx(0.5)
+    assert sorted(out["itl_s"].keys()) == ["mean", "p50", "p90", "p99"]
+    assert out["itl_s"]["mean"] == pytest.approx((1 + 1 + 0.1) / 3)
+    assert out["good_requests"] == 2  # request 0 misses both SLOs
+    assert out["goodput_rps"] == pytest.approx(0.5)
+    assert percentiles([])["p99"] is None
+
+
+def test_poisson_arrivals_have_the_asked_rate_and_burstiness_spreads_them():
+    from online import arrival_times
+
+    poisson = arrival_times(4000, rate=5.0, burstiness=1.0, seed=0)
+    assert poisson[0] == 0.0 and np.all(np.diff(poisson) >= 0)
+    assert 4000 / poisson[-1] == pytest.approx(5.0, rel=0.08)
+    bursty = arrival_times(4000, rate=5.0, burstiness=0.2, seed=0)
+    assert np.std(np.diff(bursty)) > 1.5 * np.std(np.diff(poisson))
