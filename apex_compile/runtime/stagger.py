@@ -2,7 +2,7 @@
 
 Why: every row of a layer's GEMMs needs that layer's attention done before the output projection, so in one
 batch the CPU's attention of host rows can hide only behind the device rows' attention, a small part of a
-step that is mostly weight reads (notes item 23). Here a host request's token instead moves one layer
+step that is mostly weight reads. Here a host request's token instead moves one layer
 further per turn, and the CPU attends each layer between two turns, while the GPU runs whole steps: the GPU
 never waits while the CPU keeps up, and the weights are still read once per step (the host rows join the
 device rows' GEMMs).
@@ -38,16 +38,16 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from apex_compile.config import TuningConfig
 from apex_compile.kernels._common import INTERPRET
 from apex_compile.kernels.stagger import WAIT_TIMEOUT_S, exchange_rows, exchange_rows_waiting, raise_flag, swap_rows
-from apex_compile.ops.cpu_attention import StaggerRunner, stagger_cpu_job, stagger_layer_job, wait_host_flags
+from apex_compile.ops.cpu_attention import StaggerRunner, stagger_cpu_job, wait_host_flags
 from apex_compile.runtime.kv_manager import HOST_POOL, KVManager
 from apex_compile.runtime.request import Request
 from apex_compile.runtime.sampler import host_wait_event
 
 ROPE_KINDS = ("cos", "sin")
 LANES = 2  # lanes taking turns by default (1: one lane whose layers wait on the device, `LayerJobs`)
-JOB_SHARE = 0.95  # an adaptive pipeline keeps its CPU job within this share of a step (the worker runs one per step)
 EMA = 0.2  # weight of the newest measurement in the adaptive pipeline's running averages
 FIT_EMA = 0.05  # decay per job of the weighted sums the job-time fit (fixed + rate x work) uses: ~20 jobs of memory
 FIT_SPREAD = 0.1  # the fit's slope is taken only from jobs whose work spreads by this share of its mean (a ramp)
@@ -58,25 +58,19 @@ REGROW_STEPS = 16  # steps without waiting for the CPU before a row taken away c
 # and the rows collapsed for good; a flat noisy fit read as a nearly free CPU whose fixed part took the step.
 # A CPU really slower than the profile's (another process) is caught by the waits (the guard).
 PRIOR_SPREAD = 1.5
-# The adaptive rows fit the one-lane layered job's work (its team's thread-seconds inside work items over the team's
-# threads) instead of its running time, which also counts threads waiting for a layer's flag while the GPU paces
-# the job, so a job with slack reads as costly as a full one. On since the A/B of notes item 49 (e2e_hybrid
-# "/timefit" runs the other); the guard still cuts rows that make the GPU wait.
-BUSY_FIT = True
+# (The adaptive rows fit the one-lane layered job's work, its team's thread-seconds inside work items over the
+# team's threads, not its running time: that also counts threads waiting for a layer's flag while the GPU paces
+# the job, so a job with slack would read as costly as a full one. The guard still cuts rows that make the GPU wait.)
 # Steps an empty pipeline waits before it drops its measured rows' evidence (a probe: one row more, auto's model
 # decides); the wait doubles after each probe, up to MAX_IDLE_HOLD. Without jobs nothing else moves the
 # limits, so one bad stretch (a fill's contention) would otherwise stop the host rows for good.
 IDLE_HOLD = 256
 MAX_IDLE_HOLD = 16384
-# The layered jobs run on a C++ thread of their own (`StaggerRunner`): a job needs no GIL to start, return or hand
-# over its timings, which the launching thread reads at the next step. False: a Python worker thread calls each job
-# (the way before session 38; e2e_hybrid "/pyrunner").
-NATIVE_RUNNER = True
 
 
 class RowLimit:
     """How many rows of a lane's turn hold requests (beyond it, requests wait to rejoin), where the pipeline adapts
-    it: the most whose CPU job fits in JOB_SHARE of a step, from a running fit of the job's seconds as a fixed part
+    it: the most whose CPU job fits in `job_share` of a step, from a running fit of the job's seconds as a fixed part
     plus a rate per (layer, context token) (the slope from jobs of different work, as a filling pipeline runs; the
     fixed part keeps the job's per-call costs from reading as per-row ones) and a running average of the step
     (measured without the launching thread's wait for the job, so a CPU that falls behind does not loosen its own
@@ -92,10 +86,12 @@ class RowLimit:
     take the floor or the ceiling of them in turn (`turn_rows`), each step's job covering every group."""
 
     def __init__(self, width: int, num_layers: int, adaptive: bool, prior_rate: Optional[float] = None,
-                 cycle: Optional[int] = None):
+                 cycle: Optional[int] = None, job_share: float = TuningConfig.job_share):
         """prior_rate: the profiled seconds per (layer, context token) of the CPU attention, or None. cycle: steps
-        until every group re-entered under a new limit (lanes x (num_layers + 1); default one lane's)."""
+        until every group re-entered under a new limit (lanes x (num_layers + 1); default one lane's). job_share:
+        the share of a step the CPU job keeps within (`TuningConfig.job_share`)."""
         self.width = width
+        self.job_share = job_share
         self.cycle = num_layers + 1 if cycle is None else cycle
         self.prior_rate = prior_rate
         self.num_layers = num_layers
@@ -155,7 +151,7 @@ class RowLimit:
         then also waits for the prompts' K/V on their way into the host cache, and that wait, not the job's rows,
         holds the GPU. in_use: the rows the job's groups held on average (None: unknown); a step without a wait
         counts towards a row back only if they reached the guard: a pipeline draining under a ceiling of 0 shows
-        nothing about the rows that made the GPU wait (regrown, they refilled it at those rows, session 34)."""
+        nothing about the rows that made the GPU wait (regrown, they would refill it at those rows)."""
         self.idle_steps = 0
         if seconds > 0 and decode:
             self.step = self._average(self.step, seconds)
@@ -228,7 +224,7 @@ class RowLimit:
             self._context = mean_context
         per_row = self.row_seconds()
         if self.adaptive and per_row is not None and self.step is not None:
-            budget = JOB_SHARE * self.step - self.fixed
+            budget = self.job_share * self.step - self.fixed
             self.fraction = max(1.0, min(float(self.width), budget / per_row, float(self.guard)))
             self.measured = int(self.fraction)
         else:
@@ -323,7 +319,8 @@ class StaggerPipeline:
     def __init__(self, kv: KVManager, width: int, hidden_size: int, num_heads: int,
                  rope: Tuple[torch.Tensor, torch.Tensor], device: torch.device, dtype: torch.dtype,
                  max_model_len: int, threads: Optional[int] = None, adaptive: bool = False,
-                 prior_rate: Optional[float] = None, lanes: int = LANES, layered: Optional[bool] = None):
+                 prior_rate: Optional[float] = None, lanes: int = LANES, layered: Optional[bool] = None,
+                 job_share: float = TuningConfig.job_share):
         """adaptive: the rows that take requests follow the measured CPU job (`RowLimit`, with the profiled
         `prior_rate`); else all `width`. lanes: 2 (the jobs between steps) or 1 (each layer's job between that
         layer of two steps). layered: the one-lane jobs run beside the step, waited for on the device
@@ -361,7 +358,8 @@ class StaggerPipeline:
         self.rope = rope
         self.steps = 0
         self.begun = False  # begin_step ran for a step whose end_step has not
-        self.rows = RowLimit(width, self.num_layers, adaptive, prior_rate, cycle=lanes * (self.num_layers + 1))
+        self.rows = RowLimit(width, self.num_layers, adaptive, prior_rate, cycle=lanes * (self.num_layers + 1),
+                             job_share=job_share)
         self._last_begin: Optional[float] = None
         # turns whose step time and wait are not a decode step's: a step with prompt chunks was queued in them or in
         # the two turns before (steps are queued ahead; a prompt's export can delay the jobs after it)
@@ -397,7 +395,7 @@ class StaggerPipeline:
         if layered:
             host = kv.pools[HOST_POOL]
             self.executor = LayerJobs(self.staged, self.outputs, pin_memory=on_cuda, threads=threads,
-                                      caches=(host.key_caches, host.value_caches) if NATIVE_RUNNER else None)
+                                      caches=(host.key_caches, host.value_caches))
         else:
             self.executor = AsyncJobs(CudaCopies(device), threads=threads) if on_cuda else SyncJobs()
 
@@ -551,8 +549,8 @@ class StaggerPipeline:
         next lane's groups shift by one (the last re-enters as group 0 up to the row limit, free rows of group 0
         take joining requests); its positions and residual rows go to the fixed device buffers, queued behind the
         running step. `collect` then brings the attention outputs of its CPU job. A request enters group 0 only
-        with a host block for its next token (taken now where it lacks one: scheduler.PIPELINE_RESERVE), else it
-        waits in `joining`."""
+        with a host block for its next token (taken now where it lacks one: members grow their blocks as they
+        go), else it waits in `joining`."""
         self.begun = True
         self.steps += 1
         lane = self.lanes[self.steps % self.num_lanes]
@@ -636,11 +634,6 @@ class StaggerPipeline:
         limit = rows.turn_rows((self.steps // self.num_lanes) % (self.num_layers + 1))
         return max(limit, 1) if (self.joining or self.inside) and rows.ceiling else limit
 
-    def forward_queued(self) -> None:
-        """After every forward the engine queues: the CPU job launched after the step before starts now, not
-        while the launching thread still queues this one (it would slow that thread: notes item 33)."""
-        self.executor.forward_queued()
-
     def collect(self) -> None:
         """Just before a begun step's forward: the attention outputs its lane's CPU job computed during the step
         before go to the device (waiting for the job only here, where the GPU would wait for it)."""
@@ -674,35 +667,13 @@ class StaggerPipeline:
         gate = runner.exports.landed if landed else None
         if self.layered:
             def observe(waited, ran, busy):  # a job's timings into the row fit
-                fit = busy / len(self.executor.cores) if BUSY_FIT and busy > 0 else ran  # (0: no rows)
+                fit = busy / len(self.executor.cores) if busy > 0 else ran  # (0: no rows)
                 self.rows.observe_job(fit, work, decode)
 
-            turn = self.steps
-            if self.executor.runner is not None:
-                self.executor.gate_state = runner.exports.state
-                self.executor.submit(turn, observe, cache_index=plan.cache_index, block_tables=plan.block_tables,
-                                     context_lens=plan.context_lens, slot_mapping=plan.slots, rows=plan.rows,
-                                     num_heads=num_heads, scale=runner.stagger_scale, gate=gate, gate_value=landed)
-                return
-
-            def layer_job(staged, out, ready, done):
-                begin = time.perf_counter()
-                if gate is not None:
-                    wait_host_flags(gate, [landed])
-                called = time.perf_counter()
-                waited, ran, busy, call = stagger_layer_job(
-                    staged, pool.key_caches, pool.value_caches, plan.cache_index, plan.block_tables,
-                    plan.context_lens, plan.slots, plan.rows, num_heads, runner.stagger_scale, out, ready, done,
-                    turn, with_busy=True, with_call=True)
-                # the job's time outside its running and waiting: the exports it waited for, the C++ call's own
-                # checks, plans and frees, and the rest of the Python call (its glue, the GIL taken back)
-                self.executor.job_parts.append((called - begin, call - waited - ran,
-                                                time.perf_counter() - called - call))
-                observe(waited, ran, busy)
-                self.executor.job_busy.append(busy)
-                return waited, ran
-
-            self.executor.launch(turn, layer_job, [self.staged], self.outputs)
+            self.executor.gate_state = runner.exports.state
+            self.executor.submit(self.steps, observe, cache_index=plan.cache_index, block_tables=plan.block_tables,
+                                 context_lens=plan.context_lens, slot_mapping=plan.slots, rows=plan.rows,
+                                 num_heads=num_heads, scale=runner.stagger_scale, gate=gate, gate_value=landed)
             return
 
         def job(staged, out, ready_flags, ready_values):
@@ -807,7 +778,7 @@ def host_attention(job: Optional[HostJob], staged: torch.Tensor, num_heads: int,
                    ) -> Tuple[float, float]:
     """CPU side of a lane's turn: group l's rows append their K/V to layer l's host cache and attend it, every
     layer in one call that waits for its ready flags first and needs no GIL until it is done (the launching
-    thread holds the GIL for most of the host work between two steps: notes item 32). staged [layers, width,
+    thread holds the GIL for most of the host work between two steps). staged [layers, width,
     Hq + 2 * Hkv, D] (q, k, v heads side by side), out [layers, width, Hq, D]; rows without a request are left
     as they are. Returns (seconds waiting for the flags, seconds running)."""
     if job is None:
@@ -820,20 +791,20 @@ ABORTED = 1 << 62  # a failed layered job's done flags: the device waits pass at
 
 
 class LayerJobs:
-    """The one-lane plan's CPU jobs: one per turn on a worker thread (pinned like `AsyncJobs`'), appending and
-    attending layer by layer as the GPU step stages the layers (`stagger_layer_job`). With `caches` (the host
-    pool's per-layer key and value caches) the worker is a C++ thread (`StaggerRunner`) and jobs are queued with
-    `submit`; their timings reach this object when the launching thread next calls `collect`, `launch` or
-    `submit` (and a job's `observe` callback then); else a Python thread calls each `launch`ed job. The device
+    """The one-lane plan's CPU jobs: one per turn on a C++ worker thread (`StaggerRunner`, pinned like `AsyncJobs`'
+    worker, over `caches`: the host pool's per-layer key and value caches), appending and attending layer by layer
+    as the GPU step stages the layers. A job needs no GIL to start, return or hand over its timings: jobs are
+    queued with `submit`, and their timings reach this object when the launching thread next calls `collect`,
+    `launch` or `submit` (and a job's `observe` callback then). The device
     reads and writes host buffers directly (pinned on a GPU): every layer's staged q/k/v and outputs, and per layer two
     counters, `ready` (raised by the step behind its staging of the layer) and `done` (raised by the job once it
     wrote the layer's outputs; the next step's layer waits for it on the device). `stalls`: each layer's last
     device wait (ns on a GPU); `status`: a turn whose device wait timed out. A job that fails raises every done
     flag to ABORTED, so the GPU goes on (its block rows wrong) and the next `collect` or `launch` raises."""
 
-    def __init__(self, staged: torch.Tensor, outputs: torch.Tensor, pin_memory: bool = True,
-                 threads: Optional[int] = None,
-                 caches: Optional[Tuple[List[torch.Tensor], List[torch.Tensor]]] = None):
+    def __init__(self, staged: torch.Tensor, outputs: torch.Tensor,
+                 caches: Tuple[List[torch.Tensor], List[torch.Tensor]], pin_memory: bool = True,
+                 threads: Optional[int] = None):
         layers = staged.shape[0]
         self.staged = torch.zeros(staged.shape, dtype=staged.dtype, pin_memory=pin_memory)
         self.outputs = torch.zeros(outputs.shape, dtype=outputs.dtype, pin_memory=pin_memory)
@@ -843,11 +814,7 @@ class LayerJobs:
         self._stalls, self._status = self.stalls.numpy(), self.status.numpy()  # read each step: no torch op
         self.stall_unit = 1e-9 if pin_memory else 0.0  # seconds per unit of `stalls` (polls under the interpreter)
         self.cores = worker_cores(threads)
-        self.runner = StaggerRunner(caches[0], caches[1], self.cores) if caches is not None else None
-        self.worker = (concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="apex-stagger",
-                                                             initializer=_pin_worker, initargs=(self.cores,))
-                       if self.runner is None else None)
-        self.pending: Deque[concurrent.futures.Future] = collections.deque()
+        self.runner = StaggerRunner(caches[0], caches[1], self.cores)
         self._observers: Dict[int, object] = {}  # submitted turn -> its observe(waited, ran, busy) callback
         self._gates: Dict[int, Tuple[torch.Tensor, int]] = {}  # submitted turn -> its gate (counter, value)
         # recent timings, seconds: (waiting for the layers' flags, running) per job, and per step the device's
@@ -871,11 +838,8 @@ class LayerJobs:
     def _raise_errors(self) -> None:
         """Takes the C++ runner's finished jobs' records; raises a finished job's error, or a device wait that timed
         out."""
-        if self.runner is not None:
-            for record in self.runner.poll():
-                self._record(*record)
-        while self.pending and self.pending[0].done():
-            self.pending.popleft().result()
+        for record in self.runner.poll():
+            self._record(*record)
         if self._status[0]:
             raise RuntimeError(f"the GPU waited more than {WAIT_TIMEOUT_S:.0f} s for the staggered CPU job of turn "
                                f"{int(self._status[0])}: the CPU worker is stuck or gone ({self.stuck_state()})")
@@ -883,16 +847,13 @@ class LayerJobs:
     def stuck_state(self) -> str:
         """Where the jobs stand, for the error of a device wait that timed out: the layers' flags (ready: raised by
         the steps' staging; done: by the jobs), and what the worker is doing (the C++ runner's phase and the turn in
-        it, with that job's gate; or the Python worker's jobs not yet done)."""
+        it, with that job's gate)."""
         ready, done = self.ready.tolist(), self.done.tolist()
         told = [f"ready flags {min(ready)}..{max(ready)}, done flags {min(done)}..{max(done)}"]
         if self.stall_unit:  # the device's last wait per layer: a clock that jumped would show here too
             layer = int(self._stalls.argmax())
             longest = self._stalls[layer] * self.stall_unit
             told.append(f"the device's longest last wait {longest:.1f} s, at layer {layer}")
-        if self.runner is None:
-            told.append(f"{sum(not f.done() for f in self.pending)} job(s) not done on the Python worker")
-            return "; ".join(told)
         state = self.runner.state()
         told.append(f"runner: {state['submitted']} job(s) submitted, {state['queued']} queued, {state['finished']} "
                     f"finished, {state['phase']}" + (f" (turn {state['turn']})" if state["turn"] is not None else ""))
@@ -911,7 +872,7 @@ class LayerJobs:
         return "; ".join(told)
 
     def _record(self, turn, waited, ran, busy, call, gate_wait, submitted, started, ended) -> None:
-        """A C++ runner job's record (StaggerRunner.RECORD_FIELDS) into the same timings a Python job keeps."""
+        """A C++ runner job's record (StaggerRunner.RECORD_FIELDS) into the timings."""
         self.job_times.append((submitted, started, ended))
         self._timelines.append((int(turn), submitted, started, ended, gate_wait, waited, ran))
         self._gates.pop(int(turn), None)
@@ -925,10 +886,10 @@ class LayerJobs:
         observe(waited, ran, busy)
 
     def submit(self, turn: int, observe, **job) -> None:
-        """Queues `turn`'s job on the C++ runner: `stagger_layer_job` over the staged rows into the outputs with
-        these flags, `job` naming its other arguments (cache_index, block_tables, context_lens, slot_mapping,
-        rows, num_heads, scale; gate and gate_value: what it waits for before it starts); observe(waited, ran,
-        busy) is called with its timings once it is done."""
+        """Queues `turn`'s job on the C++ runner: the layer-by-layer job (`stagger_layer_job`) over the staged
+        rows into the outputs with these flags, `job` naming its other arguments (cache_index, block_tables,
+        context_lens, slot_mapping, rows, num_heads, scale; gate and gate_value: what it waits for before it
+        starts); observe(waited, ran, busy) is called with its timings once it is done."""
         self._raise_errors()
         self._last_submit = (int(turn), time.perf_counter())
         self._observers[int(turn)] = observe
@@ -937,36 +898,13 @@ class LayerJobs:
         self.runner.submit(turn, self.outputs, self.ready, self.done, staged=self.staged, **job)
 
     def launch(self, turn: int, job, inputs: List[torch.Tensor], output: torch.Tensor) -> None:
-        """Runs job(staged, outputs, ready, done) for `turn` after the jobs before it (None: a turn without rows,
-        whose done flags rise as soon as the jobs before it are done). inputs / output: unused (the device
-        reads and writes the host buffers itself)."""
+        """A turn without rows (`job` None): its done flags rise as soon as the jobs before it are done.
+        inputs / output: unused (the device reads and writes the host buffers itself)."""
         self._raise_errors()
         self._last_submit = (int(turn), time.perf_counter())
-        if self.runner is not None:
-            if job is not None:
-                raise RuntimeError("LayerJobs with a C++ runner takes jobs by `submit`, not as Python callables")
-            self.runner.submit(turn, self.outputs, self.ready, self.done)
-            return
-        submitted = time.perf_counter()
-
-        def run():
-            started = time.perf_counter()
-            try:
-                if job is None:
-                    self.done.fill_(turn)
-                    return
-                with torch.inference_mode():
-                    self.job_seconds.append(job(self.staged, self.outputs, self.ready, self.done))
-            except BaseException:
-                self.done.fill_(ABORTED)
-                raise
-            finally:
-                self.job_times.append((submitted, started, time.perf_counter()))
-
-        self.pending.append(self.worker.submit(run))
-
-    def forward_queued(self) -> None:
-        """Nothing waits for it (the device waits for each layer)."""
+        if job is not None:
+            raise RuntimeError("LayerJobs takes jobs by `submit`, not as Python callables")
+        self.runner.submit(turn, self.outputs, self.ready, self.done)
 
     def collect(self, key: int, out: torch.Tensor) -> None:
         """Before a step: raises a failed job's error; records the device's waits of the last steps' layers."""
@@ -975,21 +913,14 @@ class LayerJobs:
 
     def drain(self) -> None:
         """Waits for every launched job (their steps are queued: each job's flags come)."""
-        if self.runner is not None:
-            self.runner.drain()
-            self._raise_errors()
-        while self.pending:
-            self.pending.popleft().result()
+        self.runner.drain()
+        self._raise_errors()
 
     def close(self) -> None:
         """Stops the worker once its queued jobs are done."""
-        self.pending.clear()
-        if self.runner is not None:
-            self.runner.close()
-            self._observers.clear()
-            self._gates.clear()
-        if self.worker is not None:
-            self.worker.shutdown(wait=True)
+        self.runner.close()
+        self._observers.clear()
+        self._gates.clear()
 
 
 class SyncJobs:
@@ -1018,20 +949,12 @@ class SyncJobs:
         else:
             out.copy_(result)
 
-    def forward_queued(self) -> None:
-        """Nothing waits for it here."""
-
     def drain(self) -> None:
         """Nothing runs in the background."""
 
     def close(self) -> None:
         self.results.clear()
         self.buffers.clear()
-
-
-# Whether a staggered CPU job waits (softly) for the launching thread to queue the next forward before it runs.
-# Off: on the H200 a gated job made auto's mixed steps slower, not faster (notes item 34).
-GATE_JOBS = False
 
 
 class CudaCopies:
@@ -1044,12 +967,10 @@ class CudaCopies:
 
     def __init__(self, device: torch.device):
         self.device = device
-        # [0]: raised by the stream behind each staging; [1]: the forwards the launching thread has queued (the
-        # gate: a job starts once the next step is queued, so it never competes with that launch for the host)
-        self.flags = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+        # [0]: raised by the stream behind each staging
+        self.flags = torch.zeros(1, dtype=torch.int64, pin_memory=True)
         self._device_flag = torch.zeros(1, dtype=torch.int64, device=device)
         self._raised = 0
-        self._forwards = 0
 
     def stage(self, pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> Tuple[int, int]:
         """Copies each (pinned dst, device src) after the work queued so far."""
@@ -1059,16 +980,6 @@ class CudaCopies:
         self._device_flag.fill_(self._raised)
         self.flags[:1].copy_(self._device_flag, non_blocking=True)
         return 0, self._raised
-
-    def gate(self) -> Tuple[int, int]:
-        """(flag, soft value) of a job launched now: start once the next forward is queued, or after 30 ms
-        (no wait while GATE_JOBS is off, the default: an A/B switch for benchmarks)."""
-        return 1, (-(self._forwards + 1) if GATE_JOBS else 0)
-
-    def forward_queued(self) -> None:
-        """The launching thread queued a step's forward: jobs gated on it may start."""
-        self._forwards += 1
-        self.flags[1] = self._forwards
 
     def restore(self, dst: torch.Tensor, src: torch.Tensor) -> Tuple[int, int]:
         """Copies the pinned `src` into the device `dst`."""
@@ -1169,10 +1080,6 @@ class AsyncJobs:
         guard = self.guards.get(key)
         if guard is not None:
             values[guard[0]] = max(values[guard[0]], guard[1])
-        gate = getattr(self.copies, "gate", None)
-        if gate is not None:  # a soft wait: starts after the next forward is queued (launches stay uncontended)
-            flag, value = gate()
-            values[flag] = value
         out_buf = self._buffer("out", key, output)
         flags = self.copies.flags
 
@@ -1181,12 +1088,6 @@ class AsyncJobs:
                 self.job_seconds.append(job(*staged, out_buf, flags, tuple(values)))
 
         self.pending[key] = self.worker.submit(run)
-
-    def forward_queued(self) -> None:
-        """The launching thread queued a forward: a job waiting for that (`CudaCopies.gate`) may start."""
-        queued = getattr(self.copies, "forward_queued", None)
-        if queued is not None:
-            queued()
 
     def collect(self, key: int, out: torch.Tensor) -> None:
         future = self.pending.pop(key, None)
