@@ -75,7 +75,7 @@ def test_staggered_tokens_equal_hf_generate(kind, width, lanes):
 def test_staggered_tokens_equal_hf_generate_with_a_full_pipeline(monkeypatch):
     """Enough host requests that every group of a lane holds one: the CPU job then attends every layer's rows
     without gathering them (the steady state of a long run)."""
-    from apex_compile.runtime import stagger as stagger_module
+    from apex_compile.runtime.stagger import pipeline as stagger_module
 
     full_turns = []
     original = stagger_module.host_attention
@@ -206,7 +206,7 @@ def test_closing_a_stream_midway_drops_pipeline_requests():
 def test_aborting_one_pipeline_request_writes_nothing_into_its_freed_blocks(monkeypatch):
     """A request cancelled halfway through the layers: its blocks go back to the pool, no later CPU job appends
     into them (its group's metadata is rebuilt), and the others' tokens stay HF's."""
-    from apex_compile.runtime import stagger as stagger_module
+    from apex_compile.runtime.stagger import pipeline as stagger_module
     from apex_compile.runtime.kv_manager import HOST_POOL
 
     torch.manual_seed(4)
