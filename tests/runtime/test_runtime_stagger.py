@@ -1269,9 +1269,6 @@ def test_output_buffer_is_not_rewritten_before_its_copy_back():
     assert not wrong
 
 
-    jobs.close()
-
-
 def test_worker_threads_run_on_their_cores():
     from apex_compile.runtime.stagger import worker_cores
 
