@@ -29,7 +29,7 @@ Modules, one job each: `row_limit` (the rows' control law), `pipeline` (the lane
 turn's CPU job), `jobs` (the executors and their threads), `pinning` (the worker's and the launcher's cores).
 """
 from apex_compile.runtime.stagger.jobs import ABORTED, AsyncJobs, CudaCopies, LayerJobs, SyncJobs
-from apex_compile.runtime.stagger.pinning import LauncherPin, worker_cores
+from apex_compile.runtime.stagger.pinning import LauncherPin, _pin_worker, worker_cores  # noqa: F401 (scripts)
 from apex_compile.runtime.stagger.pipeline import (LANES, ROPE_KINDS, HostJob, StaggerGroup, StaggerPipeline,
                                                    host_attention, rope_tables)
 from apex_compile.runtime.stagger.row_limit import (EMA, IDLE_HOLD, MAX_IDLE_HOLD, PRIOR_SPREAD, REGROW_STEPS,
