@@ -5,6 +5,7 @@ import os
 
 import torch
 
+from apex_compile import envs
 from apex_compile._build_flags import CXX_FLAGS, LD_FLAGS
 
 log = logging.getLogger("apex_compile")
@@ -40,7 +41,7 @@ def load_cpu_library():
     global _loaded
     if _loaded:
         return
-    lib = None if os.environ.get("APEX_COMPILE_FORCE_JIT") else _prebuilt_library()
+    lib = None if envs.APEX_COMPILE_FORCE_JIT else _prebuilt_library()
     if lib is not None:
         torch.ops.load_library(lib)
     else:
@@ -48,9 +49,7 @@ def load_cpu_library():
 
         if not _sources():
             raise RuntimeError(f"apex_compile: no prebuilt C++ ops and no sources in {CSRC_DIR}")
-        build_dir = os.environ.get(
-            "APEX_COMPILE_BUILD_DIR", os.path.join(os.path.expanduser("~"), ".cache", "apex_compile", "jit")
-        )
+        build_dir = envs.APEX_COMPILE_BUILD_DIR
         os.makedirs(build_dir, exist_ok=True)
         if not _is_current(os.path.join(build_dir, "apex_compile_C.so")):
             log.warning("apex_compile: JIT-building the C++ CPU ops with ninja (once; cached in %s)", build_dir)

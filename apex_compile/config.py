@@ -3,11 +3,48 @@ import dataclasses
 import os
 from typing import Optional, Sequence, Union
 
+from apex_compile import envs
+
 OFFLOAD_MODES = ("auto", "never", "all", "staggered")
 PREEMPTION_MODES = ("swap", "recompute")
 INNER_COMPILERS = ("inductor", "eager")
 
 GiB = 1 << 30
+
+
+@dataclasses.dataclass
+class TuningConfig:
+    """Constants of the offload plans' control laws. The defaults are the measured optima; a benchmark that
+    sweeps one builds a config with it rather than assigning a module global, so two engines in one process
+    may differ.
+
+    job_share: the share of a decode step an adaptive staggered pipeline keeps its CPU job within (the worker
+        runs one job per step; the rest is the margin for the job's noise before the GPU waits; above 1 the
+        rows are let grow until the guard sees the GPU wait).
+    auto_stagger_width: the staggered block's rows with stagger_width="auto" (the measured CPU job and, under
+        offload="auto", the performance model decide how many are used), and the most host rows per step the
+        model's `explain` considers.
+    pipeline_reserve: the share of every host request's remaining tokens for which the host pool keeps free
+        blocks before a request enters the staggered pipeline (SGLang's new-token ratio). A member takes blocks
+        for its tokens and the next one, more as it grows; one with no block for its next token waits to rejoin,
+        and when every member waits so, the newest are recomputed. Taking blocks as they grow lets the same host
+        pool hold more members, so it does not bind the pipeline before its rows do.
+    """
+
+    job_share: float = 0.95
+    auto_stagger_width: int = 12
+    pipeline_reserve: float = 0.3
+
+    def __post_init__(self):
+        share = self.job_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0.0 < share <= 1.5:
+            raise ValueError(f"TuningConfig.job_share must be a share in (0, 1.5], got {share!r}")
+        width = self.auto_stagger_width
+        if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+            raise ValueError(f"TuningConfig.auto_stagger_width must be a positive number of rows, got {width!r}")
+        reserve = self.pipeline_reserve
+        if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not 0.0 <= reserve <= 1.0:
+            raise ValueError(f"TuningConfig.pipeline_reserve must be a share in [0, 1], got {reserve!r}")
 
 
 @dataclasses.dataclass
@@ -36,13 +73,13 @@ class ApexConfig:
         `apex_compile.runtime.stagger.RowLimit`) and, under offload="auto", the performance model.
     stagger_lanes: 2: two lanes take turns, each lane's CPU job runs between two of its steps (while the other
         lane's step runs); 1: one lane, each layer's CPU attention runs between that layer of two steps, the GPU
-        waiting on the device per layer (half the requests in flight for the same rows: notes item 38). None: 1
+        waiting on the device per layer (half the requests in flight for the same rows). None: 1
         with CUDA, 2 on a CPU-only run (nothing runs beside its steps there).
     cpu_attention_threads: OpenMP threads of the staggered plan's CPU attention worker on CUDA, pinned to the
         last cores this process may use. None: all of them but one, left to the thread that launches GPU work.
     pin_launcher: whether a thread that calls the engine's step() is pinned (until the engine closes) to the
-        cores the CPU attention worker leaves free, where the staggered plan runs on CUDA. None: no (the H200
-        host, one core left free: the same step either way, and the launch slower on that one core; notes 39).
+        cores the CPU attention worker leaves free, where the staggered plan runs on CUDA. None: no (with one
+        core left free the step is the same either way, and the launch slower on that one core).
     max_num_seqs: most requests in one step.
     max_num_batched_tokens: most tokens in one step (the chunked-prefill budget).
     prefill_tokens_while_decoding: most prompt tokens a step takes into the device pool while requests decode
@@ -83,6 +120,7 @@ class ApexConfig:
         CUDA (on a CPU the step runs on the host thread itself, so nothing would overlap).
     capture_sizes: batch sizes captured (None: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs); a decode step
         runs the smallest size >= its batch, larger batches run uncaptured.
+    tuning: the plans' control-law constants (`TuningConfig`).
     """
 
     gpu_cache_size: Optional[int] = None
@@ -105,6 +143,7 @@ class ApexConfig:
     stagger_lanes: Optional[int] = None
     cpu_attention_threads: Optional[int] = None
     pin_launcher: Optional[bool] = None
+    tuning: TuningConfig = dataclasses.field(default_factory=TuningConfig)
 
     def __post_init__(self):
         for name in ("gpu_cache_size", "cpu_cache_size"):
@@ -157,6 +196,8 @@ class ApexConfig:
             raise ValueError(f"ApexConfig.pin_launcher must be True, False or None, got {self.pin_launcher!r}")
         if self.inner is not None and self.inner not in INNER_COMPILERS:
             raise ValueError(f"ApexConfig.inner must be one of {INNER_COMPILERS} or None, got {self.inner!r}")
+        if not isinstance(self.tuning, TuningConfig):
+            raise ValueError(f"ApexConfig.tuning must be a TuningConfig, got {self.tuning!r}")
 
     def host_fraction(self) -> float:
         """The fixed fraction of running requests placed in the host pool ("auto" has none: its model decides)."""
@@ -165,9 +206,6 @@ class ApexConfig:
         if self.offload == "all":
             return 1.0
         return float(self.offload)
-
-
-CACHE_DIR_ENV = "APEX_COMPILE_CACHE_DIR"
 
 
 def compile_cache_dir() -> str:
@@ -185,10 +223,10 @@ def compile_cache_dir() -> str:
         def default_cache_dir():
             return os.path.join(tempfile.gettempdir(), "torchinductor_" + getpass.getuser())
 
-    root = os.environ.get(CACHE_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "apex_compile")
+    root = envs.APEX_COMPILE_CACHE_DIR
     # Inductor writes its default into the variable the first time anything asks for its cache dir (importing
     # some transformers models does), and reads the variable on every later use: that default is replaced.
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
-    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(root, "triton"))
+    if envs.TORCHINDUCTOR_CACHE_DIR in (None, os.path.abspath(default_cache_dir())):
+        envs.set_value("TORCHINDUCTOR_CACHE_DIR", os.path.join(root, "inductor"))
+    envs.set_default("TRITON_CACHE_DIR", os.path.join(root, "triton"))
     return root

@@ -8,14 +8,11 @@ give its tokens/s; the median step of that window is its step time. Modes: never
 follow the measured CPU job); a suffix "/1lane" or "/2lane" sets the staggered plan's lanes, "/pw" runs mixed
 steps piecewise, "/pin" pins the launching thread off the worker's cores, "/t14" runs 14 CPU attention threads,
 "/cap64" lets a decoding step take 64 device-pool prompt tokens (--prefill-while-decoding for the others),
-"/reserve=0" sets ApexConfig.growth_reserve (0.15 by default since session 46), "/aligned" puts the host pool's
-layers on huge-page boundaries (cpu_attention.HUGE_PAGE_SHIFT_PAGES = 0; "/shifted", the default, a page apart),
-"/width=8" gives an adaptive staggered block (auto, "staggered:auto") that many rows (engine.AUTO_STAGGER_WIDTH,
-12 by default since session 49),
-"/resumeahead" resumes parked requests beside a step queued ahead (scheduler.RESUME_AHEAD; "/resumeinstep": not),
-"/host=48" gives the mode a host pool of that many GiB (instead of --host-gib), "/hostreserve=0.3" lets the
-pipeline's members take host blocks as they grow (scheduler.PIPELINE_RESERVE, 0.3 by default since session 49;
-"/hostreserve=whole": blocks for their whole length at once).
+"/reserve=0" sets ApexConfig.growth_reserve, "/width=8" gives an adaptive staggered block (auto,
+"staggered:auto") that many rows (TuningConfig.auto_stagger_width), "/share=0.9" the CPU job's share of a step
+(TuningConfig.job_share), "/host=48" gives the mode a host pool of that many GiB (instead of --host-gib),
+"/hostreserve=0.3" the share of the host requests' remaining tokens the pipeline keeps host blocks free for
+(TuningConfig.pipeline_reserve).
 Per configuration also: ideal_gain (the tokens/s the CPU's measured attention
 bandwidth could add: B_cpu / KV bytes a host request reads per step) with its inputs, auto's
 offload efficiency (auto - never) / ideal_gain, the model's predicted decode step against the measured one, and
@@ -34,7 +31,7 @@ out (each prefill step over the decode median) and every window token charged it
 the larger of the mode's and never's); the efficiencies are given both ways. The default window is two request
 lifetimes (2 x --new-tokens steps, at least 300), so that it does not sit in one phase of the request waves.
 
-    python benchmarks/e2e_hybrid.py --out benchmarks/results/e2e_hybrid_<date>_h200.json
+    python benchmarks/e2e_hybrid.py --out benchmarks/results/e2e_hybrid_<date>_<machine>.json
 """
 import argparse
 import contextlib
@@ -56,14 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_throughput import SHAPES, kv_bytes_per_token, random_llama, timed_generate, write_json  # noqa: E402
 
 from apex_compile import ApexConfig, SamplingParams, optimize  # noqa: E402
-from apex_compile.ops import cpu_attention as cpu_attention_module  # noqa: E402
+from apex_compile.config import TuningConfig  # noqa: E402
 from apex_compile.ops import cpu_attention_work_split  # noqa: E402
-from apex_compile.runtime import attention_runner, kv_manager  # noqa: E402
-from apex_compile.runtime import engine as engine_module  # noqa: E402
-from apex_compile.runtime import stagger as stagger_module  # noqa: E402
-from apex_compile.runtime import perf_model as perf_model_module  # noqa: E402
-from apex_compile.runtime import sampler as sampler_module  # noqa: E402
-from apex_compile.runtime import scheduler as scheduler_module  # noqa: E402
 from apex_compile.runtime.engine import PHASES  # noqa: E402
 from apex_compile.runtime.kv_manager import HOST_POOL  # noqa: E402
 from apex_compile.runtime.perf_model import (PerfModel, StepCalibration, online_predictions,  # noqa: E402
@@ -278,7 +269,6 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     gc.callbacks.append(on_gc)
     begin, tokens, host_tokens, host_context, steps = time.perf_counter(), engine.stats.generated_tokens, 0, 0, []
     ahead, not_ahead = engine.stats.ahead_steps, dict(engine.stats.not_ahead)
-    resumed_ahead = engine.stats.resumed_ahead
     captured = engine._captured_seconds()
     try:
         for _ in range(window_steps):
@@ -291,7 +281,6 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     seconds = time.perf_counter() - begin
     captured = engine._captured_seconds() - captured  # graphs of shapes first met inside the window
     ahead = engine.stats.ahead_steps - ahead  # the window's steps queued before the previous step's tokens
-    resumed_ahead = engine.stats.resumed_ahead - resumed_ahead  # the window's resumes beside a queued step
     not_ahead = {k: v - not_ahead.get(k, 0) for k, v in engine.stats.not_ahead.items() if v != not_ahead.get(k, 0)}
     window_queued = queued[-window_steps:] if window_steps else []
     # the window's time in steps not queued ahead, above the median of those that were (the GPU idle meanwhile)
@@ -313,7 +302,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
             "window_gc": {str(g): list(v) for g, v in sorted(collections_seen.items())},
             "fill_steps": filled, "fill_s": fill_s, "pipeline_filled": filled_share,
             "ahead_steps": ahead, "not_ahead": not_ahead, "unqueued_excess_s": unqueued_excess,
-            "resumed_ahead": resumed_ahead, "pipeline_end": pipeline_end,
+            "pipeline_end": pipeline_end,
             "window_capture_s": captured,
             "queued_ahead": window_queued, "window_start": window_start,
             # per window step: what changed in the engine's counters (_event_counts), to tie slow steps to parks
@@ -370,8 +359,8 @@ def excess_by_kind(steps, queued, events, short=0.7):
     """The window's time above its median decode-only step, per kind of step: prompt or decode, queued ahead or
     not, and what changed during it (_event_counts: "parked+", "running-", ...). A step shorter than `short` x
     the median is counted with the step before it: a step that returns late (a park's copy, a resume) leaves
-    the next one short, and counted alone the pair would read as one slow step (session 34 read a park as
-    3.3 ms; merged it is ~0.9). Returns {kind: [steps, excess seconds]}, largest excess first."""
+    the next one short, and counted alone the pair would read as one slow step. Returns {kind: [steps, excess
+    seconds]}, largest excess first."""
     decode = [s[3] for s in steps if not s[4]]
     if not decode:
         return {}
@@ -457,9 +446,6 @@ THREADS_SUFFIX = re.compile(r"/t(\d+)\b")  # "/t14": a mode run with that many C
 # "/split=4-32768-65536": a mode run with the CPU attention's work split set so (items_per_thread, min_item_bytes,
 # min_thread_bytes; torch.ops.apex.cpu_attention_work_split), the op's own split restored after it
 SPLIT_SUFFIX = re.compile(r"/split=(\d+)-(\d+)-(\d+)")
-# a mode run with the layered exchange on a side stream ("/beside") or on the compute stream ("/inline"):
-# attention_runner.EXCHANGE_BESIDE for that run
-EXCHANGE_SUFFIXES = {"/beside": True, "/inline": False}
 BLOCK_SUFFIX = re.compile(r"/bs(\d+)\b")  # "/bs64": a mode run with KV blocks of that many tokens (block_size)
 # "/cap64": a mode whose decoding steps take at most that many device-pool prompt tokens (instead of
 # --prefill-while-decoding; ApexConfig.prefill_tokens_while_decoding)
@@ -467,43 +453,21 @@ CAP_SUFFIX = re.compile(r"/cap(\d+)\b")
 # "/reserve=0.3": a mode whose device pool keeps room for that share of its requests' remaining tokens before it
 # admits or resumes one ("/reserve=0": none; ApexConfig.growth_reserve; benchmarks/park_churn.py)
 RESERVE_SUFFIX = re.compile(r"/reserve=([0-9.]+)")
-# a mode run with block moves overlapped ("/overlapmoves") or waited for on the host ("/syncmoves"):
-# kv_manager.OVERLAP_MOVES for that run
-MOVE_SUFFIXES = {"/overlapmoves": True, "/syncmoves": False}
-# a mode run with the adaptive rows fitted to the layered job's work ("/busyfit") or its running time ("/timefit"):
-# stagger.BUSY_FIT for that run
-FIT_SUFFIXES = {"/busyfit": True, "/timefit": False}
-# a mode run whose auto model predicts the staggered CPU job from the pipeline's measured job ("/learnjob", the
-# default since session 35) or from the profile's bandwidth only ("/profilejob"): perf_model.LEARN_CPU_JOB
-LEARN_SUFFIXES = {"/learnjob": True, "/profilejob": False}
-# "/share=0.97": a mode run whose adaptive rows keep the CPU job within that share of a step (stagger.JOB_SHARE)
+# "/share=0.97": a mode run whose adaptive rows keep the CPU job within that share of a step (TuningConfig.job_share)
 SHARE_SUFFIX = re.compile(r"/share=([0-9.]+)")
-# a mode run with the layered jobs on the C++ runner's thread ("/cxxrunner", the default since session 38) or
-# called by a Python worker thread ("/pyrunner", before): stagger.NATIVE_RUNNER for that run
-RUNNER_SUFFIXES = {"/cxxrunner": True, "/pyrunner": False}
-# a mode whose parked requests resume while a step is queued ahead ("/resumeahead") or in a step scheduled on the
-# host ("/resumeinstep"): scheduler.RESUME_AHEAD for that run
-RESUME_SUFFIXES = {"/resumeahead": True, "/resumeinstep": False}
 # "/r2": a mode run again under its own name and otherwise the same settings, for an A-B-A order (the first hybrid
-# mode of a run came out lowest in three of session 35's four A/B runs)
+# mode of a run can come out lowest: its process is the coldest)
 REPEAT_SUFFIX = re.compile(r"/r\d+")
-# a mode run with the launching thread sleeping ("/blocking", the default since session 44) or spinning
-# ("/spinning") while it waits for the GPU: sampler.BLOCKING_WAITS for that run
-WAIT_SUFFIXES = {"/blocking": True, "/spinning": False}
-# a mode whose host pool's layers start a page apart on huge pages ("/shifted", the default since session 46) or
-# on huge-page boundaries ("/aligned"): cpu_attention.HUGE_PAGE_SHIFT_PAGES for that run (host_pool_pages.py)
-SHIFT_SUFFIXES = {"/shifted": 1, "/aligned": 0}
 # "/width=12": a mode whose adaptive staggered block has that many rows, of which the measured CPU job and the
-# model use what fits (engine.AUTO_STAGGER_WIDTH; and perf_model.STAGGER_ROWS, the rows explain() considers)
+# model use what fits (TuningConfig.auto_stagger_width, also the rows explain() considers)
 WIDTH_SUFFIX = re.compile(r"/width=(\d+)\b")
 # "/host=48": a mode whose host KV pool holds that many GiB (instead of --host-gib): it bounds the staggered
-# pipeline's members (with "/hostreserve=whole" before the CPU does: each keeps blocks for its whole length)
+# pipeline's members
 HOST_SUFFIX = re.compile(r"/host=([0-9.]+)")
 # "/hostreserve=0.3": a mode whose pipeline members take host blocks as they grow, that share of the host requests'
-# remaining tokens kept free ("/hostreserve=whole": blocks for whole lengths at once): scheduler.PIPELINE_RESERVE
-HOST_RESERVE_SUFFIX = re.compile(r"/hostreserve=([0-9.]+|whole)")
-_SUFFIX_NAMES = {PIECEWISE_SUFFIX, PIN_SUFFIX, *LANE_SUFFIXES, *EXCHANGE_SUFFIXES, *MOVE_SUFFIXES, *FIT_SUFFIXES,
-                 *LEARN_SUFFIXES, *RUNNER_SUFFIXES, *WAIT_SUFFIXES, *SHIFT_SUFFIXES, *RESUME_SUFFIXES}
+# remaining tokens kept free (TuningConfig.pipeline_reserve)
+HOST_RESERVE_SUFFIX = re.compile(r"/hostreserve=([0-9.]+)")
+_SUFFIX_NAMES = {PIECEWISE_SUFFIX, PIN_SUFFIX, *LANE_SUFFIXES}
 _SUFFIX_PATTERNS = (THREADS_SUFFIX, SPLIT_SUFFIX, BLOCK_SUFFIX, CAP_SUFFIX, RESERVE_SUFFIX, SHARE_SUFFIX,
                     REPEAT_SUFFIX, WIDTH_SUFFIX, HOST_SUFFIX, HOST_RESERVE_SUFFIX)
 
@@ -551,7 +515,8 @@ def step_budget(prompt_len, max_seqs):
 def hybrid_config(mode, device_bytes, host_bytes, max_seqs, max_tokens, prefill_while_decoding, cpu_threads=None,
                   prompt_len=0):
     """The engine config of a mode in this benchmark: a step budget that takes whole host prompts
-    (`step_budget`), the prompt cap beside decoding, requests up to `max_tokens` (prompt + new tokens)."""
+    (`step_budget`), the prompt cap beside decoding, requests up to `max_tokens` (prompt + new tokens), and the
+    settings its suffixes name."""
     offload, width = parse_mode(mode)
     threads = THREADS_SUFFIX.search(mode)
     cpu_threads = int(threads.group(1)) if threads else cpu_threads
@@ -562,7 +527,17 @@ def hybrid_config(mode, device_bytes, host_bytes, max_seqs, max_tokens, prefill_
     reserve = RESERVE_SUFFIX.search(mode)
     if reserve:
         extra["growth_reserve"] = float(reserve.group(1))
-    return ApexConfig(offload=offload, stagger_width=width, gpu_cache_size=device_bytes,
+    tuning = {}
+    named = WIDTH_SUFFIX.search(mode)
+    if named:
+        tuning["auto_stagger_width"] = int(named.group(1))
+    share = _share_of(mode)[1]
+    if share is not None:
+        tuning["job_share"] = share
+    named = HOST_RESERVE_SUFFIX.search(mode)
+    if named:
+        tuning["pipeline_reserve"] = float(named.group(1))
+    return ApexConfig(offload=offload, stagger_width=width, gpu_cache_size=device_bytes, tuning=TuningConfig(**tuning),
                       mixed_graphs=PIECEWISE_SUFFIX not in mode,
                       stagger_lanes=next((n for s, n in LANE_SUFFIXES.items() if s in mode), None),
                       cpu_attention_threads=cpu_threads, pin_launcher=True if PIN_SUFFIX in mode else None,
@@ -626,82 +601,23 @@ def job_records(jobs, window_steps: int) -> dict:
     return out
 
 
-def _take_suffix(mode, suffixes):
-    """(mode without the first of `suffixes` it holds, that suffix's value or None)."""
-    suffix = next((s for s in suffixes if s in mode), None)
-    return (mode, None) if suffix is None else (mode.replace(suffix, ""), suffixes[suffix])
-
-
 @contextlib.contextmanager
 def process_settings(mode):
-    """The process-wide settings a mode's suffixes name (the exchange's stream, the block moves, the CPU
-    attention's work split, what the layered job's row fit reads, its worker, the launcher's waits, the host pool's
-    layout, the adaptive staggered block's rows) in effect; yields the mode without those suffixes and restores
-    the settings after it."""
-    beside, split = attention_runner.EXCHANGE_BESIDE, list(cpu_attention_work_split().values())
-    overlap, busy_fit = kv_manager.OVERLAP_MOVES, stagger_module.BUSY_FIT
-    job_share, learn_job = stagger_module.JOB_SHARE, perf_model_module.LEARN_CPU_JOB
-    native_runner, blocking = stagger_module.NATIVE_RUNNER, sampler_module.BLOCKING_WAITS
-    resume_ahead, pipeline_reserve = scheduler_module.RESUME_AHEAD, scheduler_module.PIPELINE_RESERVE
-    shift = cpu_attention_module.HUGE_PAGE_SHIFT_PAGES
-    width, explained_rows = engine_module.AUTO_STAGGER_WIDTH, perf_model_module.STAGGER_ROWS
+    """The CPU attention's work split a mode's "/split=a-b-c" names (an op setting of the process) in effect;
+    yields the mode without it and restores the op's own split after it."""
+    split = list(cpu_attention_work_split().values())
     try:
-        named = WIDTH_SUFFIX.search(mode)
-        if named:
-            engine_module.AUTO_STAGGER_WIDTH = perf_model_module.STAGGER_ROWS = int(named.group(1))
-            mode = WIDTH_SUFFIX.sub("", mode)
-        mode, named_shift = _take_suffix(mode, SHIFT_SUFFIXES)
-        if named_shift is not None:
-            cpu_attention_module.HUGE_PAGE_SHIFT_PAGES = named_shift
-        mode, named_wait = _take_suffix(mode, WAIT_SUFFIXES)
-        if named_wait is not None:
-            sampler_module.BLOCKING_WAITS = named_wait
-        named = HOST_RESERVE_SUFFIX.search(mode)
-        if named:
-            scheduler_module.PIPELINE_RESERVE = None if named.group(1) == "whole" else float(named.group(1))
-            mode = HOST_RESERVE_SUFFIX.sub("", mode)
-        mode, named_resume = _take_suffix(mode, RESUME_SUFFIXES)
-        if named_resume is not None:
-            scheduler_module.RESUME_AHEAD = named_resume
-        mode, named_runner = _take_suffix(mode, RUNNER_SUFFIXES)
-        if named_runner is not None:
-            stagger_module.NATIVE_RUNNER = named_runner
-        mode, named_learn = _take_suffix(mode, LEARN_SUFFIXES)
-        if named_learn is not None:
-            perf_model_module.LEARN_CPU_JOB = named_learn
-        mode, share = _share_of(mode)
-        if share is not None:
-            stagger_module.JOB_SHARE = share
-        mode, named_fit = _take_suffix(mode, FIT_SUFFIXES)
-        if named_fit is not None:
-            stagger_module.BUSY_FIT = named_fit
-        mode, exchange = _take_suffix(mode, EXCHANGE_SUFFIXES)
-        if exchange is not None:
-            attention_runner.EXCHANGE_BESIDE = exchange
-        mode, moves = _take_suffix(mode, MOVE_SUFFIXES)
-        if moves is not None:
-            kv_manager.OVERLAP_MOVES = moves
         named = SPLIT_SUFFIX.search(mode)
         if named:
             cpu_attention_work_split(*(int(v) for v in named.groups()))
             mode = SPLIT_SUFFIX.sub("", mode)
         yield mode
     finally:
-        engine_module.AUTO_STAGGER_WIDTH, perf_model_module.STAGGER_ROWS = width, explained_rows
-        cpu_attention_module.HUGE_PAGE_SHIFT_PAGES = shift
-        sampler_module.BLOCKING_WAITS = blocking
-        attention_runner.EXCHANGE_BESIDE = beside
-        kv_manager.OVERLAP_MOVES = overlap
         cpu_attention_work_split(*split)
-        stagger_module.BUSY_FIT = busy_fit
-        stagger_module.JOB_SHARE = job_share
-        perf_model_module.LEARN_CPU_JOB = learn_job
-        stagger_module.NATIVE_RUNNER = native_runner
-        scheduler_module.RESUME_AHEAD, scheduler_module.PIPELINE_RESERVE = resume_ahead, pipeline_reserve
 
 
 def _run_engine_mode(model, mode, device_bytes, host_bytes, prompts, new_tokens, max_seqs, args, start_step):
-    """`run_mode` once the mode's process-wide settings are in effect."""
+    """`run_mode` once the mode's process-wide setting is in effect."""
     apex = optimize(model, hybrid_config(mode, device_bytes, host_bytes, max_seqs, len(prompts[0]) + new_tokens,
                                          args.prefill_while_decoding, args.cpu_threads, prompt_len=len(prompts[0])))
     engine = apex.engine
@@ -763,15 +679,16 @@ def hf_generate(model, prompts, new_tokens: int, batch: int, cache_implementatio
             "decode_step_s": step, "decode_tokens_per_s": batch / step if step > 0 else None}
 
 
-def staggered_bound(never: dict, ideal_gain: float, pool_rows: int, prompt: int, new_tokens: int) -> dict:
+def staggered_bound(never: dict, ideal_gain: float, pool_rows: int, prompt: int, new_tokens: int,
+                    job_share: float = TuningConfig.job_share) -> dict:
     """What the staggered plan can add at most on this window, from never's own measurements: host rows per step
     at most what the host pool holds (`pool_rows`) and what a CPU job at the profile's bandwidth fits in
-    JOB_SHARE of a decode step (D x ideal_gain rows: a row costs 1 / ideal_gain seconds of CPU); one token per
+    `job_share` of a decode step (D x ideal_gain rows: a row costs 1 / ideal_gain seconds of CPU); one token per
     row every step, decode or mixed (S, the mean step, so the CPU idles through the longer mixed steps); each
     host token bringing prompt / new_tokens tokens of GPU prefill that the device rows lose. Computed, not run."""
     decode = never["decode_only_step_s"] or never["decode_step_s"]
     mean_step = never["window_s"] / max(len(never["steps"]), 1)
-    rows = min(float(pool_rows), stagger_module.JOB_SHARE * decode * ideal_gain)
+    rows = min(float(pool_rows), job_share * decode * ideal_gain)
     host = rows / mean_step
     lost = host * prompt / new_tokens * never["prefill_s_per_token"] * never["tokens_per_s"]
     return {"rows": rows, "mean_step_s": mean_step, "decode_step_s": decode, "host_tokens_per_s": host,
@@ -807,17 +724,10 @@ def main():
     parser.add_argument("--modes", default="never,auto,0.25,0.5",
                         help="offload modes (never, auto, all, a fraction, staggered[:width]); a mode + \"/pw\" runs "
                              "its mixed steps piecewise (mixed_graphs=False), the A/B of whole mixed graphs; "
-                             "'/split=a-b-c' sets the CPU attention's work split, '/bs64' the KV block size, '/beside' "
-                             "or '/inline' runs the layered exchange on a side or the compute stream, '/overlapmoves' "
-                             "or '/syncmoves' overlaps the block moves or waits for them on the host, '/busyfit' or "
-                             "'/timefit' fits the adaptive rows to the layered job's work or its running time "
-                             "(stagger.BUSY_FIT), '/learnjob' or '/profilejob' has auto predict the CPU job from its "
-                             "measured fit or the profile, '/share=0.95' sets the CPU job's share of a step "
-                             "(stagger.JOB_SHARE), '/t14' the CPU attention threads, '/pin' pins the launching "
-                             "thread, '/1lane' or '/2lane' the staggered lanes, '/cxxrunner' or '/pyrunner' runs the "
-                             "layered jobs on the C++ runner or a Python worker (stagger.NATIVE_RUNNER), '/blocking' or "
-                             "'/spinning' has the launching thread sleep or spin while it waits for a step's sampled "
-                             "ids (sampler.BLOCKING_WAITS), for that mode; "
+                             "'/split=a-b-c' sets the CPU attention's work split, '/bs64' the KV block size, "
+                             "'/share=0.95' the CPU job's share of a step (TuningConfig.job_share), '/t14' the CPU "
+                             "attention threads, '/pin' pins the launching thread, '/1lane' or '/2lane' the staggered "
+                             "lanes, for that mode; "
                              "'/r2' runs a mode again (an A-B-A order)")
     parser.add_argument("--fill-steps", type=int, default=600,
                         help="at most this many steps to fill the staggered pipeline before --warm-steps")
@@ -827,9 +737,6 @@ def main():
     parser.add_argument("--prefill-while-decoding", type=lambda v: None if v == "none" else int(v), default=256,
                         help="prefill_tokens_while_decoding: prompt tokens a step that decodes takes into the device "
                              "pool ('none': up to the step budget, which whole host prompts need: step_budget)")
-    parser.add_argument("--job-gate", action="store_true",
-                        help="the staggered CPU job starts only after the next forward is queued, not as soon as its "
-                             "inputs arrive (apex_compile.runtime.stagger.GATE_JOBS on: an A/B of the gate)")
     parser.add_argument("--cpu-threads", type=int, default=None,
                         help="cpu_attention_threads of the staggered plan's CPU worker (default: all cores but one)")
     parser.add_argument("--hf-tokens", type=int, default=64,
@@ -849,8 +756,6 @@ def main():
         args.window_steps = max(300, 2 * args.new_tokens)
     if not torch.cuda.is_available():
         sys.exit("e2e_hybrid.py needs a CUDA GPU")
-    if args.job_gate:
-        stagger_module.GATE_JOBS = True
     result = {"benchmark": "e2e_hybrid", "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "machine": {"gpu": torch.cuda.get_device_name(), "cpus": os.cpu_count(),
                           "topology": cpu_topology(), "affinity": sorted(os.sched_getaffinity(0)),
@@ -929,8 +834,6 @@ def main():
                     cpu += (" (not: " + ", ".join(f"{k} {v}" for k, v in sorted(r["not_ahead"].items()))
                             + f"; their time above a queued step's median {r['unqueued_excess_s'] * 1e3:.0f} ms, "
                             f"{r['unqueued_excess_s'] / r['window_s']:.1%} of the window)")
-                if r.get("resumed_ahead"):
-                    cpu += f", {r['resumed_ahead']} parked requests resumed beside a queued step"
                 if r.get("pipeline_end"):
                     p = r["pipeline_end"]
                     cpu += (f", pipeline at the window's end {p['members']} members, its rows room for "
@@ -986,8 +889,8 @@ def main():
                       flush=True)
             perf = PerfModel(profile)
             # B_cpu probed in this run, before and after the modes (the cached profile may come from a busier
-            # moment, which would flatter every efficiency: notes item 50); a single probe varies from run to run
-            # on one host (notes item 55), so the mean of the two is taken
+            # moment, which would flatter every efficiency); a single probe varies from run to run on one
+            # host, so the mean of the two is taken
             _, probed_after, huge_after = probe_cpu_bandwidth(model, device_bytes, args.max_seqs)
             cpu_bandwidth = (probed_before + probed_after) / 2
             context = args.prompt + args.new_tokens / 2
@@ -1094,7 +997,7 @@ def main():
                       "noise, not a host gain", flush=True)
             for lanes, (pool_rows, b) in bounds.items():
                 print(f"   staggered plan's bound, {lanes} lane{'s' if lanes > 1 else ''} (computed from never's run): "
-                      f"{b['rows']:.1f} rows (host pool {pool_rows}, CPU job in {stagger_module.JOB_SHARE:.0%} of a "
+                      f"{b['rows']:.1f} rows (host pool {pool_rows}, CPU job in {TuningConfig().job_share:.0%} of a "
                       f"{b['decode_step_s'] * 1e3:.2f} ms decode step), +{b['host_tokens_per_s']:.0f} host "
                       f"tokens/s at the mean step {b['mean_step_s'] * 1e3:.2f} ms, -{b['prefill_loss_tokens_per_s']:.0f} "
                       f"for their prefill: +{b['gain']:.0f} tokens/s, efficiency {b['efficiency']:.2f}", flush=True)

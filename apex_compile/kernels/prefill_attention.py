@@ -92,7 +92,7 @@ def default_prefill_config(head_dim: int, device: torch.device, tiles_128: Optio
         return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
     if head_dim > 128:
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
-    # the best of the configs benchmarks/triton_kernels.py and benchmarks/mixed_attention.py tried on the H200
+    # the best of the configs benchmarks/triton_kernels.py and benchmarks/mixed_attention.py tried on a Hopper GPU
     if tiles_128 is not None and tiles_128 < 2 * sm_count(device):
         return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
     return {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}

@@ -8,13 +8,13 @@ The product with the weight follows torch type promotion (bf16 x and bf16 weight
 gives fp32), exactly like `LlamaRMSNorm.forward`.
 
 Kernel: one program per row; inputs are loaded and outputs stored as streaming data (evict-first loads, ".cs"
-stores: a decode step's next GEMM reads at most a few MB of them; notes item 11). Rows up to
+stores: a decode step's next GEMM reads at most a few MB of them). Rows up to
 `MAX_SINGLE_PASS_HIDDEN` elements are held in registers (one read of x and residual, one write of y and
 residual_out); wider rows take a two-pass loop that re-reads the inputs.
 
 On Hopper and newer GPUs the kernel is launched with programmatic dependent launch (PDL): each program first
 releases its dependents (`gdc_launch_dependents`) and then waits for its predecessors (`gdc_wait`) before
-touching memory, so consecutive launches overlap their start-up (notes item 14).
+touching memory, so consecutive launches overlap their start-up.
 """
 from typing import Optional
 
@@ -105,7 +105,7 @@ def check_rms_norm_inputs(x: torch.Tensor, weight: torch.Tensor, residual: Optio
 def rms_norm_num_warps(block_h: int) -> int:
     """Warps of the single-pass kernel for rows of `block_h` (a power of two) elements: 2 for 2048-8192
     (32-128 elements per thread), otherwise one warp per 512 elements (at most 16); chosen by
-    benchmarks/triton_sweep.py (notes item 11)."""
+    benchmarks/triton_sweep.py."""
     if 2048 <= block_h <= 8192:
         return 2
     return max(1, min(16, block_h // 512))

@@ -140,8 +140,8 @@ def _clock_ns():
 
 @triton.jit
 def _wait_flag_kernel(done_ptr, after_ptr, status_ptr, stall_ptr, timeout, TIMED: tl.constexpr):
-    # one program: on the H200 host each read of a host word took ~1 us, and the reads of one word by many
-    # programs came one after another (384 programs polling it: 0.41 ms), so one program polls for them all
+    # one program: each read of a host word takes on the order of a microsecond, and the reads of one word by
+    # many programs come one after another, so one program polls for them all
     target = tl.load(after_ptr)
     seen = tl.load(done_ptr, volatile=True)
     waited = tl.zeros((), tl.int64)

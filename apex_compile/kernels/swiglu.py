@@ -37,7 +37,7 @@ from apex_compile.kernels._common import (
 
 DISPATCH_TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "swiglu_dispatch.json")
 SHARED_MEMORY_BUDGET = 160 * 1024
-"""Bytes of shared memory a fused-GEMM config may plan for (H100/H200 allow 227 KiB per block)."""
+"""Bytes of shared memory a fused-GEMM config may plan for (Hopper allows 227 KiB per block)."""
 
 
 @triton.jit

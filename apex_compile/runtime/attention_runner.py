@@ -38,14 +38,6 @@ from apex_compile.runtime.scheduler import ScheduledChunk
 from apex_compile.runtime.step_buffers import PoolPart
 
 
-# True: the one-lane staggered block's exchange (the device wait for the CPU job, the host reads and writes, the
-# ready flag) runs on a side stream beside the device rows' attention, which needs none of it, and the step
-# joins it before the layer's output is read. False: both run on the compute stream, one after the other (kept
-# for the same-run A/B, e2e_hybrid's "/inline"). On the H200 at 2 GiB, 4 host rows, one run: 4350 tokens/s
-# beside against 4084 inline, the median step 5.57 against 5.76 ms (notes item 44).
-EXCHANGE_BESIDE = True
-
-
 def order_chunks(chunks: Sequence[ScheduledChunk]) -> List[ScheduledChunk]:
     """The step's token order: device pool then host pool; inside each, decode rows, then chunks that continue
     a prompt, then fresh ones (a mixed step's decode rows then run the decode kernel apart from its chunks)."""
@@ -108,7 +100,10 @@ class PagedAttentionRunner:
         self.stagger = None  # the staggered plan's StaggerPipeline (its block: the step's first stagger_rows rows)
         self.stagger_rows = 0
         self.stagger_scale = 1.0
-        # the layered exchange's stream (EXCHANGE_BESIDE), made here: a CUDA graph capture may not create one
+        # the layered exchange's stream, made here: a CUDA graph capture may not create one. The one-lane
+        # staggered block's exchange (the device wait for the CPU job, the host reads and writes, the ready flag)
+        # runs on it beside the device rows' attention, which needs none of it; the step joins it before the
+        # layer's output is read, so the device rows never wait behind the CPU job
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     @property
@@ -282,7 +277,7 @@ class PagedAttentionRunner:
 
     def _exchange_stream(self, query: torch.Tensor) -> Optional[torch.cuda.Stream]:
         """The side stream of a layered exchange on a GPU (None: run it on the compute stream)."""
-        if EXCHANGE_BESIDE and query.is_cuda and self.stagger.layered and self._side is not None:
+        if query.is_cuda and self.stagger.layered and self._side is not None:
             return self._side
         return None
 
@@ -400,11 +395,11 @@ class KVExports:
     counter (`copied`) to the export's number; a C++ thread (`ExportLander`) appends each export once its number is
     up, in submission order, and sets `landed` to it. Landing needs no Python, no GIL and no CUDA call: a staggered
     CPU job gated on `landed` (which the GPU waits for) must never wait for what the launching thread is blocked in
-    (a timed-out GPU wait came of a Python worker doing this: notes item 57). Whatever reads or writes host blocks
-    first waits for the exports into those blocks only, not for other prompts' still on their way: CPU attention
-    through its rows' tables (`gate`, `wait`), a move or a free through the KV manager (`settle`). With
-    background=False (a CPU-only run) the append happens at once. Exports of CPU tensors with background=True
-    (tests) count as copied as soon as `_copied_now` says so."""
+    (a worker that needs the GIL to land an export can deadlock against the launcher's device wait). Whatever
+    reads or writes host blocks first waits for the exports into those blocks only, not for other prompts' still on
+    their way: CPU attention through its rows' tables (`gate`, `wait`), a move or a free through the KV manager
+    (`settle`). With background=False (a CPU-only run) the append happens at once. Exports of CPU tensors with
+    background=True (tests) count as copied as soon as `_copied_now` says so."""
 
     def __init__(self, append, background: bool):
         self.append = append

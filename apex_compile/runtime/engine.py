@@ -38,14 +38,13 @@ _PROGRESS_MIN_TOKENS = 4096  # default progress bar only for runs generating at 
 DEFAULT_STAGGER_WIDTH = 4  # offload="staggered" without a width
 # offload="auto": steps in a row the model must find host rows paying before a ceiling of 0 rises (an empty
 # pipeline's first requests are prefilled in the host pool, costly; a verdict flickering at the margin would pay
-# that and park them again: notes item 41)
+# that and park them again)
 STAGGER_RISE_STEPS = 64
 # and steps in a row it must find none paying before a pipeline with members closes (its members finish on the
 # host) or, if no rows beat GPU-only, its ceiling falls to 0 (which empties it: its requests are parked, and
 # refilling it takes a rise and a lane's cycle; a dip of the measured rows, the job fit's noise, read as a verdict
 # of 0 for one step)
 STAGGER_FALL_STEPS = 32
-AUTO_STAGGER_WIDTH = 12  # stagger_width="auto": the block's rows, of which the measured CPU job decides the used
 
 
 @dataclasses.dataclass
@@ -87,7 +86,6 @@ class EngineStats:
     parked: int = 0
     recomputed: int = 0
     ahead_steps: int = 0  # steps queued before the previous step's tokens reached the host (async scheduling)
-    resumed_ahead: int = 0  # parked requests moved back while a step was queued ahead (`Scheduler.resume_ahead`)
     # why a step was not queued ahead, per reason (`Engine._ahead_chunks`): each such step leaves the GPU idle while
     # the host schedules and prepares it
     not_ahead: Dict[str, int] = dataclasses.field(default_factory=dict)
@@ -251,14 +249,16 @@ class Engine:
         # replays of this engine's captured decode graphs (filled at capture): the performance model's step
         self.calibration = StepCalibration()
         self.auto_policy: Optional[AutoOffload] = None  # offload="auto"'s model (CUDA with a host pool)
-        # the staggered plan's lanes: one on CUDA (its layers wait on the device: notes item 38), two on a CPU
+        # the staggered plan's lanes: one on CUDA (its layers wait on the device, so half the requests are in
+        # flight for the same rows), two on a CPU
         self.stagger_lanes = self.config.stagger_lanes or (1 if self.device.type == "cuda" else 2)
         if (self.config.offload == "auto" and self.device.type == "cuda" and self.config.compile
                 and self.kv.pools[HOST_POOL].num_blocks):
             from apex_compile.runtime.perf_profile import engine_profile
 
             self.auto_policy = AutoOffload(PerfModel(engine_profile(self), self.calibration),
-                                           stagger_groups=self.stagger_lanes * (self.shape.num_layers + 1))
+                                           stagger_groups=self.stagger_lanes * (self.shape.num_layers + 1),
+                                           max_stagger_rows=self.config.tuning.auto_stagger_width)
         self.stagger: Optional[StaggerPipeline] = None
         self._pipeline_due = False  # a staggered forward was queued and its `_advance_pipeline` not yet run
         self._async = self.config.async_scheduling
@@ -318,10 +318,11 @@ class Engine:
         self._stagger_step_fn = self._build_step(stagger=True) if self.stagger is not None else None
 
     def _stagger_pipeline(self, width) -> StaggerPipeline:
-        """The staggered plan's pipeline of `width` rows per step, or "auto": AUTO_STAGGER_WIDTH rows, those in
+        """The staggered plan's pipeline of `width` rows per step, or "auto": `TuningConfig.auto_stagger_width`
+        rows, those in
         use following the measured CPU job (the compiled step is needed: its passes swap the rows per layer)."""
         adaptive = width == "auto"
-        width = AUTO_STAGGER_WIDTH if adaptive else width
+        width = self.config.tuning.auto_stagger_width if adaptive else width
         if not self.config.compile:
             raise ValueError("offload='staggered' needs ApexConfig(compile=True): the staggered rows are swapped "
                              "per layer by the compiler's passes")
@@ -331,7 +332,7 @@ class Engine:
         return StaggerPipeline(self.kv, width, config.hidden_size, config.num_attention_heads,
                                rope_tables(self.model, self.max_model_len), self.device, self.dtype,
                                self.max_model_len, self.config.cpu_attention_threads, adaptive, prior,
-                               lanes=self.stagger_lanes)
+                               lanes=self.stagger_lanes, job_share=self.config.tuning.job_share)
 
     def _typical_contexts(self) -> List[int]:
         return sorted({min(c, self.max_model_len) for c in (256, 1024, 4096)})
@@ -339,7 +340,7 @@ class Engine:
     def _auto_stagger_pays(self) -> bool:
         """offload="auto": whether the model predicts the staggered plan gains for some typical load."""
         width = self.config.stagger_width
-        width = AUTO_STAGGER_WIDTH if width in (None, "auto") else width
+        width = self.config.tuning.auto_stagger_width if width in (None, "auto") else width
         tokens = [p.num_blocks * self.kv.block_size for p in self.kv.pools]
         return self.auto_policy.worth_staggering(tokens[DEVICE_POOL], tokens[HOST_POOL], self.config.max_num_seqs,
                                                  self._typical_contexts(), width)
@@ -934,10 +935,7 @@ class Engine:
             if chunk.samples or device_ids is not None:
                 logit_rows.append(row - 1)
                 sampled.append(chunk.request)
-        self.kv.order_arrivals(c.request.request_id for c in chunks)  # requests resumed ahead: after their copies
         logits = self._forward_chunks(chunks, logit_rows, device_ids)
-        if self.stagger is not None:
-            self.stagger.forward_queued()  # the CPU job of the step before may start now
         pending = self.sampler.launch(logits, sampled) if sampled else None
         for _, request in staggered:  # through every layer (before the pipeline's next turn: one lane re-enters
             request.num_computed += 1  # it at once, at its next position)
@@ -978,10 +976,9 @@ class Engine:
     def _ahead_chunks(self, launched: _Launched) -> Optional[Tuple[List[ScheduledChunk], DeviceIds]]:
         """The next step's chunks, and where its input ids come from, if it can be queued before `launched`'s
         tokens are known: every running request decodes one token in the device pool (its input id sampled by
-        `launched`, or on the host: a request resumed ahead), nothing is admitted, no sampling rule needs the last
-        token on the host; requests that `launched`'s token stops by length are left out. Takes their blocks,
-        resumes ahead the parked requests the device pool takes back (they run from the step after this one:
-        `Scheduler.resume_ahead`) and plans the parks the step leaves due (overlapped moves). None when any
+        `launched`, or on the host), nothing is admitted, no sampling rule needs the last
+        token on the host; requests that `launched`'s token stops by length are left out. Takes their blocks
+        and plans the parks the step leaves due (overlapped moves). None when any
         condition fails (counted per reason in `EngineStats.not_ahead`; the next step is scheduled as usual)."""
         scheduler = self.scheduler
         if not self._async:
@@ -993,7 +990,7 @@ class Engine:
         # (and less those parked once `launched` was queued: their token arrives while parked)
         alive = [r for r in launched.sampled if not r.is_finished and r.request_id not in launched.in_pipeline
                  and r.status is not RequestStatus.PARKED]
-        # and running requests that `launched` left out whose next input id is on the host (resumed ahead)
+        # and running requests that `launched` left out whose next input id is on the host
         sampled = {r.request_id for r in alive}
         alive += [r for r in scheduler.running
                   if r.request_id not in sampled and r.num_tokens - r.num_computed == 1]
@@ -1017,7 +1014,6 @@ class Engine:
         ids = self._ahead_ids(launched, kept)
         if ids is None:
             return self._not_ahead("ids")  # a group-0 token is neither on the host nor sampled by `launched`
-        self.stats.resumed_ahead += len(scheduler.resume_ahead())  # (not in this step: their copies go beside it)
         if not scheduler.admits_nothing():
             return self._not_ahead("admits")  # a parked or waiting request may start
         # with overlapped moves, the parks this step leaves due, issued once it is queued (`_launch_ahead`)

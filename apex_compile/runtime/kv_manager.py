@@ -17,19 +17,17 @@ from apex_compile.runtime.sampler import host_wait_event
 DEVICE_POOL = 0
 HOST_POOL = 1
 POOL_NAMES = ("device", "host")
-# True: block moves are ordered on the device and overlapped (the compute stream waits for a move only where the
-# step reads or reuses its blocks; host code waits only where it touches moved host blocks; blocks a move frees
-# return once it lands; the scheduler parks ahead so that a park's copy runs beside the next step). False: every
-# move is waited for on the host before the next step (e2e_hybrid's "/syncmoves", the same-run A/B). On the H200
-# at 2 GiB, one run: never 3663 tokens/s overlapped against 3576, its slow steps 11 against 26 (notes item 44).
-OVERLAP_MOVES = True
+# On a device with a swap stream, block moves are ordered on the device and overlapped: the compute stream waits
+# for a move only where the step reads or reuses its blocks; host code waits only where it touches moved host
+# blocks; blocks a move frees return once it lands; the scheduler parks ahead so that a park's copy runs beside
+# the next step (a host wait for every move would stall the launching thread behind each copy).
 
 
 class BlockAllocator:
     """Free block ids 0..num_blocks-1 of one pool, kept as sorted runs of consecutive ids. A request takes the
     first run that holds all its blocks, else the longest runs first: few runs per request, so its move between
     pools crosses in few copies (the host side copies once per run and cache, `kv_layout._copy_across`, and a
-    move's time grows with its runs: notes item 43)."""
+    move's time grows with its runs)."""
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
@@ -312,9 +310,6 @@ class KVManager:
         # once it lands; and the event of each request's copy into the host pool, for host code that reads it
         self._held: List[tuple] = []
         self._landing: Dict[int, object] = {}
-        # the copy of each request resumed ahead into the device pool (`move(later=True)`): the compute stream
-        # waits for it before the first step that runs the request (`order_arrivals`), not before the next one
-        self._arriving: Dict[int, object] = {}
         # called with host block ids before a move reads them or they are freed: the runner waits there for the
         # prompt K/V exports still writing them (`KVExports.settle`)
         self.settle_host: Callable[[List[int]], None] = lambda block_ids: None
@@ -325,8 +320,8 @@ class KVManager:
 
     @property
     def overlaps_moves(self) -> bool:
-        """Whether moves are overlapped (`OVERLAP_MOVES`, on a device with a swap stream)."""
-        return OVERLAP_MOVES and self._swap is not None
+        """Whether moves are overlapped: on a device with a swap stream."""
+        return self._swap is not None
 
     def num_free(self, pool: int) -> int:
         """Free blocks of `pool` (blocks of moves still in flight are not free yet)."""
@@ -403,9 +398,7 @@ class KVManager:
 
     def _in_flight(self, request_id: int, pop: bool = False):
         """The event of the request's copy still landing into its pool (None: none in flight)."""
-        get = dict.pop if pop else dict.get
-        event = get(self._landing, request_id, None)
-        return event if event is not None else get(self._arriving, request_id, None)
+        return (self._landing.pop if pop else self._landing.get)(request_id, None)
 
     def _release(self, pool: int, ids: List[int], event) -> None:
         """Frees `ids` of `pool` now, or once `event` (a move still using them) has landed."""
@@ -430,18 +423,15 @@ class KVManager:
         table = self.tables[request_id]
         return table.pool != dst_pool and len(table.block_ids) <= self.num_free(dst_pool)
 
-    def move(self, request_id: int, dst_pool: int, hold: bool = False, later: bool = False) -> None:
+    def move(self, request_id: int, dst_pool: int, hold: bool = False) -> None:
         """Copies the request's blocks to `dst_pool` (every layer, K and V) and frees the source blocks.
 
-        On CUDA the copies run on a side stream after the compute stream's queued work. Without overlapped moves
-        `wait_for_moves` (called before the next forward) blocks the host until they are done, so freed source
-        blocks are never overwritten early. With them (`OVERLAP_MOVES`) the compute stream waits on the device
-        for a move into the device pool or one whose freed device blocks the next step may take; freed host
-        blocks return once the move has read them; the destination host blocks are read by host code only after
-        `host_ready`. hold: a park ahead (`Scheduler.park_launched`) whose device blocks the next step must not
-        take: they return once the copy has read them, and the compute stream does not wait for it. later: a
-        resume ahead into the device pool (`Scheduler.resume_ahead`) whose request runs in a later step than the
-        next: the compute stream waits for its copy only before that step (`order_arrivals`).
+        Without a swap stream (CPU) the copy runs at once. On CUDA the copies run on a side stream after the
+        compute stream's queued work, overlapped: the compute stream waits on the device for a move into the
+        device pool or one whose freed device blocks the next step may take; freed host blocks return once the move
+        has read them; the destination host blocks are read by host code only after `host_ready`. hold: a park ahead
+        (`Scheduler.park_launched`) whose device blocks the next step must not take: they return once the copy has
+        read them, and the compute stream does not wait for it.
         """
         table = self.tables[request_id]
         if not self.can_move(request_id, dst_pool):
@@ -457,18 +447,11 @@ class KVManager:
             return
         event = self._swap.run(lambda: self._copy_layers(src, dst, table.block_ids, dst_ids))
         self._landing.pop(request_id, None)  # a move still landing: this copy follows it on the swap stream
-        self._arriving.pop(request_id, None)
-        if not self.overlaps_moves:
-            src.allocator.free(table.block_ids)
-            self._swap_event = event
-            return
         if hold or src.index == HOST_POOL:
             self._held.append((event, src.index, table.block_ids))
         else:
             src.allocator.free(table.block_ids)
-        if later and dst_pool == DEVICE_POOL:
-            self._arriving[request_id] = event
-        elif not (hold and src.index == DEVICE_POOL):
+        if not (hold and src.index == DEVICE_POOL):
             self._swap_event = event
         if dst_pool == HOST_POOL:
             self._landing[request_id] = event
@@ -488,23 +471,10 @@ class KVManager:
         self.tables = {}
 
     def wait_for_moves(self) -> None:
-        """Orders the compute stream after the block moves it must follow (on the host without overlapped moves,
-        which also orders host code after every move; on the device with them)."""
+        """Orders the compute stream, on the device, after the block moves it must follow."""
         if self._swap_event is not None:
-            if self.overlaps_moves:
-                self._swap.order_compute(self._swap_event)
-            else:
-                self._swap_event.synchronize()
+            self._swap.order_compute(self._swap_event)
             self._swap_event = None
-
-    def order_arrivals(self, request_ids) -> None:
-        """Before a step that runs `request_ids`: orders the compute stream after the copies of those of them
-        resumed ahead (`move(later=True)`) on the device."""
-        if self._arriving:
-            for request_id in request_ids:
-                event = self._arriving.pop(request_id, None)
-                if event is not None:
-                    self._swap.order_compute(event)
 
     def sync_moves(self) -> None:
         """Waits on the host for every move issued so far and returns the blocks they held."""
@@ -513,7 +483,7 @@ class KVManager:
         self._swap_event = None
         for event, pool, ids in self._held:
             self.pools[pool].allocator.free(ids)
-        self._held, self._landing, self._arriving = [], {}, {}
+        self._held, self._landing = [], {}
 
     def num_used(self, pool: int) -> int:
         """Blocks of `pool` held by requests."""

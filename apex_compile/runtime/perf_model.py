@@ -319,27 +319,19 @@ def summarize(profile: Profile) -> Dict[str, float]:
     return {"cpu_attention_GBps": model.cpu_bandwidth() / 1e9, "gpu_attention_GBps": model.gpu_bandwidth() / 1e9}
 
 
-STAGGER_ROWS = 12  # the most host rows per step explain() considers (the engine's AUTO_STAGGER_WIDTH)
 # The predicted gain the staggered plan must show over GPU-only: its model counts decode steps only and leaves
-# out part of the block's host work (its prompts' export, its mixed steps). Same-run measurements on the H200
-# (notes item 35): at 2 GiB a predicted +8-11% measured -16% to +2%, at 4 GiB +4.5% measured -2.6%, at 1 GiB
-# +19-23% measured +14-26%. An 8% margin was tried and lost 16% at 2 GiB.
+# out part of the block's host work (its prompts' export, its mixed steps), so a predicted gain below this
+# margin measured as a loss or a wash; a smaller margin admitted pipelines that lost throughput.
 STAGGER_MARGIN = 0.15
 # The gain a running pipeline (one with members) needs to keep its rows: the margin above is paid for at the
 # rise (the first members' host prompts); a verdict that dips under it with the pipeline full would park every
-# member and refill it later through that cost again. At 2 GiB the prediction moved between +12.8% and +17.8%
-# with the device rows, and auto emptied a 231-member pipeline in the window while the fixed 4-row plan measured
-# +14% (exchange inline) and +22% (beside) in the same run (notes item 44); the calibrated error of the
-# staggered modes was 1.3-6.3% there, so a kept pipeline predicted at +8% still gains.
+# member and refill it later through that cost again. The prediction moves by several percent with the device
+# rows while the calibrated error of a running pipeline is a few percent, so one predicted at +8% still gains.
 STAGGER_KEEP_MARGIN = 0.08
 # The gain a closed pipeline's members need to go on decoding on the host (no request joins it; it empties as they
 # finish) rather than all be parked at once to resume in the device pool: that mass park and the device pool's
-# churn after it are costs the model leaves out (notes item 59).
+# churn after it are costs the model leaves out.
 STAGGER_HOLD_MARGIN = 0.0
-# A pipeline's CPU job is predicted from its own measured fit (`AutoOffload.learn_cpu_job`), not the profile's
-# bandwidth probe: the profile is cached per machine, and a probe taken while the host was busy would cap the rows
-# for good (notes item 50). False: the profile only (e2e_hybrid "/profilejob").
-LEARN_CPU_JOB = True
 RUNNABLE_PLANS = ("never", "overlap", "staggered")  # the plans the engine executes ("staggered" when asked for)
 
 
@@ -351,11 +343,13 @@ class AutoOffload:
 
     def __init__(self, model: PerfModel, margin: float = 0.02, stagger_groups: int = 1,
                  stagger_margin: float = STAGGER_MARGIN, stagger_keep_margin: float = STAGGER_KEEP_MARGIN,
-                 stagger_hold_margin: float = STAGGER_HOLD_MARGIN):
+                 stagger_hold_margin: float = STAGGER_HOLD_MARGIN, max_stagger_rows: int = 12):
         """stagger_groups: host requests per staggered row (2 x the model's layers + 1); stagger_margin: the
         predicted gain over GPU-only the staggered plan needs (`STAGGER_MARGIN`); stagger_keep_margin: the gain a
         running pipeline needs to keep its rows (`STAGGER_KEEP_MARGIN`); stagger_hold_margin: the gain a closed
-        pipeline's members need to finish on the host (`STAGGER_HOLD_MARGIN`)."""
+        pipeline's members need to finish on the host (`STAGGER_HOLD_MARGIN`); max_stagger_rows: the most host
+        rows per step `explain` considers (the adaptive block's width, `TuningConfig.auto_stagger_width`)."""
+        self.max_stagger_rows = max_stagger_rows
         self.model = model
         self.margin = margin
         self.stagger_margin = stagger_margin
@@ -372,8 +366,9 @@ class AutoOffload:
 
     def learn_cpu_job(self, fit: Optional[Tuple[float, float]]) -> None:
         """The running pipeline's CPU job fit, (fixed seconds, seconds per context token of a row over every
-        layer), or None: staggered steps are predicted with it (`LEARN_CPU_JOB`) instead of the profile's rate."""
-        self.cpu_job = fit if LEARN_CPU_JOB else None
+        layer), or None: staggered steps are predicted with it instead of the profile's rate. The profile is
+        cached per machine, and a bandwidth probe taken while the host was busy would cap the rows for good."""
+        self.cpu_job = fit
 
     def step_s(self, gpu_requests: int, cpu_requests: int, context: float) -> float:
         """Predicted decode step with that many requests per pool, corrected by the measurements so far."""
@@ -469,7 +464,7 @@ class AutoOffload:
         gpu = max(min(max_seqs, gpu_tokens // max(context, 1)), 1)
         cpu = max(min(max_seqs - gpu, cpu_tokens // max(context, 1)), 0)
         pool_rows = cpu_tokens // max(context, 1) // self.stagger_groups  # rows the host pool can fill
-        width = min(pool_rows, STAGGER_ROWS)
+        width = min(pool_rows, self.max_stagger_rows)
         lines = self.model.explain(gpu, cpu, context, plans=("never", "overlap"))
         rows = self.stagger_rows(gpu, context, width)
         never = self._staggered_step(gpu, 0, context)

@@ -13,6 +13,7 @@ from typing import Callable, List
 import torch
 import torch.nn.functional as F
 
+from apex_compile import envs
 from apex_compile.runtime.cuda_graphs import replay_seconds
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL
 from apex_compile.runtime.perf_model import Profile, cached_profile
@@ -154,7 +155,7 @@ def measure_profile(engine) -> Profile:
 
 def engine_profile(engine) -> Profile:
     """The engine's profile from the on-disk cache, measured first if absent ($APEX_COMPILE_CACHE_DIR)."""
-    if os.environ.get("APEX_COMPILE_PROFILE_REFRESH") == "1":
+    if envs.APEX_COMPILE_PROFILE_REFRESH:
         from apex_compile.runtime.perf_model import profile_path
 
         path = profile_path(profile_key(engine))

@@ -81,16 +81,12 @@ def process_logits(logits: torch.Tensor, requests: Sequence[Request]) -> torch.T
     return logits
 
 
-# Whether the launching thread sleeps (a blocking CUDA event) instead of spinning while it waits for the GPU: a
-# step's sampled ids, the pinned step buffers and pipeline positions before they are rewritten, block moves
-# (`host_wait_event`). On: a spinning launcher (CUDA's default with one context on many cores) holds a core the CPU
-# attention team reads with; the decode steps are queued ahead, so the wake-up is hidden (notes item 59).
-BLOCKING_WAITS = True
-
-
 def host_wait_event() -> "torch.cuda.Event":
-    """A CUDA event the launching thread will wait on: it sleeps there with BLOCKING_WAITS, else spins."""
-    return torch.cuda.Event(blocking=BLOCKING_WAITS)
+    """A CUDA event the launching thread will wait on, sleeping (a blocking event) rather than spinning: a step's
+    sampled ids, the pinned step buffers and pipeline positions before they are rewritten, block moves. A spinning
+    launcher (CUDA's default with one context on many cores) holds a core the CPU attention team reads with; the
+    decode steps are queued ahead, so the wake-up is hidden."""
+    return torch.cuda.Event(blocking=True)
 
 
 class PendingTokens:

@@ -5,16 +5,16 @@ to the token budget when prefilling), oldest first. When a request's pool has no
 the newest running request of that pool is evicted: moved to the other pool when that pool also runs
 requests (offload fraction) and has room, else parked in the other pool (swap preemption), else its blocks
 are freed and it is prefilled again later (recompute preemption). With overlapped moves
-(kv_manager.OVERLAP_MOVES) the device pool parks ahead: once its free blocks fall short of its requests' next
+(`KVManager.overlaps_moves`) the device pool parks ahead: once its free blocks fall short of its requests' next
 tokens, the newest is parked after its step is queued, so the copy runs beside the next step (`park_launched`).
 Parked requests resume before waiting requests are admitted (with the staggered plan, waiting requests may
 meanwhile start in its pipeline, and parked ones join it while it takes them: `parked_to_pipeline`); waiting
 requests are admitted in arrival order while their first chunk fits in the pool the offload policy picks for
 them. With `ApexConfig.growth_reserve` the device pool admits or resumes a request only while its free blocks
 also cover that share of every device request's remaining tokens (SGLang's new-token ratio): a pool filled to
-its last block parks a request each time one grows. With `RESUME_AHEAD` a parked request resumes while a step is
-queued ahead (`resume_ahead`), its copy beside that step. The staggered pipeline's members keep host blocks for
-their whole length, or with `PIPELINE_RESERVE` take them as they grow (`unstall_pipeline` where growth runs dry).
+its last block parks a request each time one grows. A parked request resumes in a step scheduled on the host,
+which waits for its copy. The staggered pipeline's members take host blocks as they grow, a share of their
+remaining tokens kept free (`unstall_pipeline` where growth runs dry).
 """
 import collections
 import dataclasses
@@ -26,24 +26,11 @@ from apex_compile.config import ApexConfig
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, POOL_NAMES, KVManager
 from apex_compile.runtime.request import Request, RequestStatus
 
-# overlapped moves (kv_manager.OVERLAP_MOVES): the device pool's running requests keep blocks for this many tokens
+# overlapped moves (`KVManager.overlaps_moves`): the device pool's running requests keep blocks for this many tokens
 # beyond the step's own; a shortfall parks the newest ahead, its copy beside the next step. While the copy lands
 # (its blocks held) the free blocks still cover the steps queued ahead meanwhile (2 tokens left none: each park
 # cost a step scheduled on the host waiting for that copy)
 LOOKAHEAD_TOKENS = 8
-# overlapped moves with steps queued ahead: a parked request that the device pool can take back is moved while a
-# step is queued ahead and decodes from the step after it (`resume_ahead`), so its copy runs beside that step and
-# no step is scheduled on the host for it. False: it resumes in a step scheduled on the host, its copy issued
-# there and waited for by that step (e2e_hybrid "/resumeinstep" and "/resumeahead" for the same-run A/B)
-RESUME_AHEAD = False
-# The staggered pipeline's host blocks. None: a request entering it takes blocks for its whole length at once, so
-# no member ever waits for one (the pool holds fewer members: a member 1/3 through its tokens holds 3/2 of what it
-# uses). A share r: blocks for its tokens and the next one, more as it grows (`StaggerPipeline.begin_step`), a
-# request entering only while the free blocks also cover r of every host request's remaining tokens (SGLang's
-# new-token ratio); a member with no block for its next token waits to rejoin, and when every member waits so,
-# the newest are recomputed (`unstall_pipeline`). The default 0.3: the same host pool holds more members, so it
-# does not bind the pipeline before its rows do (e2e_hybrid "/hostreserve=whole" for the same-run A/B)
-PIPELINE_RESERVE: Optional[float] = 0.3
 
 
 @dataclasses.dataclass
@@ -237,27 +224,6 @@ class Scheduler:
         return (self._running_need(lookahead=True, reserve=False, step_tokens=step_tokens)
                 - self.kv.num_free(DEVICE_POOL) - self.kv.num_held(DEVICE_POOL))
 
-    def resume_ahead(self) -> List[Request]:
-        """While a step is queued ahead (`RESUME_AHEAD`, the device pool parking ahead): the parked requests, first
-        parked first, that the device pool takes back now (`_resumes`), each between two decode tokens (one parked
-        mid-prompt resumes in a scheduled step). Their blocks move now, the copies after the steps queued so
-        far; they run from the step after the one being queued (the engine orders that step after their copies:
-        `KVManager.order_arrivals`). Returns them, running."""
-        resumed: List[Request] = []
-        if not (RESUME_AHEAD and self._parks_ahead()):
-            return resumed
-        while self.parked and len(self.running) < self.config.max_num_seqs:
-            request = self.parked[0]
-            budget = self.config.max_num_batched_tokens - len(self.running)
-            if request.num_tokens - request.num_computed != 1 or self._resumes(request, budget) is None:
-                break
-            self.kv.move(request.request_id, DEVICE_POOL, later=True)
-            self.parked.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            resumed.append(request)
-        return resumed
-
     def plan_parks_ahead(self, step_tokens: dict) -> None:
         """A step queued ahead computing `step_tokens` (request id -> tokens): the parks that step leaves due
         (`_plan_parks`), issued by `park_launched` once it is queued."""
@@ -315,41 +281,37 @@ class Scheduler:
     def _pipeline_takes(self, request: Request) -> bool:
         """Whether the staggered pipeline has a row for `request` and the host pool room for its blocks
         (`_host_target`) beside the room kept to park the device pool's requests (`park_room`; else they would be
-        recomputed from their prompts) and, with PIPELINE_RESERVE, that kept for the host requests' growth."""
+        recomputed from their prompts) and that kept for the host requests' growth (`_pipeline_reserve`)."""
         if self._pipeline_full():
             return False
         need = self.kv.extra_blocks(request.request_id, self._host_target(request))
         return self.kv.num_free(HOST_POOL) >= need + self.park_room() + self._pipeline_reserve(request)
 
     def _host_target(self, request: Request) -> int:
-        """The tokens a request entering the staggered pipeline takes host blocks for: its whole length, or with
-        PIPELINE_RESERVE its tokens and the next one (more as it grows)."""
-        if PIPELINE_RESERVE is None:
-            return self.max_tokens(request)
+        """The tokens a request entering the staggered pipeline takes host blocks for: its tokens and the next one
+        (more as it grows: `StaggerPipeline.begin_step`)."""
         return min(request.num_tokens + 1, self.max_tokens(request))
 
     def _pipeline_reserve(self, request: Request) -> int:
         """Host blocks kept free for the growth of the host requests (the pipeline's members, those prefilling in
-        the host pool) and of `request`: PIPELINE_RESERVE of their remaining tokens (0 without it). The members'
+        the host pool) and of `request`: `TuningConfig.pipeline_reserve` of their remaining tokens. The members'
         sum is taken once per pipeline turn and membership (it moves by a token per member and turn)."""
-        if PIPELINE_RESERVE is None:
-            return 0
         when = (self.stagger.steps, self.stagger.num_members, len(self.running))
         if self._host_rest[0] != when:
             hosted = self.stagger.members() + [r for r in self.running
                                                if self.kv.pool_of(r.request_id) == HOST_POOL]
             self._host_rest = (when, sum(max(self.max_tokens(r) - r.num_tokens, 0) for r in hosted))
         rest = self._host_rest[1] + max(self.max_tokens(request) - request.num_tokens, 0)
-        return math.ceil(PIPELINE_RESERVE * rest / self.kv.block_size)
+        return math.ceil(self.config.tuning.pipeline_reserve * rest / self.kv.block_size)
 
     def unstall_pipeline(self) -> List[Request]:
-        """PIPELINE_RESERVE, before a step: when no member is in the staggered pipeline's groups and the first
+        """Before a step: when no member is in the staggered pipeline's groups and the first
         waiting to rejoin has no host block for its next token (growth outran the reserve), the newest waiting
         members whose last token is on the host are recomputed (blocks freed, first in line to start again) until
         it has one; returns them."""
         recomputed: List[Request] = []
         stagger = self.stagger
-        if PIPELINE_RESERVE is None or stagger is None or stagger.inside or not stagger.joining:
+        if stagger is None or stagger.inside or not stagger.joining:
             return recomputed
         first = stagger.joining[0]
         while not stagger.can_grow(first):
@@ -618,8 +580,7 @@ class Scheduler:
     def _admit_staggered(self, request: Request, num_tokens: int, device_tokens: int,
                          fitting: List[int]) -> Optional[int]:
         """The staggered plan: the device pool when it has room and no parked request waits for it, else the
-        host pool while the pipeline has a row for the request, with blocks for its whole length (a pipeline
-        request never waits for a block) or, with PIPELINE_RESERVE, for its prompt and first token."""
+        host pool while the pipeline has a row for the request, with blocks for its prompt and first token."""
         if not self.parked and DEVICE_POOL in fitting and self._grow(request, DEVICE_POOL,
                                                                      request.num_computed + device_tokens):
             return DEVICE_POOL
@@ -649,7 +610,7 @@ class Scheduler:
     def _splits_host_prompt(self, request: Request, num_tokens: int) -> bool:
         """Whether starting `request` in the host pool with `num_tokens` tokens would split a prompt that a later
         step can take whole (its running requests' rows aside). A continued host-pool chunk attends its cached
-        part on the CPU, every layer waiting for it (about ten times a fresh chunk's time: notes item 29), so
+        part on the CPU, every layer waiting for it (about ten times a fresh chunk's time), so
         the request waits for that step instead."""
         rest = request.num_tokens - request.num_computed
         return num_tokens < rest <= self.config.max_num_batched_tokens - len(self.running)

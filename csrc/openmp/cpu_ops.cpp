@@ -1023,7 +1023,7 @@ void stagger_layer_job(const at::Tensor& staged, at::TensorList key_caches, at::
                num_heads, scale, out, ready_flags, done_flags, turn, timeout_s, timings);
   call_timer.report_to(timings);
   // One parallel region for the whole job, so that its team is woken once (a team asleep since the last job is slow
-  // to wake, and a second region after the plans would wake it again: notes item 54).
+  // to wake, and a second region after the plans would wake it again).
   const int team = job.team();
 #pragma omp parallel num_threads(team) if (team > 1)
   job.team_part(omp_get_thread_num());
@@ -1157,7 +1157,7 @@ class JobRunner {
     c10::InferenceMode inference;  // as the Python worker ran its jobs: no autograd or version counting on its tensors
     at::get_num_threads();  // ATen's per-thread set-up first, so that it does not reset the width set here
     omp_set_num_threads(std::max<int>(1, int(cores_.size())));
-    for (Slot& slot : slots_) slot.timings = at::zeros({6}, at::TensorOptions().dtype(at::kDouble));  // (notes item 53)
+    for (Slot& slot : slots_) slot.timings = at::zeros({6}, at::TensorOptions().dtype(at::kDouble));
     for (;;) {
       poll_for_submission();
       {
@@ -1200,7 +1200,7 @@ class JobRunner {
   };
 
   // Runs slot 0's job and the jobs queued after it (or submitted within ~kSpinPolls polls of the last one's end) inside
-  // one parallel region: the team is woken once for the chain, not once a job (notes item 54). This thread (the
+  // one parallel region: the team is woken once for the chain, not once a job. This thread (the
   // region's thread 0) checks each job and publishes it; the others poll for it between jobs, then each job's team
   // part runs. While the others run a job's flow, thread 0 takes the next queued job and checks it ahead of its
   // turn, so that the team does not wait for those checks between the two jobs.

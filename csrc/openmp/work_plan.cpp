@@ -12,7 +12,7 @@ namespace apex_cpu {
 
 namespace {
 
-// Defaults chosen by benchmarks/cpu_attention_sweep.py on the GPU machine's 16-core host (notes item 7).
+// Defaults chosen by benchmarks/cpu_attention_sweep.py on a 16-core host.
 std::atomic<int64_t> g_items_per_thread{1};
 std::atomic<int64_t> g_min_item_bytes{128 * 1024};
 std::atomic<int64_t> g_min_thread_bytes{64 * 1024};

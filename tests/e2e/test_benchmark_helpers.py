@@ -167,10 +167,11 @@ def test_a_piecewise_mode_differs_from_its_mode_only_in_its_mixed_steps():
                                     prompt_len=2048).max_num_batched_tokens == 2048 + 64
 
 
-def test_a_mode_can_name_its_block_size_its_cpu_work_split_and_an_inline_exchange(monkeypatch):
-    """"/bs64" sets the KV block size; "/split=a-b-c" and "/inline" run the mode under that CPU attention work
-    split and with the layered exchange on the compute stream ("/beside": on its side stream), and restore both
-    after it, also when it fails."""
+def test_a_mode_can_name_its_block_size_its_cpu_work_split_and_its_tuning(monkeypatch):
+    """"/bs64" sets the KV block size, "/width=", "/share=" and "/hostreserve=" the mode's TuningConfig;
+    "/split=a-b-c" runs the mode under that CPU attention work split and restores it after it, also when it
+    fails."""
+    from apex_compile.config import TuningConfig
     from apex_compile.ops import cpu_attention_work_split
     whole = e2e_hybrid.hybrid_config("auto", 1 << 30, 1 << 31, 64, 640, 256)
     blocks = e2e_hybrid.hybrid_config("auto/bs64", 1 << 30, 1 << 31, 64, 640, 256)
@@ -180,18 +181,26 @@ def test_a_mode_can_name_its_block_size_its_cpu_work_split_and_an_inline_exchang
     assert dict(vars(whole), prefill_tokens_while_decoding=64, offload="never") == vars(capped)
     unreserved = e2e_hybrid.hybrid_config("auto/reserve=0", 1 << 30, 1 << 31, 64, 640, 256)
     assert whole.growth_reserve == 0.15 and dict(vars(whole), growth_reserve=0.0) == vars(unreserved)
+    assert whole.tuning == TuningConfig()
+    for mode, tuning in (("auto/width=8", TuningConfig(auto_stagger_width=8)),
+                         ("staggered:auto/width=10/r2", TuningConfig(auto_stagger_width=10)),
+                         ("auto/share=0.97", TuningConfig(job_share=0.97)),
+                         ("staggered:auto/hostreserve=0/r2", TuningConfig(pipeline_reserve=0.0)),
+                         ("auto/width=12/share=0.9/hostreserve=0.5",
+                          TuningConfig(auto_stagger_width=12, job_share=0.9, pipeline_reserve=0.5))):
+        assert e2e_hybrid.hybrid_config(mode, 1 << 30, 1 << 31, 64, 640, 256).tuning == tuning, mode
     before = cpu_attention_work_split()
     seen = []
 
     def fake_run(model, mode, *args, **kwargs):
-        seen.append((mode, cpu_attention_work_split(), e2e_hybrid.attention_runner.EXCHANGE_BESIDE))
+        seen.append((mode, cpu_attention_work_split()))
         raise RuntimeError("run failed")
 
     monkeypatch.setattr(e2e_hybrid, "optimize", lambda model, config: fake_run(model, config.offload))
     with pytest.raises(RuntimeError, match="run failed"):
-        e2e_hybrid.run_mode(None, "auto/inline/split=4-32768-65536", 1 << 30, 1 << 31, [[1, 2]], 2, 64, SimpleNamespace(
+        e2e_hybrid.run_mode(None, "auto/split=4-32768-65536", 1 << 30, 1 << 31, [[1, 2]], 2, 64, SimpleNamespace(
             prefill_while_decoding=256, cpu_threads=None), start_step=0)
-    assert seen == [("auto", {"items_per_thread": 4, "min_item_bytes": 32768, "min_thread_bytes": 65536}, False)]
+    assert seen == [("auto", {"items_per_thread": 4, "min_item_bytes": 32768, "min_thread_bytes": 65536})]
     assert cpu_attention_work_split() == before
     host_pools = []  # "/host=48": that mode's host pool instead of the run's
     monkeypatch.setattr(e2e_hybrid, "optimize", lambda model, config: host_pools.append(config.cpu_cache_size)
@@ -201,50 +210,19 @@ def test_a_mode_can_name_its_block_size_its_cpu_work_split_and_an_inline_exchang
             e2e_hybrid.run_mode(None, mode, 1 << 30, 1 << 31, [[1, 2]], 2, 64, SimpleNamespace(
                 prefill_while_decoding=256, cpu_threads=None), start_step=0)
     assert host_pools == [48 << 30, 1 << 29, 1 << 31]
-    default = e2e_hybrid.attention_runner.EXCHANGE_BESIDE
-    with pytest.raises(RuntimeError, match="run failed"):
-        e2e_hybrid.run_mode(None, "staggered:2/beside", 1 << 30, 1 << 31, [[1, 2]], 2, 64, SimpleNamespace(
-            prefill_while_decoding=256, cpu_threads=None), start_step=0)
-    assert seen[-1][0] == "staggered" and seen[-1][2] is True
-    assert e2e_hybrid.attention_runner.EXCHANGE_BESIDE == default
-    # process-wide settings named by a suffix: in effect during the run, the old value back after it fails
-    settings = [
-        (lambda: e2e_hybrid.kv_manager.OVERLAP_MOVES, (("never/overlapmoves", True), ("never/syncmoves", False))),
-        (lambda: e2e_hybrid.stagger_module.BUSY_FIT, (("auto/busyfit", True), ("staggered:4/timefit", False))),
-        (lambda: e2e_hybrid.perf_model_module.LEARN_CPU_JOB, (("auto/profilejob", False), ("auto/learnjob", True))),
-        (lambda: e2e_hybrid.stagger_module.JOB_SHARE, (("auto/share=0.97", 0.97), ("staggered:4/share=1.0", 1.0))),
-        (lambda: e2e_hybrid.stagger_module.NATIVE_RUNNER, (("auto/pyrunner", False), ("auto/cxxrunner", True))),
-        (lambda: e2e_hybrid.sampler_module.BLOCKING_WAITS, (("auto/t16/blocking", True), ("auto/spinning", False))),
-        (lambda: e2e_hybrid.cpu_attention_module.HUGE_PAGE_SHIFT_PAGES, (("auto/shifted", 1), ("never/aligned", 0))),
-        (lambda: (e2e_hybrid.engine_module.AUTO_STAGGER_WIDTH, e2e_hybrid.perf_model_module.STAGGER_ROWS),
-         (("auto/width=8", (8, 8)), ("staggered:auto/width=10/r2", (10, 10)))),
-        (lambda: e2e_hybrid.scheduler_module.RESUME_AHEAD, (("never/resumeahead", True), ("auto/resumeinstep", False))),
-        (lambda: e2e_hybrid.scheduler_module.PIPELINE_RESERVE, (("auto/hostreserve=whole", None),
-                                                                ("staggered:auto/hostreserve=0/r2", 0.0))),
-    ]
-    for read, cases in settings:
-        before, during = read(), []
-        monkeypatch.setattr(e2e_hybrid, "optimize", lambda model, config: (
-            during.append((config.offload, read())), fake_run(model, config.offload)))
-        for mode, expected in cases:
-            with pytest.raises(RuntimeError, match="run failed"):
-                e2e_hybrid.run_mode(None, mode, 1 << 30, 1 << 31, [[1, 2]], 2, 64, SimpleNamespace(
-                    prefill_while_decoding=256, cpu_threads=None), start_step=0)
-            assert during[-1] == (e2e_hybrid.parse_mode(mode)[0], expected) and read() == before
 
 
 def test_modes_with_an_unknown_suffix_or_named_twice_are_refused():
     """check_modes: every suffix of e2e_hybrid's modes is known (a typo would run the defaults under an A/B arm's
     name); a mode named twice is refused, "/r2" runs it again."""
     e2e_hybrid.check_modes(["never", "auto", "auto/share=0.95", "auto/r2", "staggered:4/t14/split=4-32768-65536",
-                            "0.5/pw/bs64/pin", "auto/cap64", "never/reserve=0.2",
-                            "auto/1lane/inline/syncmoves/timefit/profilejob",
-                            "auto/pyrunner", "auto/cxxrunner", "auto/t16/blocking", "never/spinning",
+                            "0.5/pw/bs64/pin", "auto/cap64", "never/reserve=0.2", "auto/1lane/hostreserve=0.3",
                             "auto/width=12/share=0.95"])
     assert e2e_hybrid.parse_mode("auto/r2") == e2e_hybrid.parse_mode("auto")
     for modes, message in ((["auto", "auto"], "named twice"), (["auto/shar=1.0"], "unknown suffix '/shar=1.0'"),
                            (["auto/barrier"], "unknown suffix '/barrier'"), (["auto/gcfreeze"], "unknown suffix"),
-                           (["auto/gil=0.1"], "unknown suffix"),
+                           (["auto/gil=0.1"], "unknown suffix"), (["auto/inline"], "unknown suffix"),
+                           (["auto/hostreserve=whole"], "unknown suffix"),
                            (["auto/r"], "unknown suffix"), (["auto/share=1.0x"], "unknown suffix"),
                            (["auto/width=x"], "unknown suffix")):
         with pytest.raises(ValueError, match=message):
@@ -287,28 +265,6 @@ def test_cpu_probe_gap_times_every_case_and_the_job_beside_a_decode_loop(tmp_pat
                                    "job15 idle", "job15+decode", "job15+decode/pin", "job15/split=4-65536-65536"}
     assert all(rate > 0 for rate in result["GBps"].values())
     assert "engine steps" in done.stdout
-
-
-def test_stagger_runner_benchmark_times_both_workers(tmp_path):
-    """benchmarks/stagger_runner.py on this machine (tiny jobs, short steps): both workers' jobs all ran and each
-    mode reports its time between jobs, its jobs' running time and the main thread's work; with --burst, a job's
-    cost around its work when jobs come back to back."""
-    import subprocess
-
-    out = tmp_path / "runner.json"
-    script = os.path.join(os.path.dirname(e2e_hybrid.__file__), "stagger_runner.py")
-    done = subprocess.run([sys.executable, script, "--rows", "1", "--context", "32", "--steps", "14", "--warm", "2",
-                           "--rounds", "1", "--step-ms", "3", "--threads", "1", "--burst", "5", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(out.read_text())
-    assert set(result["summary"]) == {"python", "cxx"}
-    for mode in result["summary"].values():
-        assert mode["jobs"] == 12 and mode["job_run_median_ms"] > 0 and mode["python_work_per_step"] > 0
-        assert mode["pickup_median_us"] >= 0 and mode["glue_median_us"] >= 0
-        burst = mode["burst"]
-        assert burst["per_job_us"] >= burst["ran_median_us"] > 0 and burst["outside_us"] > 0
-    assert "jobs back to back" in done.stdout
 
 
 def test_a_staggered_window_records_which_row_limit_binds():
@@ -356,18 +312,17 @@ def test_a_staggered_window_records_which_row_limit_binds():
     assert idle["row_limits"] is None and idle["row_limit_steps"] == [] and idle["pipeline_end"] is None
 
 
-def test_the_staggered_bound_is_the_tighter_of_host_pool_and_cpu_less_the_prefill(monkeypatch):
-    """The staggered plan's bound from never's run: rows = min(host-pool rows, JOB_SHARE x decode step x
+def test_the_staggered_bound_is_the_tighter_of_host_pool_and_cpu_less_the_prefill():
+    """The staggered plan's bound from never's run: rows = min(host-pool rows, job share x decode step x
     ideal_gain), one token per row at the mean step, less the device tokens their prefill takes."""
-    monkeypatch.setattr(e2e_hybrid.stagger_module, "JOB_SHARE", 0.9)  # the formula's case, not the default's
     never = {"decode_only_step_s": 0.005, "decode_step_s": 0.005, "window_s": 1.8, "steps": [None] * 300,
              "prefill_s_per_token": 20e-6, "tokens_per_s": 2000.0}
-    cpu_bound = e2e_hybrid.staggered_bound(never, 1000.0, 8, 512, 128)  # the CPU fits 0.9 x 5 ms x 1000 = 4.5
+    cpu_bound = e2e_hybrid.staggered_bound(never, 1000.0, 8, 512, 128, job_share=0.9)  # 0.9 x 5 ms x 1000 = 4.5
     assert cpu_bound["rows"] == pytest.approx(4.5) and cpu_bound["mean_step_s"] == pytest.approx(0.006)
     assert cpu_bound["host_tokens_per_s"] == pytest.approx(750.0)
     assert cpu_bound["prefill_loss_tokens_per_s"] == pytest.approx(750.0 * 4 * 20e-6 * 2000.0)
     assert cpu_bound["efficiency"] == pytest.approx((750.0 - 120.0) / 1000.0)
-    pool_bound = e2e_hybrid.staggered_bound(never, 1000.0, 3, 512, 512)
+    pool_bound = e2e_hybrid.staggered_bound(never, 1000.0, 3, 512, 512, job_share=0.9)
     assert pool_bound["rows"] == 3 and pool_bound["efficiency"] == pytest.approx((500.0 - 20.0) / 1000.0)
 
 

@@ -7,7 +7,7 @@ import collections
 import pytest
 import torch
 
-from apex_compile.config import ApexConfig
+from apex_compile.config import ApexConfig, TuningConfig
 from apex_compile.model import optimize
 from apex_compile.runtime.request import Request, SamplingParams
 from apex_compile.runtime.scheduler import Scheduler
@@ -195,20 +195,17 @@ def test_a_parked_request_admits_nothing_until_the_device_pool_can_take_it_back(
     assert sched.schedule().resumed == [parked] and kv.pool_of(parked.request_id) == DEVICE_POOL
 
 
-def test_with_the_staggered_plan_a_parked_request_keeps_the_device_pool_not_the_pipeline(monkeypatch):
+def test_with_the_staggered_plan_a_parked_request_keeps_the_device_pool_not_the_pipeline():
     """While a parked request waits for the device pool, waiting requests may start in the staggered pipeline's
     host pool (never in the device pool ahead of it): the next step admits one while the pipeline has a row."""
     import types
-
-    from apex_compile.runtime import scheduler as scheduler_module
 
     from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, CacheShape, KVManager
     from apex_compile.runtime.request import RequestStatus
 
     shape = CacheShape(num_layers=1, num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32)
     kv = KVManager(shape, 4, 16, torch.device("cpu"))
-    monkeypatch.setattr(scheduler_module, "PIPELINE_RESERVE", None)  # a stand-in pipeline: whole-length blocks
-    pipeline = types.SimpleNamespace(num_members=0, capacity=2, closed=False)
+    pipeline = types.SimpleNamespace(num_members=0, capacity=2, closed=False, steps=0, members=lambda: [])
     sched = Scheduler(ApexConfig(offload="staggered", preemption="swap", max_num_seqs=8,
                                  max_num_batched_tokens=64), kv, stagger=pipeline)
     running = Request(0, list(range(1, 41)), SamplingParams(max_new_tokens=4))
@@ -231,50 +228,47 @@ def test_with_the_staggered_plan_a_parked_request_keeps_the_device_pool_not_the_
     assert [c.request for c in sched.schedule().chunks] == [running, short]
 
 
-def test_the_pipeline_leaves_the_host_pool_room_to_park_the_device_pools_requests(monkeypatch):
+def test_the_pipeline_leaves_the_host_pool_room_to_park_the_device_pools_requests():
     """A request starts in the staggered pipeline only while the host pool keeps room to park the device pool's
     blocks (else full pools would recompute evicted requests from their prompts): the next step admits nothing.
-    With whole-length host blocks (the block counts below; the reserve's room: test_runtime_stagger)."""
+    Without a growth reserve (the block counts below; the reserve's room: test_runtime_stagger)."""
     import types
-
-    from apex_compile.runtime import scheduler as scheduler_module
 
     from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, CacheShape, KVManager
     from apex_compile.runtime.request import RequestStatus
 
     shape = CacheShape(num_layers=1, num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32)
     kv = KVManager(shape, 4, 12, torch.device("cpu"))
-    monkeypatch.setattr(scheduler_module, "PIPELINE_RESERVE", None)
-    sched = Scheduler(ApexConfig(offload="staggered", preemption="swap", max_num_seqs=8, max_num_batched_tokens=64),
-                      kv, stagger=types.SimpleNamespace(num_members=0, capacity=8, closed=False))
+    sched = Scheduler(ApexConfig(offload="staggered", preemption="swap", max_num_seqs=8, max_num_batched_tokens=64,
+                                 tuning=TuningConfig(pipeline_reserve=0.0)),
+                      kv, stagger=types.SimpleNamespace(num_members=0, capacity=8, closed=False, steps=0,
+                                                        members=lambda: []))
     running = Request(0, list(range(1, 64)), SamplingParams(max_new_tokens=1))
     running.num_computed, running.status = 63, RequestStatus.RUNNING
     kv.grow(running.request_id, DEVICE_POOL, 64)  # the whole device pool
     sched.running.append(running)
     member = Request(1, list(range(1, 50)), SamplingParams(max_new_tokens=30))
     kv.grow(member.request_id, HOST_POOL, 79)  # a pipeline member's 5 blocks: 7 host blocks free
-    sched.add(Request(2, [1, 2, 3], SamplingParams(max_new_tokens=40)))  # 3 blocks, + 4 kept to park: fits
-    sched.add(Request(3, [1, 2, 3], SamplingParams(max_new_tokens=40)))  # 3 more: would leave 1 of the 4 kept
+    sched.add(Request(2, list(range(1, 21)), SamplingParams(max_new_tokens=40)))  # 2 blocks, + 4 kept: fits
+    sched.add(Request(3, list(range(1, 21)), SamplingParams(max_new_tokens=40)))  # 2 more: would leave 3 of 4
     assert not sched.admits_nothing()
     out = sched.schedule()
-    assert [c.request.request_id for c in out.chunks] == [0, 2] and kv.num_free(HOST_POOL) == 4
+    assert [c.request.request_id for c in out.chunks] == [0, 2] and kv.num_free(HOST_POOL) == 5
     assert sched.admits_nothing() and [c.request.request_id for c in sched.schedule().chunks] == [0, 2]
 
 
 @pytest.mark.parametrize("delay", [0, 3, 10 ** 6])
-def test_overlapped_moves_park_ahead_and_lose_nothing(tiny_llama, monkeypatch, delay):
-    """kv_manager.OVERLAP_MOVES on a CPU stand-in for the swap stream whose copies run only when they land
+def test_overlapped_moves_park_ahead_and_lose_nothing(tiny_llama, delay):
+    """Overlapped moves on a CPU stand-in for the swap stream whose copies run only when they land
     (`DeferredSwap`: at once, after a few queries, or only when waited for): the scheduler parks ahead (the
     newest device request, after its step is queued, its blocks held until its copy lands), resumes wait on
     the compute side, and the tokens are the synchronous engine's with every block back."""
-    from apex_compile.runtime import kv_manager
     from tests.helpers import DeferredSwap
 
     sampling = [SamplingParams(max_new_tokens=n) for n in LENGTHS]
     block_bytes = 2 * 2 * 2 * 16 * 16 * 4
     config = dict(offload="never", gpu_cache_size=4 * block_bytes, cpu_cache_size=4 * MB)
     expected, sync_stats, _ = run(tiny_llama, False, sampling, **config)
-    monkeypatch.setattr(kv_manager, "OVERLAP_MOVES", True)
     engine = optimize(tiny_llama, ApexConfig(async_scheduling=True, **config)).engine
     engine.kv._swap = swap = DeferredSwap(delay)
     holds = []
@@ -288,12 +282,11 @@ def test_overlapped_moves_park_ahead_and_lose_nothing(tiny_llama, monkeypatch, d
 
 
 @pytest.mark.parametrize("delay", [0, 3, 10 ** 6])
-def test_a_step_queued_ahead_parks_ahead_and_the_next_one_goes_on(tiny_llama, monkeypatch, delay):
+def test_a_step_queued_ahead_parks_ahead_and_the_next_one_goes_on(tiny_llama, delay):
     """With overlapped moves the engine need not stop queueing ahead to park: the parks a step queued ahead
     leaves due are planned with it and issued once it is queued (their copies behind it), and the step after a
     park queues ahead too (the parked request's token arrives while it is parked). Tokens are the synchronous
     engine's, every block comes back, whether the copies land at once, later or only when waited for."""
-    from apex_compile.runtime import kv_manager
     from tests.helpers import DeferredSwap
 
     prompts = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
@@ -301,7 +294,6 @@ def test_a_step_queued_ahead_parks_ahead_and_the_next_one_goes_on(tiny_llama, mo
     block_bytes = 2 * 2 * 2 * 16 * 16 * 4  # layers x (K, V) x kv heads x block x head dim x fp32
     config = dict(offload="never", gpu_cache_size=7 * block_bytes, cpu_cache_size=4 * MB)
     expected, _, _ = run(tiny_llama, False, sampling, prompts, **config)
-    monkeypatch.setattr(kv_manager, "OVERLAP_MOVES", True)
     engine = optimize(tiny_llama, ApexConfig(async_scheduling=True, **config)).engine
     engine.kv._swap = DeferredSwap(delay)
     scheduler = engine.scheduler
@@ -323,18 +315,16 @@ def test_a_step_queued_ahead_parks_ahead_and_the_next_one_goes_on(tiny_llama, mo
 
 
 @pytest.mark.parametrize("delay", [0, 10 ** 6])
-def test_a_growth_reserve_parks_less_and_changes_no_token(tiny_llama, monkeypatch, delay):
+def test_a_growth_reserve_parks_less_and_changes_no_token(tiny_llama, delay):
     """ApexConfig.growth_reserve with overlapped moves and steps queued ahead: a request enters or resumes in the
     device pool only with room for a share of every device request's remaining tokens, so fewer are parked; the
     tokens are those of the synchronous engine without a reserve, and every block comes back."""
-    from apex_compile.runtime import kv_manager
     from tests.helpers import DeferredSwap
 
     sampling = [SamplingParams(max_new_tokens=n) for n in LENGTHS]
     block_bytes = 2 * 2 * 2 * 16 * 16 * 4
     config = dict(offload="never", gpu_cache_size=4 * block_bytes, cpu_cache_size=4 * MB)
     expected, _, _ = run(tiny_llama, False, sampling, **config)
-    monkeypatch.setattr(kv_manager, "OVERLAP_MOVES", True)
     parked = {}
     for reserve in (0.0, 0.5):
         engine = optimize(tiny_llama, ApexConfig(async_scheduling=True, growth_reserve=reserve, **config)).engine
@@ -345,71 +335,3 @@ def test_a_growth_reserve_parks_less_and_changes_no_token(tiny_llama, monkeypatc
         assert engine.blocks_in_use() == {"device": 0, "host": 0}
         parked[reserve] = engine.stats.parked
     assert parked[0.0] > 0 and parked[0.5] < parked[0.0], parked
-
-
-@pytest.mark.parametrize("delay", [0, 3, 10 ** 6])
-def test_resumes_ahead_keep_the_steps_queued_and_change_no_token(tiny_llama, monkeypatch, delay):
-    """scheduler.RESUME_AHEAD with overlapped moves: a parked request the device pool can take back is moved
-    while a step is queued ahead and decodes from the step after it, its input id from the host, that step
-    ordered after its copy; fewer steps are left to the host for an admission, and the tokens are the
-    synchronous engine's with every block back, whether the copies land at once, later or only when waited for.
-    Without the order before the step that runs it, a copy that lands late is read before it is written."""
-    from apex_compile.runtime import kv_manager
-    from apex_compile.runtime import scheduler as scheduler_module
-    from tests.helpers import DeferredSwap
-
-    prompts = PROMPTS
-    sampling = [SamplingParams(max_new_tokens=n) for n in (60, 50, 40, 45, 55)]
-    block_bytes = 2 * 2 * 2 * 16 * 16 * 4
-    config = dict(offload="never", gpu_cache_size=7 * block_bytes, cpu_cache_size=4 * MB)
-    expected, _, _ = run(tiny_llama, False, sampling, prompts, **config)
-    monkeypatch.setattr(kv_manager, "OVERLAP_MOVES", True)
-    stats = {}
-    for ahead in (False, True):
-        monkeypatch.setattr(scheduler_module, "RESUME_AHEAD", ahead)
-        engine = optimize(tiny_llama, ApexConfig(async_scheduling=True, **config)).engine
-        engine.kv._swap = DeferredSwap(delay)
-        completions = engine.generate(prompts, sampling)
-        assert [(c.token_ids, c.finish_reason) for c in completions] == expected
-        engine.kv.sync_moves()
-        assert engine.blocks_in_use() == {"device": 0, "host": 0}
-        stats[ahead] = engine.stats
-    assert stats[False].resumed_ahead == 0 < stats[True].resumed_ahead
-    if delay != 10 ** 6:  # (copies landing only when waited for park less: fewer resumes to take ahead)
-        assert stats[True].not_ahead.get("admits", 0) < stats[False].not_ahead.get("admits", 0)
-    engine = optimize(tiny_llama, ApexConfig(async_scheduling=True, **config)).engine
-    engine.kv._swap = DeferredSwap(10 ** 6)
-    engine.kv.order_arrivals = lambda request_ids: None
-    assert [(c.token_ids, c.finish_reason) for c in engine.generate(prompts, sampling)] != expected
-
-
-@pytest.mark.parametrize("lanes", [1, 2])
-def test_resumes_ahead_beside_a_closed_pipeline_change_no_token(lanes, monkeypatch):
-    """The staggered plan with its pipeline taking nothing (ceiling 0): the device pool's evictions are parked
-    and resume ahead (overlapped moves on a stand-in swap stream whose copies land late), with the tokens of
-    the synchronous engine and every block back."""
-    from apex_compile.runtime import kv_manager
-    from apex_compile.runtime import scheduler as scheduler_module
-    from tests.helpers import DeferredSwap
-    from tests.runtime.test_runtime_stagger import sharp_model, staggered
-
-    torch.manual_seed(31)
-    model = sharp_model()
-    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4, 8, 6)]
-    sampling = [SamplingParams(max_new_tokens=n) for n in (40, 30, 45, 35, 40, 28, 44, 38)]
-
-    def generate(async_scheduling):
-        apex = staggered(model, width=2, lanes=lanes, device_blocks=6, async_scheduling=async_scheduling)
-        if async_scheduling:
-            apex.engine.kv._swap = DeferredSwap(delay=3)
-        apex.engine.stagger.rows.set_ceiling(0)
-        done = apex.engine.generate(prompts, sampling)
-        apex.engine.kv.sync_moves()
-        assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
-        return [(c.token_ids, c.finish_reason) for c in done], apex.engine.stats
-
-    expected, _ = generate(False)
-    monkeypatch.setattr(kv_manager, "OVERLAP_MOVES", True)
-    monkeypatch.setattr(scheduler_module, "RESUME_AHEAD", True)
-    got, stats = generate(True)
-    assert got == expected and stats.parked > 0 and stats.resumed_ahead > 0

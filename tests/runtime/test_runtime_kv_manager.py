@@ -159,9 +159,6 @@ def test_the_host_pool_is_page_locked_at_its_exact_size_and_unlocked_at_close():
 def test_moves_of_a_large_host_pool_leave_the_launching_thread_free():
     """Host layers of several MiB (the huge-page path) read as pinned, so a park and a resume queued behind
     GPU work return to the host at once (their copies wait on the swap stream, not on the host), and land."""
-    from apex_compile.runtime import kv_manager
-
-    assert kv_manager.OVERLAP_MOVES
     shape = CacheShape(num_layers=2, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
     kv = KVManager(shape, 64, 200, torch.device("cuda"))  # a host layer's cache: 6.25 MiB
     host = kv.pools[HOST_POOL]
@@ -211,12 +208,10 @@ def test_shrink_returns_the_blocks_past_the_tokens_kept_in_a_new_table():
 
 
 @pytest.fixture
-def overlapped(monkeypatch):
+def overlapped():
     """A CPU manager with overlapped moves over a swap stream whose copies land late (`DeferredSwap`)."""
-    from apex_compile.runtime import kv_manager
     from tests.helpers import DeferredSwap
 
-    monkeypatch.setattr(kv_manager, "OVERLAP_MOVES", True)
     kv = make_manager(device_blocks=6, host_blocks=8)
     kv._swap = DeferredSwap(delay=10 ** 6)  # lands only when waited for
     return kv
@@ -271,34 +266,6 @@ def test_a_resume_orders_the_compute_and_holds_its_host_blocks(overlapped):
     assert kv.num_free(HOST_POOL) == 3 and kv.num_held(HOST_POOL) == 0
 
 
-def test_a_resume_ahead_is_waited_for_only_by_a_step_that_runs_it(overlapped):
-    """move(later=True) into the device pool (a resume ahead): the next step's `wait_for_moves` and a step of
-    other requests do not wait for it; `order_arrivals` with the request orders the compute after it once.
-    Freed or shrunk before it landed, its device blocks return only once the copy has written them."""
-    kv = overlapped
-    expected = fill(kv, 1, HOST_POOL, 40)
-    kv.move(1, DEVICE_POOL, later=True)
-    kv.wait_for_moves()
-    kv.order_arrivals([7, 8])
-    assert kv._swap.ordered == 0 and kv._swap.pending
-    kv.order_arrivals([7, 1])
-    assert kv._swap.ordered == 1 and not kv._swap.pending
-    assert_holds(kv, 1, expected, 40)
-    kv.order_arrivals([1])
-    assert kv._swap.ordered == 1  # waited for once
-    kv.move(1, HOST_POOL)
-    kv.sync_moves()
-    kv.move(1, DEVICE_POOL, later=True)
-    kv.shrink(1, 16)  # 2 of its 3 device blocks, still being written
-    assert kv.num_held(DEVICE_POOL) == 2 and kv.num_free(DEVICE_POOL) == 3
-    kv.free(1)
-    assert kv.num_held(DEVICE_POOL) == 3 and kv.num_free(DEVICE_POOL) == 3 and kv._swap.pending
-    kv.order_arrivals([1])
-    assert kv._swap.ordered == 1  # forgotten with its blocks: nothing left to order
-    kv.sync_moves()
-    assert kv.num_used(DEVICE_POOL) == kv.num_used(HOST_POOL) == 0
-
-
 def test_a_park_landing_is_waited_for_by_host_readers_and_its_free(overlapped):
     """A park's destination host blocks: `host_ready` waits for the copy; freeing the request before it landed
     keeps them until it has; `sync_moves` lands everything."""
@@ -329,18 +296,3 @@ def test_landed_tells_a_parks_landing_without_waiting_for_it(overlapped):
     assert kv.landed(1) and not kv._swap.pending and kv.landed(1)
     assert_holds(kv, 1, expected, 40)
     assert kv.landed(7)  # no copy in flight
-
-
-def test_without_overlap_every_move_is_waited_for_on_the_host(monkeypatch):
-    from apex_compile.runtime import kv_manager
-    from tests.helpers import DeferredSwap
-
-    monkeypatch.setattr(kv_manager, "OVERLAP_MOVES", False)
-    kv = make_manager(device_blocks=6, host_blocks=8)
-    kv._swap = DeferredSwap(delay=10 ** 6)
-    expected = fill(kv, 1, HOST_POOL, 40)
-    kv.move(1, DEVICE_POOL, hold=True)
-    assert kv.num_free(HOST_POOL) == 8 and kv.num_held(HOST_POOL) == 0  # freed at once, as before
-    kv.wait_for_moves()
-    assert kv._swap.ordered == 0 and not kv._swap.pending
-    assert_holds(kv, 1, expected, 40)

@@ -182,11 +182,10 @@ def test_auto_stagger_rows_follow_the_calibrated_model():
     assert AutoOffload(calibrated(stagger_extra_ms=1.5), stagger_groups=GROUPS).stagger_rows(64, 576, 8) == 0
 
 
-def test_the_staggered_verdict_follows_the_measured_cpu_job_over_the_profile(monkeypatch):
+def test_the_staggered_verdict_follows_the_measured_cpu_job_over_the_profile():
     """`learn_cpu_job` (the running pipeline's job fit): a profile probed while the host was busy (a slow CPU)
     caps the rows below what the measured job fits; with the fit the rows follow the job, and a measured job
-    slower than the profile takes rows away. None (no fit yet) or LEARN_CPU_JOB off: the profile's rate."""
-    from apex_compile.runtime import perf_model
+    slower than the profile takes rows away. None (no fit yet): the profile's rate."""
     slow_probe = AutoOffload(calibrated(cpu_gbps=30), stagger_groups=GROUPS)
     fast_probe = AutoOffload(calibrated(cpu_gbps=90), stagger_groups=GROUPS)
     capped, free = slow_probe.stagger_rows(12, 576, 8), fast_probe.stagger_rows(12, 576, 8)
@@ -202,9 +201,6 @@ def test_the_staggered_verdict_follows_the_measured_cpu_job_over_the_profile(mon
     assert fast_probe.stagger_rows(12, 576, 8) < free
     slow_probe.learn_cpu_job(None)
     assert slow_probe.stagger_rows(12, 576, 8) == capped
-    monkeypatch.setattr(perf_model, "LEARN_CPU_JOB", False)
-    slow_probe.learn_cpu_job((0.0, per_token))
-    assert slow_probe.cpu_job is None and slow_probe.stagger_rows(12, 576, 8) == capped
 
 
 def test_the_staggered_verdict_prices_the_job_at_the_host_rows_context():

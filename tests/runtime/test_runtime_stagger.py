@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from apex_compile import ApexConfig, SamplingParams, optimize
+from apex_compile.config import TuningConfig
 from apex_compile.passes import PassReport, PatternError
 from apex_compile.passes.partition_attention import partition_attention
 from apex_compile.passes.stagger import stagger_rows
@@ -74,7 +75,7 @@ def test_staggered_tokens_equal_hf_generate(kind, width, lanes):
 def test_staggered_tokens_equal_hf_generate_with_a_full_pipeline(monkeypatch):
     """Enough host requests that every group of a lane holds one: the CPU job then attends every layer's rows
     without gathering them (the steady state of a long run)."""
-    from apex_compile.runtime import stagger as stagger_module
+    from apex_compile.runtime.stagger import pipeline as stagger_module
 
     full_turns = []
     original = stagger_module.host_attention
@@ -205,7 +206,7 @@ def test_closing_a_stream_midway_drops_pipeline_requests():
 def test_aborting_one_pipeline_request_writes_nothing_into_its_freed_blocks(monkeypatch):
     """A request cancelled halfway through the layers: its blocks go back to the pool, no later CPU job appends
     into them (its group's metadata is rebuilt), and the others' tokens stay HF's."""
-    from apex_compile.runtime import stagger as stagger_module
+    from apex_compile.runtime.stagger import pipeline as stagger_module
     from apex_compile.runtime.kv_manager import HOST_POOL
 
     torch.manual_seed(4)
@@ -289,13 +290,13 @@ def test_host_rows_are_the_lanes_mean_group_size_not_rounded():
 
 
 def test_row_limit_keeps_the_cpu_job_within_a_step():
-    from apex_compile.runtime.stagger import JOB_SHARE, RowLimit
+    from apex_compile.runtime.stagger import RowLimit
 
     rows = RowLimit(width=8, num_layers=32, adaptive=True)
     assert rows.update(576) == 8  # nothing measured yet: every row
     rows.observe_job(4.0e-3, work=32 * 4 * 576)  # four rows of 576 tokens at every layer: 1 ms a row
     rows.observe_step(6.0e-3)
-    assert rows.update(576) == int(JOB_SHARE * 6.0 / 1.0) == 5
+    assert rows.update(576) == int(TuningConfig().job_share * 6.0 / 1.0) == 5
     assert rows.update(2 * 576) == 2  # twice the context, half the rows
     for _ in range(40):  # the CPU gets 3x slower: the average follows, the limit drops to one row
         rows.observe_job(3 * 4.0e-3, work=32 * 4 * 576)
@@ -330,11 +331,11 @@ def test_a_row_limit_keeps_the_fraction_of_a_row_the_job_fits():
     """A job that fits 4.6 rows a step runs 4.6 on average: the groups of a cycle take 4 or 5 rows in turn
     (floor or ceiling), so the job's work per step stays even; a waiting GPU takes the fraction away first; a
     model ceiling below the measured rows caps them."""
-    from apex_compile.runtime.stagger import JOB_SHARE, RowLimit
+    from apex_compile.runtime.stagger import RowLimit
 
     rows = RowLimit(width=8, num_layers=32, adaptive=True)
     rows.observe_job(4 * 1.0e-3, work=32 * 4 * 576)  # 1 ms a row of 576 tokens
-    rows.observe_step(4.6e-3 / JOB_SHARE)
+    rows.observe_step(4.6e-3 / TuningConfig().job_share)
     assert rows.update(576) == 4 and rows.share() == pytest.approx(4.6)
     cycle = [rows.turn_rows(slot) for slot in range(33)]
     assert set(cycle) == {4, 5} and sum(cycle) == rows.capacity_rows(33) == int(33 * 4.6)
@@ -346,7 +347,7 @@ def test_a_row_limit_keeps_the_fraction_of_a_row_the_job_fits():
     rows.set_ceiling(4)  # the model takes every whole row it was offered: the fraction stays
     assert rows.share() == pytest.approx(4.6)
     for _ in range(3):  # the GPU waits for the job: the first cut takes the fraction, not a whole row more
-        rows.observe_step(4.6e-3 / JOB_SHARE, waited=1e-3)
+        rows.observe_step(4.6e-3 / TuningConfig().job_share, waited=1e-3)
     assert rows.guard == 4 and rows.update(576) == 4 and rows.share() == 4
     whole = RowLimit(width=8, num_layers=32, adaptive=False)
     assert whole.share() == 8 and {whole.turn_rows(slot) for slot in range(33)} == {8}
@@ -374,7 +375,7 @@ def test_groups_share_a_fractional_row_limit_and_the_tokens_stay_hf_equal():
 def test_the_row_limit_separates_the_jobs_fixed_cost_from_its_rows():
     """Jobs of a filling pipeline (1..8 rows) that cost 3.2 ms plus 0.36 ms a row: the fit finds both, so the
     limit is the rows that fit after the fixed part (a per-work average of the same jobs would allow 3)."""
-    from apex_compile.runtime.stagger import JOB_SHARE, RowLimit
+    from apex_compile.runtime.stagger import RowLimit
 
     work_per_row = 32 * 576
     rows = RowLimit(width=8, num_layers=32, adaptive=True)
@@ -383,7 +384,7 @@ def test_the_row_limit_separates_the_jobs_fixed_cost_from_its_rows():
     rows.observe_step(6.0e-3)
     assert rows.fixed == pytest.approx(3.2e-3, rel=1e-6)
     assert rows.rate * work_per_row == pytest.approx(0.36e-3, rel=1e-6)
-    assert rows.update(576) == int((JOB_SHARE * 6.0 - 3.2) / 0.36) == 6
+    assert rows.update(576) == int((TuningConfig().job_share * 6.0 - 3.2) / 0.36) == 6
     # the same jobs read as a per-work rate: 6.08 ms for 8 rows, 0.76 ms a row, 7 rows (the fixed part would
     # count once per row); with the jobs of one row only, 3.56 ms a row: 1
     # jobs whose time grows faster than their work (a fill's contention): never a negative fixed part
@@ -391,7 +392,7 @@ def test_the_row_limit_separates_the_jobs_fixed_cost_from_its_rows():
     for used in (2, 4, 6, 8):
         steep.observe_job(-1e-3 + 1e-3 * used, work=used * work_per_row)
     steep.observe_step(6.0e-3)
-    assert steep.fixed == 0.0 and steep.update(576) >= int(JOB_SHARE * 6.0 / 1.0) - 1
+    assert steep.fixed == 0.0 and steep.update(576) >= int(TuningConfig().job_share * 6.0 / 1.0) - 1
     averaged = RowLimit(width=8, num_layers=32, adaptive=True)
     averaged.observe_job(3.2e-3 + 0.36e-3, work=work_per_row)
     averaged.observe_step(6.0e-3)
@@ -402,7 +403,7 @@ def test_the_profiled_cpu_rate_bounds_the_job_fit():
     """Session 18's collapse: the few jobs of a pipeline that filled briefly and drained, mostly per-call costs,
     read as 3.2 ms a row (the profile: 0.71 ms), so the rows fell to 1-2 and the model's ceiling to 0 for good.
     With the profiled rate the fit stays within PRIOR_SPREAD of it both ways."""
-    from apex_compile.runtime.stagger import JOB_SHARE, PRIOR_SPREAD, RowLimit
+    from apex_compile.runtime.stagger import PRIOR_SPREAD, RowLimit
 
     context, layers = 600, 32
     prior = 4096 / 111e9  # seconds per (layer, context token): 4 KiB of K/V per token and layer at 111 GB/s
@@ -417,7 +418,7 @@ def test_the_profiled_cpu_rate_bounds_the_job_fit():
             assert limit <= 2  # the collapse the bound prevents
         else:
             assert rows.rate == pytest.approx(PRIOR_SPREAD * prior)
-            assert limit == int((JOB_SHARE * 6.1e-3 - rows.fixed) / (PRIOR_SPREAD * per_row)) >= 4
+            assert limit == int((TuningConfig().job_share * 6.1e-3 - rows.fixed) / (PRIOR_SPREAD * per_row)) >= 4
     # a flat fit that would read the CPU as nearly free: the rate is at least prior / PRIOR_SPREAD, so the
     # fixed part is what the jobs' time leaves beyond that (not the whole job)
     flat = RowLimit(width=8, num_layers=layers, adaptive=True, prior_rate=prior)
@@ -483,7 +484,7 @@ def test_rows_are_taken_away_while_the_gpu_waits_for_the_cpu_job():
 def test_a_draining_pipeline_does_not_win_back_the_rows_that_made_the_gpu_wait():
     """Calm steps count towards a row back only while the job's groups hold the guard's rows: a pipeline that
     drains (auto's ceiling fell to 0) after the guard's cut makes no wait at its fewer rows, and regrowing on
-    them refilled it at the rows that had failed (session 34, 2 GiB); steps at the guard's rows do regrow it."""
+    them would refill it at the rows that had failed; steps at the guard's rows do regrow it."""
     from apex_compile.runtime.stagger import REGROW_STEPS, RowLimit
 
     rows = RowLimit(width=8, num_layers=32, adaptive=True)
@@ -503,14 +504,14 @@ def test_steps_with_prompt_chunks_do_not_widen_the_decode_steps_budget():
     """A filling pipeline's steps carry prompts (tens of ms each): their length stays out of the step average,
     so the rows admitted during the fill are those a decode step fits; nor do their waits cut the guard (the job
     then also waits for the prompts' K/V export, which its rows do not cost)."""
-    from apex_compile.runtime.stagger import JOB_SHARE, RowLimit
+    from apex_compile.runtime.stagger import RowLimit
 
     rows = RowLimit(width=8, num_layers=32, adaptive=True)
     rows.observe_job(4.0e-3, work=32 * 4 * 576)  # 1 ms a row
     rows.observe_step(6.0e-3)
     for _ in range(20):
         rows.observe_step(60e-3, decode=False)
-    assert rows.step == pytest.approx(6.0e-3) and rows.update(576) == int(JOB_SHARE * 6.0 / 1.0) == 5
+    assert rows.step == pytest.approx(6.0e-3) and rows.update(576) == int(TuningConfig().job_share * 6.0 / 1.0) == 5
     mixed = RowLimit(width=8, num_layers=32, adaptive=True)  # the old average: every step counted
     mixed.observe_job(4.0e-3, work=32 * 4 * 576)
     mixed.observe_step(6.0e-3)
@@ -620,7 +621,7 @@ def test_an_empty_pipeline_probes_its_rows_again_after_a_hold():
     (guard, job fit) is dropped and one row more is allowed (auto's model then decides). The hold doubles after each
     probe, up to MAX_IDLE_HOLD; a fit that alone holds the rows down (a fill's contention in its jobs) is dropped
     too; measured rows at the width are no probe."""
-    from apex_compile.runtime.stagger import IDLE_HOLD, JOB_SHARE, MAX_IDLE_HOLD, REGROW_STEPS, RowLimit
+    from apex_compile.runtime.stagger import IDLE_HOLD, MAX_IDLE_HOLD, REGROW_STEPS, RowLimit
 
     rows = RowLimit(width=8, num_layers=32, adaptive=True)
     rows.observe_job(4.0e-3, work=32 * 4 * 576)  # 1 ms a row: 5 rows fit a 6 ms step
@@ -639,7 +640,7 @@ def test_an_empty_pipeline_probes_its_rows_again_after_a_hold():
     rows.observe_job(4.0e-3, work=32 * 4 * 576)  # the probe's jobs: the rows follow them, within the guard
     rows.observe_step(6.0e-3)
     rows.update(576)
-    assert rows.measured == 2 < int(JOB_SHARE * 6.0 / 1.0) == 5
+    assert rows.measured == 2 < int(TuningConfig().job_share * 6.0 / 1.0) == 5
     for _ in range(3 * REGROW_STEPS):  # calm decode steps: the guard regrows to what the fit allows
         rows.observe_step(6.0e-3)
     rows.update(576)
@@ -857,12 +858,9 @@ def test_parked_requests_join_the_pipeline_when_it_takes_them(monkeypatch, overl
     emptied by auto's ceiling refills once every request was admitted. Tokens are HF's, no block is lost. With
     overlapped moves (a stand-in swap stream whose copies land late) a request joins only once its park has
     landed (`KVManager.landed`, before a CPU job reads its host blocks), and the join never waits for a copy."""
-    from apex_compile.runtime import kv_manager
     from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL
     from apex_compile.runtime.scheduler import Scheduler
     from tests.helpers import DeferredSwap
-
-    monkeypatch.setattr(kv_manager, "OVERLAP_MOVES", overlap)
 
     torch.manual_seed(10)
     model = sharp_model()
@@ -925,7 +923,7 @@ def test_auto_ceiling_is_chosen_among_the_rows_the_cpu_job_fits(monkeypatch):
     fewer rows than its overhead needs to pay gets a ceiling of 0 (no request enters the pipeline), where the
     model alone would have asked for more rows than the CPU can serve. From 0 the ceiling rises only after the
     verdict held STAGGER_RISE_STEPS steps (a flickering verdict paid host prefills only to park them again)."""
-    from apex_compile.runtime.engine import AUTO_STAGGER_WIDTH, STAGGER_FALL_STEPS, STAGGER_RISE_STEPS
+    from apex_compile.runtime.engine import STAGGER_FALL_STEPS, STAGGER_RISE_STEPS
 
     apex = staggered(sharp_model(), width="auto")
     engine, stagger = apex.engine, apex.engine.stagger
@@ -940,7 +938,7 @@ def test_auto_ceiling_is_chosen_among_the_rows_the_cpu_job_fits(monkeypatch):
     engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=2))
     engine.scheduler.schedule()  # a running request: the ceiling is computed beside it
     engine._update_stagger_ceiling()
-    assert asked[-1] == stagger.width == AUTO_STAGGER_WIDTH and stagger.rows.ceiling == stagger.width  # every row
+    assert asked[-1] == stagger.width == TuningConfig().auto_stagger_width and stagger.rows.ceiling == stagger.width  # every row
     stagger.rows.measured = 2
     engine._update_stagger_ceiling()
     assert asked[-1] == 2 and stagger.rows.ceiling == 0 and stagger.rows.update(0) == 0
@@ -1115,18 +1113,17 @@ def test_a_closed_pipeline_finishes_its_members_on_the_host_and_admits_none(monk
 
 
 def test_an_adaptive_pipeline_gives_hf_tokens():
-    from apex_compile.runtime.engine import AUTO_STAGGER_WIDTH
 
     torch.manual_seed(7)
     model = sharp_model()
     prompts = [torch.randint(3, 96, (n,)).tolist() for n in (6, 11, 4, 9, 13, 5, 7)]
     apex = staggered(model, width="auto")
-    assert apex.engine.stagger.width == AUTO_STAGGER_WIDTH and apex.engine.stagger.rows.adaptive
+    assert apex.engine.stagger.width == TuningConfig().auto_stagger_width and apex.engine.stagger.rows.adaptive
     done = apex.engine.generate(prompts, SamplingParams(max_new_tokens=8))
     assert [c.token_ids for c in done] == hf_tokens(model, prompts, 8)
     assert sum(1 for c in done if c.steps_per_pool["host"]) >= 3
     rows = apex.engine.stagger.rows
-    assert rows.rate is not None and rows.step is not None and 1 <= rows.limit <= AUTO_STAGGER_WIDTH
+    assert rows.rate is not None and rows.step is not None and 1 <= rows.limit <= TuningConfig().auto_stagger_width
 
 
 def test_config_checks():
@@ -1272,55 +1269,6 @@ def test_output_buffer_is_not_rewritten_before_its_copy_back():
     assert not wrong
 
 
-class GatedCopies(FakeCopies):
-    """FakeCopies with CudaCopies' gate: flag 2 counts the forwards queued."""
-
-    def __init__(self):
-        super().__init__(0.0)
-        self.flags = torch.zeros(3, dtype=torch.int64)
-        self.forwards = 0
-
-    def gate(self):
-        return 2, -(self.forwards + 1)
-
-    def forward_queued(self):
-        self.forwards += 1
-        self.flags[2] = self.forwards
-
-
-def test_a_job_starts_once_the_next_forward_is_queued():
-    """The gate: a CPU job launched after step N's forward waits (softly, at most ~30 ms) until the launching
-    thread has queued step N + 1's, so it never competes with that launch for the host; without the call it
-    starts after the soft limit, so a stalled engine never hangs on it."""
-    copies = GatedCopies()
-    jobs = AsyncJobs(copies, pin_memory=False, threads=1)
-    started = []
-
-    def job(q, out, ready_flags, ready_values):
-        waited = wait_host_flags(ready_flags, ready_values)
-        started.append(time.perf_counter())
-        out.copy_(q)
-        return waited, 0.0
-
-    q = torch.ones(2, 3)
-    jobs.launch(0, job, [q], q)
-    time.sleep(0.01)
-    assert not started  # its inputs are there, the next forward is not
-    queued = time.perf_counter()
-    jobs.forward_queued()
-    out = torch.zeros(2, 3)
-    jobs.collect(0, out)
-    copies.flush()
-    assert started and started[0] >= queued and torch.equal(out, q)
-    jobs.launch(1, job, [q], q)  # no forward follows: it starts after the soft limit anyway
-    out = torch.zeros(2, 3)
-    jobs.collect(1, out)
-    copies.flush()
-    assert len(started) == 2 and torch.equal(out, q)
-    assert jobs.job_seconds[-1][0] >= 0.02
-    jobs.close()
-
-
 def test_worker_threads_run_on_their_cores():
     from apex_compile.runtime.stagger import worker_cores
 
@@ -1457,10 +1405,10 @@ def test_a_growth_reserve_sends_more_requests_to_the_pipeline_and_the_tokens_sta
 
 @pytest.mark.parametrize("lanes", [2, 1])
 def test_members_taking_host_blocks_as_they_grow_fit_more_requests_and_equal_hf(lanes, monkeypatch):
-    """scheduler.PIPELINE_RESERVE: a request enters the pipeline with host blocks for its prompt and next token
-    and takes more as it grows, so a small host pool runs more requests there than with blocks for whole
-    lengths. A member finding no block for its next token waits to rejoin (`stalled`); with no reserve the pool
-    runs dry and, once every member waits, the newest are recomputed. HF's tokens throughout, every block back."""
+    """TuningConfig.pipeline_reserve: a request enters the pipeline with host blocks for its prompt and next
+    token and takes more as it grows. A member finding no block for its next token waits to rejoin (`stalled`);
+    with no reserve the pool runs dry and, once every member waits, the newest are recomputed. HF's tokens
+    throughout, every block back."""
     from apex_compile.runtime import scheduler as scheduler_module
 
     torch.manual_seed(3)
@@ -1471,15 +1419,14 @@ def test_members_taking_host_blocks_as_they_grow_fit_more_requests_and_equal_hf(
     unstall = scheduler_module.Scheduler.unstall_pipeline
     monkeypatch.setattr(scheduler_module.Scheduler, "unstall_pipeline",
                         lambda self: (lambda got: unstalled.extend(got) or got)(unstall(self)))
-    for reserve, host_blocks in ((None, 20), (0.3, 20), (0.0, 12)):
-        monkeypatch.setattr(scheduler_module, "PIPELINE_RESERVE", reserve)
+    for reserve, host_blocks in ((0.3, 20), (0.0, 12)):
         apex = optimize(model, ApexConfig(offload="staggered", stagger_width=2, gpu_cache_size=4 * BLOCK_BYTES,
                                           cpu_cache_size=host_blocks * BLOCK_BYTES, max_model_len=64,
-                                          stagger_lanes=lanes))
+                                          stagger_lanes=lanes, tuning=TuningConfig(pipeline_reserve=reserve)))
         done = apex.engine.generate(prompts, SamplingParams(max_new_tokens=40))
         assert [c.token_ids for c in done] == reference
         assert apex.engine.blocks_in_use() == {"device": 0, "host": 0} and not apex.engine.stagger.members()
         runs[reserve] = (apex.engine.stats, apex.engine.stagger.stalled, len(unstalled))
         apex.close()
-    assert runs[0.3][0].requests_per_pool[1] > runs[None][0].requests_per_pool[1]
-    assert runs[None][1:] == (0, 0) and runs[0.0][1] > 0 and runs[0.0][2] > runs[0.3][2]  # recomputed members
+    assert runs[0.3][0].requests_per_pool[1] > 0
+    assert runs[0.0][1] > 0 and runs[0.0][2] > runs[0.3][2]  # recomputed members

@@ -12,21 +12,17 @@ from tests.runtime.test_runtime_stagger import hf_tokens, sharp_model, staggered
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="the device waits run under TRITON_INTERPRET=1 on a CPU")
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_one_lane_with_layered_jobs_gives_hf_tokens(monkeypatch, native):
-    """The job of turn t runs on the worker (the C++ runner's thread, or a Python thread) while step t's layers
-    stage their rows, and step t + 1's layers each wait for their layer of it: tokens equal HF's, every job ran
-    through its layers' flags."""
-    from apex_compile.runtime import stagger as stagger_module
-
-    monkeypatch.setattr(stagger_module, "NATIVE_RUNNER", native)
+def test_one_lane_with_layered_jobs_gives_hf_tokens():
+    """The job of turn t runs on the worker (the C++ runner's thread) while step t's layers stage their rows, and
+    step t + 1's layers each wait for their layer of it: tokens equal HF's, every job ran through its layers'
+    flags."""
     torch.manual_seed(21)
     model = sharp_model()
     prompts = [torch.randint(3, 96, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4, 8, 6, 10)]
     reference = hf_tokens(model, prompts, 9)
     apex = staggered(model, width=2, lanes=1)
     jobs = apex.engine.stagger.executor
-    assert isinstance(jobs, LayerJobs) and (jobs.runner is not None) == native
+    assert isinstance(jobs, LayerJobs)
     done = apex.engine.generate(prompts, SamplingParams(max_new_tokens=9))
     assert [c.token_ids for c in done] == reference
     assert sum(1 for c in done if c.steps_per_pool["host"]) >= 3
@@ -42,13 +38,9 @@ def test_one_lane_with_layered_jobs_gives_hf_tokens(monkeypatch, native):
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 
-@pytest.mark.parametrize("busy_fit", [False, True])
-def test_the_row_fit_takes_the_jobs_running_time_or_their_work(monkeypatch, busy_fit):
-    """stagger.BUSY_FIT: the adaptive rows fit each flow job's work (its team's busy thread-seconds over the
-    team's threads) rather than its running time; either way the tokens are HF's."""
-    from apex_compile.runtime import stagger as stagger_module
-
-    monkeypatch.setattr(stagger_module, "BUSY_FIT", busy_fit)
+def test_the_row_fit_takes_the_jobs_work(monkeypatch):
+    """The adaptive rows fit each flow job's work (its team's busy thread-seconds over the team's threads) rather
+    than its running time; the tokens are HF's."""
     torch.manual_seed(23)
     model = sharp_model()
     prompts = [torch.randint(3, 96, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4, 8)]
@@ -64,60 +56,46 @@ def test_the_row_fit_takes_the_jobs_running_time_or_their_work(monkeypatch, busy
     jobs.drain()
     runs = [(ran, busy) for (_, ran), busy in zip(jobs.job_seconds, jobs.job_busy)]
     assert len(fitted) == len(runs) >= 8
-    expected = [busy / len(jobs.cores) if busy_fit and busy > 0 else ran for ran, busy in runs]
+    expected = [busy / len(jobs.cores) if busy > 0 else ran for ran, busy in runs]
     assert fitted == pytest.approx(expected, rel=1e-12)
-    assert busy_fit == any(abs(f - ran) > 1e-9 for f, (ran, _) in zip(fitted, runs))
+    assert any(abs(f - ran) > 1e-9 for f, (ran, _) in zip(fitted, runs))
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_a_failed_layered_job_raises_at_the_next_step_without_hanging(monkeypatch, native):
-    """A job that fails on the worker (the C++ runner's, on rows whose cache_index is not their layer; the Python
-    worker's, on a raising job) lifts its done flags past any turn (the device waits pass at once) and its error
-    reaches the caller at the next step."""
+def test_a_failed_layered_job_raises_at_the_next_step_without_hanging(monkeypatch):
+    """A job that fails on the worker (the C++ runner's, on rows whose cache_index is not their layer) lifts its
+    done flags past any turn (the device waits pass at once) and its error reaches the caller at the next step."""
     from apex_compile.ops.cpu_attention import StaggerRunner
     from apex_compile.runtime import stagger as stagger_module
 
-    monkeypatch.setattr(stagger_module, "NATIVE_RUNNER", native)
-    if native:
-        submit = StaggerRunner.submit
+    submit = StaggerRunner.submit
 
-        def corrupted(self, *args, **kwargs):
-            if kwargs.get("cache_index") is not None:
-                kwargs["cache_index"] = kwargs["cache_index"] + 1
-            return submit(self, *args, **kwargs)
+    def corrupted(self, *args, **kwargs):
+        if kwargs.get("cache_index") is not None:
+            kwargs["cache_index"] = kwargs["cache_index"] + 1
+        return submit(self, *args, **kwargs)
 
-        monkeypatch.setattr(StaggerRunner, "submit", corrupted)
-        error = "failed: .*cache_index must name each row's layer"
-    else:
-        def failing(*args, **kwargs):
-            raise RuntimeError("host cache unreadable")
-
-        monkeypatch.setattr(stagger_module, "stagger_layer_job", failing)
-        error = "host cache unreadable"
+    monkeypatch.setattr(StaggerRunner, "submit", corrupted)
+    error = "failed: .*cache_index must name each row's layer"
     torch.manual_seed(22)
     model = sharp_model()
     prompts = [torch.randint(3, 96, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4)]
     apex = staggered(model, width=2, lanes=1)
-    assert (apex.engine.stagger.executor.runner is not None) == native
     with pytest.raises(RuntimeError, match=error):
         apex.engine.generate(prompts, SamplingParams(max_new_tokens=6))
     assert min(apex.engine.stagger.executor.done.tolist()) >= stagger_module.ABORTED
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_layered_jobs_do_not_wait_for_exports_into_blocks_they_do_not_read(monkeypatch, native):
+def test_layered_jobs_do_not_wait_for_exports_into_blocks_they_do_not_read(monkeypatch):
     """A job waits only for the prompt exports into its rows' blocks (`KVExports.gate` over its block tables): an
     export into a block no request holds, whose copy flag stays down for the whole run, holds no job (with every
     export gated on, each job would wait for it and the run could not end before it lands); tokens are HF's."""
     from apex_compile.ops import cache_append_cpu
-    from apex_compile.runtime import stagger as stagger_module
     from apex_compile.runtime.attention_runner import KVExports
 
     class HeldCopies(KVExports):
         def _copied_now(self, index: int) -> None:  # the copy flag stays down until the test raises it
             pass
 
-    monkeypatch.setattr(stagger_module, "NATIVE_RUNNER", native)
     torch.manual_seed(26)
     model = sharp_model()
     prompts = [torch.randint(3, 96, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4, 8)]
@@ -132,10 +110,9 @@ def test_layered_jobs_do_not_wait_for_exports_into_blocks_they_do_not_read(monke
     slot = blocks * engine.kv.block_size  # in a block past the pool: no request's table holds it
     exports.submit(kv, kv, *spare, torch.tensor([slot, slot + 1]))
     gates = []
-    if native:
-        submit = engine.stagger.executor.submit
-        monkeypatch.setattr(engine.stagger.executor, "submit",
-                            lambda turn, observe, **job: (gates.append(job["gate"]), submit(turn, observe, **job)))
+    submit = engine.stagger.executor.submit
+    monkeypatch.setattr(engine.stagger.executor, "submit",
+                        lambda turn, observe, **job: (gates.append(job["gate"]), submit(turn, observe, **job)))
     held = []
     abort = engine.abort
 
@@ -149,7 +126,7 @@ def test_layered_jobs_do_not_wait_for_exports_into_blocks_they_do_not_read(monke
     assert [c.token_ids for c in done] == reference
     assert sum(1 for c in done if c.steps_per_pool["host"]) >= 3
     assert held[0] == 1  # still held when every step had run: no job waited for it
-    assert len(gates) >= 8 * native and not any(g is not None for g in gates)
+    assert len(gates) >= 8 and not any(g is not None for g in gates)
     exports.wait()
     assert torch.equal(spare[1][blocks, :, :2], torch.ones(*cache.shape[1:2], 2, cache.shape[3]))
     apex.close()
