@@ -1,17 +1,12 @@
 #!/usr/bin/env bash
-# One GPU-machine call that separates a staggered decode step's costs (notes items 26-27): stagger_profile.py at
-# full shape, one child process per mode (GPU time of each graph alone, host time per step, the step with the
-# CPU job dropped; TRACE=N adds a profiler trace of N steps per mode), then the staggered step again with each
-# worker thread count in MORE_THREADS. The CUDA tests named by TESTS first (none by default); cpu_job.py (the
-# CPU job alone and the launching thread's slowdown beside it) only with JOB_TIMEOUT > 0. Logs, JSON under $OUT.
+# One GPU-machine call that separates a staggered decode step's costs: stagger_profile.py at full shape, one
+# child process per mode (GPU time of each graph alone, host time per step, the step with the CPU job dropped;
+# TRACE=N adds a profiler trace of N steps per mode), then the staggered step again with each worker thread count
+# in MORE_THREADS. The CUDA tests named by TESTS first (none by default). Logs, JSON under $OUT.
 # Usage (device tool, repo root): TESTS="tests/e2e/test_e2e_cuda.py::test_staggered_equals_hf_generate_fp32" \
 #   TRACE=3 bash benchmarks/device_stagger.sh   (cold machine, 32 layers: ~200 + 150 + 75 s for the three modes)
 TESTS=${TESTS-}
 source "$(dirname "$0")/device_common.sh"
-if [ "${JOB_TIMEOUT:-0}" -gt 0 ]; then
-  timeout "$JOB_TIMEOUT" python3 benchmarks/cpu_job.py --out "$OUT/cpu_job.json" > "$OUT/cpu_job.log" 2>&1
-  grep -v "^\s*$" "$OUT/cpu_job.log" | tail -20
-fi
 timeout ${PROFILE_TIMEOUT:-450} python3 benchmarks/stagger_profile.py --layers ${LAYERS:-32} --trace ${TRACE:-0} \
   --modes ${MODES:-staggered,staggered-no-job,never} --host-gib ${HOST_GIB:-32} \
   --out "$OUT/stagger_profile.json" > "$OUT/stagger_profile.log" 2>&1

@@ -3,7 +3,7 @@
 Batch of chat prompts, greedy, fp32, both timed in the same process after a warm-up (the apex warm-up compiles
 the step graphs). Prints a table; --out writes JSON. Target: apex >= 1.5x HF tokens/s.
 
-    python benchmarks/e2e_cpu.py --out benchmarks/results/e2e_cpu.json
+    python benchmarks/e2e_cpu.py --out benchmarks/results/e2e_cpu/<date>_<machine>.json
     python benchmarks/e2e_cpu.py --offload all --inner inductor --profile
 """
 import argparse

@@ -7,7 +7,7 @@
    offload "never" requests wait for device blocks, while "all" / fractions keep requests in the host pool and
    attend on the CPU. Tokens/s per offload mode.
 
-    python benchmarks/e2e_gpu.py --out benchmarks/results/e2e_gpu.json
+    python benchmarks/e2e_gpu.py --out benchmarks/results/e2e_gpu/<date>_<machine>.json
     python benchmarks/e2e_gpu.py --requests 32 --prompt-len 256 --modes never,0.5 --skip-correctness
 """
 import argparse

@@ -14,7 +14,7 @@ the step's GEMM floor, per model shape, batch and prompt length, all in one run.
 Also reported per shape: the warm-up (compile + graph capture) time of the engine, and a host-time breakdown
 of decode steps (schedule, input fill + copy, graph replay + sampling).
 
-    python benchmarks/e2e_throughput.py --out benchmarks/results/e2e_throughput.json
+    python benchmarks/e2e_throughput.py --out benchmarks/results/e2e_throughput/<date>_<machine>.json
     python benchmarks/e2e_throughput.py --shapes llama3_8b --batches 1,16,64 --prompts 128 --no-hf
 """
 import argparse

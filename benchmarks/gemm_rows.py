@@ -11,6 +11,7 @@ swiglu, down) and its lm_head per M: what the step's GEMMs cost at each batch si
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -21,7 +22,31 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from apex_compile.kernels import skinny_linear as sk  # noqa: E402
 from apex_compile.kernels import swiglu as ksw  # noqa: E402
-from stagger_exchange import timed_graph  # noqa: E402
+
+
+def timed_graph(fn, reps):
+    """Median seconds of one replay of fn's captured graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return statistics.median(times)
 
 SHAPES = {  # hidden, intermediate, heads, kv heads, vocab, layers
     "llama3_8b": (4096, 14336, 32, 8, 128256, 32),

@@ -3,9 +3,9 @@
 timed to the host's return; and `move` alone (issue ms: a move must not block the launching thread, which it
 does once the host pool reads as unpinned and the copy runs synchronously).
 
-Why: in the e2e windows every step above 7 ms coincides with a park or a resume, and each costs 10-34 ms
-(notes item 43) where the copy's bytes alone would take ~2 ms over PCIe. This separates the move from the rest
-of such a step. Variants:
+Why: in the e2e windows every step above 7 ms coincided with a park or a resume, each costing 10-34 ms
+(notes/DECISIONS.md, record 21) where the copy's bytes alone take ~2 ms over PCIe. This separates the move from
+the rest of such a step. Variants:
   contiguous  the request's host blocks are one run of ids (a fresh host pool);
   scattered   every other host block is held by another request, so each block is a run of its own (a pool
               after long churn): the host side issues one copy per run and cache;

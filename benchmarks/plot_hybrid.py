@@ -3,7 +3,7 @@ never + ideal_gain (what the CPU's measured attention bandwidth could add), neve
 (e2e_hybrid.staggered_bound) where the result has it, and HF generate with its offloaded cache where the result
 has it. One PNG per shape; a hollow point: that mode's window decoded no token from the host pool.
 
-    python benchmarks/plot_hybrid.py benchmarks/results/e2e_hybrid_<date>_h200.json [more results of the same run]
+    python benchmarks/plot_hybrid.py benchmarks/results/e2e_hybrid/<date>_<machine>.json [more results of the same run]
 
 --steady plots each mode's steady-state tokens/s (e2e_hybrid.steady_tokens_per_s: every window token charged
 its request's prefill, the window's own prefill taken out), computed from the steps where a result predates it.

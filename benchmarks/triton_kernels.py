@@ -1,6 +1,6 @@
 """Benchmark of the Triton decoder-layer kernels against their torch baselines on one CUDA GPU (issue 3).
 
-    python benchmarks/triton_kernels.py --out benchmarks/results/triton_kernels_h200.json --write-dispatch
+    python benchmarks/triton_kernels.py --out benchmarks/results/triton_kernels/<date>_<machine>.json --write-dispatch
 
 Runs every kernel family in one process, in this order (`--sections` picks some), with one table, one targets
 summary and one JSON file; each family is also a script of its own with the same options:

@@ -1,7 +1,7 @@
 """pack_linear: on a CPU, every fp32 `linear` -> oneDNN's linear on a pre-packed copy of its weight.
 
 A CPU decode step is its weight reads, and oneDNN reads a weight in its blocked layout several times faster than
-ATen's fp32 GEMM reads the plain one at decode row counts (benchmarks/results/cpu_linear_packed_*). The weight
+ATen's fp32 GEMM reads the plain one at decode row counts (benchmarks/results/cpu_linear_packed/). The weight
 is packed at its first use and again whenever it changes in place (its version counter moves), so results never
 use stale weights. Used by the engine when the graph runs eagerly on a CPU (inductor's weight freezing does the
 same inside its compiled code).

@@ -85,7 +85,7 @@ _HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
 # Pages (4 KiB) by which each huge-page tensor starts after the one allocated before it (mod a huge page), still
 # wholly on huge pages; 0: every one starts on a huge-page boundary. Tensors that all start on 2 MiB boundaries
 # put a layer's K and V, and every layer, on the same low address bits, where cache sets and memory banks
-# collide; plain allocations fall a page apart, and so does this (benchmarks/host_pool_pages.py measures both).
+# collide; plain allocations fall a page apart, and so does this.
 HUGE_PAGE_SHIFT_PAGES = 1
 _shift_count = itertools.count()
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)

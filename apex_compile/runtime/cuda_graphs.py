@@ -97,7 +97,7 @@ class DecodeGraphs:
 
 
 # Steps above this many tokens run uncaptured: their GPU time outgrows the host's launch time, and the buffers
-# between pieces grow with it (e2e_piecewise benchmark).
+# between pieces grow with it.
 PIECEWISE_MAX_TOKENS = 512
 
 

@@ -231,42 +231,6 @@ def test_modes_with_an_unknown_suffix_or_named_twice_are_refused():
         e2e_hybrid.check_modes(["sometimes"])
 
 
-def test_host_contention_times_each_kind_of_work_under_each_worker_load(tmp_path):
-    """benchmarks/host_contention.py on this machine (tiny job, few calls): a row per worker load it can run
-    here, each with the Python timing, the loaded rows with the jobs the worker ran."""
-    import subprocess
-
-    out = tmp_path / "hc.json"
-    script = os.path.join(os.path.dirname(e2e_hybrid.__file__), "host_contention.py")
-    done = subprocess.run([sys.executable, script, "--repeats", "10", "--layers", "2", "--width", "2", "--context",
-                           "64", "--pool-gib", "0.01", "--out", str(out)], capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr
-    rows = json.loads(out.read_text())["rows"]
-    assert {"idle", "stream", "poll"} <= set(rows)
-    assert all(row["python"]["median_us"] > 0 for row in rows.values())
-    assert rows["stream"]["jobs"] > 0 and "jobs" not in rows["idle"]
-
-
-def test_cpu_probe_gap_times_every_case_and_the_job_beside_a_decode_loop(tmp_path):
-    """benchmarks/cpu_probe_gap.py on this machine (small pools, a tiny decode engine): a rate for every case from
-    e2e's probe to the job, and the job's rate with the host idle and beside the engine's decode loop."""
-    import subprocess
-
-    out = tmp_path / "gap.json"
-    script = os.path.join(os.path.dirname(e2e_hybrid.__file__), "cpu_probe_gap.py")
-    done = subprocess.run([sys.executable, script, "--probe-gib", "0.1", "--pool-gib", "0.2", "--rounds", "1",
-                           "--repeats", "1", "--variants", "2", "--context", "64", "--decode", "tiny",
-                           "--decode-gib", "0.01", "--splits", "4-65536-65536", "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(out.read_text())
-    assert set(result["GBps"]) == {"probe", "wrap4", "big", "scatter", "short", "job", "job15", "job_l3",
-                                   "job15 idle", "job15+decode", "job15+decode/pin", "job15/split=4-65536-65536"}
-    assert all(rate > 0 for rate in result["GBps"].values())
-    assert "engine steps" in done.stdout
-
-
 def test_a_staggered_window_records_which_row_limit_binds():
     """With the staggered plan the window keeps its RowLimit after every step (the job fit with the guard, the
     guard, the model's ceiling, the limit, the step average, the pipeline's members) as (median, min, max) and
@@ -332,7 +296,6 @@ def test_modes_without_host_tokens_are_named():
     runs = {"never": {"host_tokens": 0}, "auto": {"host_tokens": 0}, "staggered": {"host_tokens": 120}}
     assert e2e_hybrid.without_host_tokens(runs) == ["auto"]
     assert e2e_hybrid.without_host_tokens({"never": {"host_tokens": 0}}) == []
-
 
 
 def _plot_row(shape, gib, never, auto, host_tokens, partial=False):
@@ -502,17 +465,3 @@ def test_the_baseline_is_the_mean_of_nevers_runs():
     assert e2e_hybrid.baseline(rates, runs) == 105.0
     assert e2e_hybrid.baseline({"auto": 130.0}, {"auto": {}}) is None
     assert e2e_hybrid.without_host_tokens(runs) == ["never/spinning"]
-
-
-def test_park_churn_counts_fewer_parks_with_a_growth_reserve():
-    """benchmarks/park_churn.py: the scheduler alone over a small device pool parks and resumes requests; a growth
-    reserve parks fewer, and the modelled step time counts each park and resume."""
-    import park_churn
-
-    pool = 2 * 1024  # tokens: a few 96-token requests
-    none = park_churn.simulate(pool, 0.0, prompt=48, new_tokens=48, steps=600, window_start=200)
-    reserved = park_churn.simulate(pool, 0.3, prompt=48, new_tokens=48, steps=600, window_start=200)
-    assert none["parks"] > 0 and reserved["parks"] < none["parks"]
-    free = park_churn.simulate(pool, 0.0, prompt=48, new_tokens=48, steps=600, window_start=200, park_s=0.0,
-                               resume_s=0.0)
-    assert free["parks"] == none["parks"] and free["mean_step_ms"] < none["mean_step_ms"]

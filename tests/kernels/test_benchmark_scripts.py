@@ -120,19 +120,6 @@ def test_kv_move_dry_run(tmp_path):
     assert bad.returncode != 0 and "unknown variants" in bad.stderr
 
 
-def test_swap_runs_moves_cross_in_one_run_under_the_scheduler(tmp_path):
-    """benchmarks/swap_runs.py: the never plan's scheduler over a small device pool parks and resumes requests;
-    with free host runs long enough, each move's host blocks are one run (one copy per cache)."""
-    out = tmp_path / "swap_runs.json"
-    result = run_python(os.path.join(BENCHMARKS, "swap_runs.py"), "--device-blocks", "64", "--host-blocks", "2048",
-                        "--steps", "600", "--window-from", "100", "--prompt", "64", "--new-tokens", "96",
-                        "--out", str(out))
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads(out.read_text())["summary"]
-    assert summary["host"]["moves"] >= 5 and summary["device"]["moves"] >= 5
-    assert summary["host"]["runs_max"] == 1 and summary["device"]["runs_max"] == 1
-
-
 def test_cache_append_bench_checks_and_times_both_layouts(tmp_path):
     """benchmarks/cache_append.py on a small case: both kinds checked against gather_kv, one row per kind and
     thread count."""

@@ -495,33 +495,3 @@ def test_a_soft_flag_is_waited_for_a_bounded_time():
     raise_later.start()
     assert wait_host_flags(flags, [3, -5], timeout_s=5.0) >= 0.09  # the hard flag still holds it
     raise_later.join()
-
-
-def test_the_stagger_job_benchmark_runs_on_a_small_pool(tmp_path):
-    """benchmarks/stagger_job.py (the job's fixed part on the GPU machine's host) runs end to end on a tiny pool
-    and writes a row per (rows, way of calling) with the running time's parts."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = tmp_path / "job.json"
-    result = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "stagger_job.py"), "--rows", "1,2",
-                             "--layers", "2", "--width", "2", "--context", "40", "--pool-gib", "0.01", "--repeats", "1",
-                             "--gap-ms", "1", "--threads", "1", "--layer-us", "50", "--split", "2,32768,65536",
-                             "--block-size", "32", "--tables", "runs:2", "--out", str(out)], cwd=root,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    written = json.loads(out.read_text())
-    rows = written["rows"]
-    assert [(r["rows"], r["how"]) for r in rows] == [(n, how) for n in (1, 2)
-                                                     for how in ("hot", "gap", "flag", "flow", "multi")]
-    assert all(r["run_s"] > 0 for r in rows) and written["work_split"] == [2, 32768, 65536]
-    assert written["args"]["block_size"] == 32 and "blocks of 32 tokens" in result.stdout
-    assert all(r["parts_s"]["attention"] > 0 for r in rows if r["how"] != "flow")
-    assert all(f"fit {how}" in result.stdout for how in ("flag", "flow", "multi"))
-    # the layered job times its items (the team's busy share); the others do not
-    assert all((r["busy_thread_s"] or 0) > 0 for r in rows if r["how"] == "flow")
-    assert all(r["busy_thread_s"] is None for r in rows if r["how"] != "flow") and "team busy" in result.stdout
-    assert written["args"]["tables"] == "runs:2"
