@@ -100,6 +100,11 @@ def run_hf(model, tokenizer, rows: List[List[int]], max_new_tokens: int, eos: Li
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Runs the main job; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "serve":
+        from apex_compile.entrypoints.openai.cli import main as serve
+
+        return serve(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.batch_size < 1:

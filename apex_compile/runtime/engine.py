@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import math
 import sys
+import threading
 import time
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -45,6 +46,7 @@ STAGGER_RISE_STEPS = 64
 # refilling it takes a rise and a lane's cycle; a dip of the measured rows, the job fit's noise, read as a verdict
 # of 0 for one step)
 STAGGER_FALL_STEPS = 32
+_FRONT_LOCK = threading.Lock()  # makes an engine's run lock and asynchronous front once (`Engine.front`)
 
 
 @dataclasses.dataclass
@@ -546,6 +548,7 @@ class Engine:
         does nothing; any other use afterwards raises RuntimeError."""
         if self._closed:
             return
+        self._stop_front()  # (request-level API below) its thread makes no engine call after this
         try:
             self.abort()
         finally:
@@ -1113,6 +1116,9 @@ class Engine:
         open stream over them then ends. Returns how many were cancelled."""
         if self._closed:
             return 0
+        front = self.__dict__.get("_front")
+        if front is not None and self._run_owner == front._thread.ident != threading.get_ident():
+            return front._call(lambda: self.abort(request_ids))  # the engine is used by one thread at a time
         dropped = self.scheduler.abort(request_ids)  # (freed host blocks wait for their exports: settle_host)
         for request in dropped:
             self.sampler.forget(request.request_id)
@@ -1122,7 +1128,71 @@ class Engine:
     def _events(self, prepared: List[Request], progress: Optional[bool], queued: List[Request]
                 ) -> Iterator[TokenEvent]:
         """Queues `prepared` (into `queued` too), steps until they finish and yields their tokens; when the
-        generator ends in any way, its unfinished requests are dropped."""
+        generator ends in any way, its unfinished requests are dropped.
+
+        The single caller steps the engine in its own thread (holding `_run_lock` while its run lasts); a call
+        from another thread while the engine runs (the asynchronous front's thread, or another synchronous
+        caller) queues onto the front instead (`apex_compile.runtime.async_engine`), so both get their answers.
+        A call nested in the running caller's own thread raises as before (`_queue`)."""
+        claimed = self._claim_run()
+        if claimed is None:
+            yield from self.front._sync_events(prepared, queued)
+            return
+        try:
+            yield from self._events_in_thread(prepared, progress, queued)
+        finally:
+            if claimed:
+                self._run_owner = None
+                self._run_lock.release()
+
+    def _claim_run(self) -> Optional[bool]:
+        """True: this thread now holds the engine's run lock; False: it held it already (a nested call);
+        None: another thread holds it."""
+        if self._run_owner == threading.get_ident():
+            return False
+        if self._run_lock.acquire(blocking=False):
+            self._run_owner = threading.get_ident()
+            return True
+        return None
+
+    @property
+    def _run_lock(self) -> threading.Lock:
+        """Held by the thread that steps the engine: an in-thread generate/stream run, or the front."""
+        with _FRONT_LOCK:
+            return self.__dict__.setdefault("_run_lock_", threading.Lock())
+
+    @property
+    def _run_owner(self) -> Optional[int]:
+        return self.__dict__.get("_run_owner_")
+
+    @_run_owner.setter
+    def _run_owner(self, ident: Optional[int]) -> None:
+        self.__dict__["_run_owner_"] = ident
+
+    @property
+    def front(self):
+        """This engine's asynchronous front (`AsyncEngine`), made on first use; `close()` stops it."""
+        with _FRONT_LOCK:
+            if self.__dict__.get("_front") is None:
+                self._check_open()
+                from apex_compile.runtime.async_engine import AsyncEngine
+
+                self._front = AsyncEngine(self)
+            return self._front
+
+    @front.setter
+    def front(self, front) -> None:
+        """Installs a front built with other settings (`AsyncEngine(engine, max_waiting=...)`)."""
+        with _FRONT_LOCK:
+            self._front = front
+
+    def _stop_front(self) -> None:
+        front = self.__dict__.pop("_front", None)
+        if front is not None:
+            front.shutdown(drain=False)
+
+    def _events_in_thread(self, prepared: List[Request], progress: Optional[bool], queued: List[Request]
+                          ) -> Iterator[TokenEvent]:
         requests = self._queue(prepared)
         queued.extend(requests)
         index_of = {r.request_id: i for i, r in enumerate(requests)}

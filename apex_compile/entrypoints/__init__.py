@@ -1,0 +1,1 @@
+"""Entry points that serve the engine."""

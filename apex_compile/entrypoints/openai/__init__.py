@@ -1,0 +1,1 @@
+"""An OpenAI-compatible HTTP server (`python -m apex_compile serve`)."""
