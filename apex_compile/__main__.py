@@ -165,7 +165,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens)  # stops at the model's EOS (the default)
 
     if device.type == "cpu":
-        print("compiling the model for the CPU (first run only, ~20 s)...", flush=True)
+        print("compiling the model for the CPU (~20 s on two cores, once per process: dynamo's trace is not "
+              "cached)...", flush=True)
     else:
         print("compiling the model and capturing CUDA graphs (later processes reuse the compile cache)...",
               flush=True)
