@@ -1294,8 +1294,8 @@ class Engine:
         # the one compiled graph (both dimensions dynamic) serves every step.
         self.generate([prompt, prompt + prompt], [SamplingParams(max_new_tokens=2, ignore_eos=True),
                                                   SamplingParams(max_new_tokens=3, ignore_eos=True)])
-        if self.graphs is None:
-            self.generate([prompt], SamplingParams(max_new_tokens=2, ignore_eos=True))  # a lone decode row: size-1 specialisation
+        if self.graphs is None:  # a lone decode row: size-1 specialisation
+            self.generate([prompt], SamplingParams(max_new_tokens=2, ignore_eos=True))
         self.runner.compile_decode_variants(self.model.config.num_attention_heads)
         self.capture_graphs()
         if self.stagger is not None:  # the staggered step compiles too (a quiet step of padding rows)
