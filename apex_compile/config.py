@@ -148,8 +148,25 @@ class ApexConfig:
     def __post_init__(self):
         for name in ("gpu_cache_size", "cpu_cache_size"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 0):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                hint = f" (e.g. int({value!r}))" if isinstance(value, float) and value == value else ""
+                raise ValueError(f"ApexConfig.{name} must be an int number of bytes or None, got "
+                                 f"{type(value).__name__} {value!r}{hint}")
+            if value is not None and value < 0:
                 raise ValueError(f"ApexConfig.{name} must be a non-negative number of bytes or None, got {value!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):  # ints (max_model_len: or None)
+            value = getattr(self, name)
+            if (value is not None or name != "max_model_len") and (isinstance(value, bool)
+                                                                    or not isinstance(value, int)):
+                raise ValueError(f"ApexConfig.{name} must be an int, got {type(value).__name__} {value!r}")
+        for name in ("compile", "cuda_graphs", "mixed_graphs"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"ApexConfig.{name} must be True or False, got {type(value).__name__} {value!r}")
+        for name in ("preemption", "inner"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"ApexConfig.{name} must be a string, got {type(value).__name__} {value!r}")
         bs = self.block_size
         if not isinstance(bs, int) or bs < 16 or bs > 256 or bs & (bs - 1):
             raise ValueError(f"ApexConfig.block_size must be a power of two in 16..256, got {bs!r}")

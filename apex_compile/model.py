@@ -1,4 +1,5 @@
 """`optimize(hf_model)` -> `ApexModel`: HF-compatible `generate()` and forward on the paged-KV engine."""
+import warnings
 from typing import List, Optional, Sequence, Union
 
 import torch
@@ -7,6 +8,10 @@ from apex_compile.config import ApexConfig
 from apex_compile.runtime.engine import Engine
 from apex_compile.runtime.kv_manager import POOL_NAMES
 from apex_compile.runtime.request import SamplingParams
+
+_HF_DEFAULT_MAX_LENGTH = 20  # GenerationConfig's max_length when nothing sets it
+_RIGHT_PADDING_WARNING = ("A decoder-only architecture is being used, but right-padding was detected! For correct "
+                          "generation results, please set `padding_side='left'` when initializing the tokenizer.")
 
 # generate() keyword arguments accepted when they ask for HF's default behaviour (anything else raises).
 _DEFAULT_ONLY = {"num_beams": 1, "num_return_sequences": 1, "output_scores": False, "output_logits": False,
@@ -17,8 +22,14 @@ def optimize(hf_model: torch.nn.Module, config: Optional[ApexConfig] = None, tok
     """Wraps a HF LLaMA-family causal LM in an `ApexModel` (paged KV pools, compiled step, scheduler).
 
     The HF model itself is left unchanged. `tokenizer` (optional) enables string prompts and stop strings in
-    `ApexModel.engine`.
+    `ApexModel.engine`. A tokenizer passed second (`optimize(hf_model, tokenizer)`) is taken as the tokenizer.
     """
+    if config is not None and not isinstance(config, ApexConfig):
+        if tokenizer is None and hasattr(config, "encode") and hasattr(config, "decode"):
+            config, tokenizer = None, config  # optimize(hf_model, tokenizer)
+        else:
+            raise TypeError(f"apex_compile.optimize(hf_model, config=None, tokenizer=None): config must be an "
+                            f"ApexConfig, got {type(config).__name__}")
     return ApexModel(hf_model, config, tokenizer)
 
 
@@ -38,10 +49,25 @@ def _as_list(value) -> List[int]:
     return [int(v) for v in value]
 
 
+def _cpu_summary(report) -> str:
+    """One line for a CPU graph's pass report: its attention sites and packed linears (no fusion table)."""
+    sites = getattr(report, "attention_sites", [])
+    forms = sorted({site.form for site in sites})
+    text = (f"{len(sites)} attention layer(s) ({', '.join(forms) or '-'}), "
+            f"{getattr(report, 'packed_linears', 0)} linear layers on oneDNN packed weights")
+    misses = getattr(report, "misses", [])
+    if misses:
+        text += f"; {len(misses)} candidate(s) not rewritten"
+    return text
+
+
 class ApexModel:
     """A HF causal LM served by the apex engine: `generate()` and `model(input_ids)` behave like HF's."""
 
     def __init__(self, hf_model: torch.nn.Module, config: Optional[ApexConfig] = None, tokenizer=None):
+        if config is not None and not isinstance(config, ApexConfig):
+            raise TypeError(f"ApexModel(hf_model, config=None, tokenizer=None): config must be an ApexConfig, got "
+                            f"{type(config).__name__} (pass a tokenizer as tokenizer=...)")
         self.hf_model = hf_model
         self.apex_config = config or ApexConfig()
         self.engine = Engine(hf_model, self.apex_config, tokenizer)
@@ -116,6 +142,10 @@ class ApexModel:
             if attention_mask.shape != input_ids.shape:
                 raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
                                  f"{tuple(input_ids.shape)}")
+            values = attention_mask.detach()
+            if values.numel() and not bool(((values == 0) | (values == 1)).all()):
+                raise ValueError("attention_mask must hold 0/1 values (1: a token, 0: padding), got values such as "
+                                 f"{values[(values != 0) & (values != 1)].flatten()[:3].tolist()}")
             mask = attention_mask.to(torch.bool)
         ids, mask = input_ids.cpu(), mask.cpu()
         rows = []
@@ -158,16 +188,14 @@ class ApexModel:
         pad = pad_token_id if pad_token_id is not None else gen.pad_token_id
         if pad is None:
             pad = eos[0] if eos else 0
+        if (attention_mask is None and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2
+                and input_ids.shape[0] > 1 and input_ids.shape[1] and bool((input_ids[:, -1] == pad).any())):
+            warnings.warn(_RIGHT_PADDING_WARNING, UserWarning, stacklevel=2)  # HF's check without a mask
         if attention_mask is None and isinstance(input_ids, torch.Tensor):
             attention_mask = self._infer_mask(input_ids, pad, eos)
         rows, _ = self._rows(input_ids, attention_mask)
         length = input_ids.shape[1]
-        if max_new_tokens is None:
-            max_new_tokens = gen.max_new_tokens
-        if max_new_tokens is None:
-            max_new_tokens = (max_length or gen.max_length or 20) - length
-        if max_new_tokens < 1:
-            raise ValueError(f"nothing to generate: max_new_tokens={max_new_tokens} (prompt length {length})")
+        max_new_tokens = self._new_tokens(gen, generation_config, length, max_new_tokens, max_length)
         do_sample = bool(gen.do_sample) if do_sample is None else bool(do_sample)
         filters = {}
         if do_sample:  # greedy decoding ignores them, as HF's does
@@ -197,6 +225,37 @@ class ApexModel:
 
             return GenerateDecoderOnlyOutput(sequences=out)
         return out
+
+    def _new_tokens(self, gen, generation_config, length: int, max_new_tokens: Optional[int],
+                    max_length: Optional[int]) -> int:
+        """New tokens to generate, by HF's precedence: max_new_tokens (argument, then generation config) over
+        max_length (argument, then the given generation config, then the model's); with neither, HF's default of
+        20 new tokens (`GenerationConfig.max_length`'s 20, counted past the prompt, capped by the model's
+        max_position_embeddings), with HF's warning."""
+        explicit_length = max_length
+        if explicit_length is None and generation_config is not None:
+            explicit_length = generation_config.max_length
+        if explicit_length is None:
+            explicit_length = self.hf_model.generation_config.max_length
+        if max_new_tokens is None:
+            max_new_tokens = gen.max_new_tokens
+        if max_new_tokens is not None:
+            total = max_new_tokens + length
+        elif explicit_length is not None:
+            total = explicit_length
+        else:
+            warnings.warn(f"Using the model-agnostic default `max_length` (={_HF_DEFAULT_MAX_LENGTH}) to control the "
+                          "generation length. We recommend setting `max_new_tokens` to control the maximum length "
+                          "of the generation.", UserWarning, stacklevel=3)
+            total = _HF_DEFAULT_MAX_LENGTH + length
+            positions = getattr(self.hf_model.config, "max_position_embeddings", None)
+            if positions is not None:
+                total = min(total, positions)
+        if length >= total:
+            raise ValueError(f"Input length of input_ids is {length}, but `max_length` is set to {total}. This can "
+                             "lead to unexpected behavior. You should consider increasing `max_length` or, better "
+                             "yet, setting `max_new_tokens`.")
+        return total - length
 
     def _run(self, rows: List[List[int]], sampling: SamplingParams, streamer, input_ids: torch.Tensor,
              tokenizer) -> List[List[int]]:
@@ -245,13 +304,21 @@ class ApexModel:
             lines.append("  compile: off (eager HF modules, attention routed to the paged runner)")
         elif not engine.reports:
             lines.append("  compile: apex backend (no graph compiled yet: run generate() first)")
+        on_cpu = engine.device.type == "cpu" and self.apex_config.compile
+        if on_cpu and engine.reports:
+            lines.append("  CPU path: the RMSNorm / SwiGLU / q-k-v fusions are left unfused on purpose (the fused "
+                         "ops' CPU implementations are the same aten ops behind a custom-op call that costs more "
+                         "than it saves); attention runs on the CPU over the paged KV pools, both of them host RAM")
         shown = []
         for i, report in enumerate(engine.reports):
-            text = str(report)
+            text = _cpu_summary(report) if on_cpu else str(report)
             if text in shown:
                 lines.append(f"  compiled graph {i} (another shape): the same rewrites as graph {shown.index(text)}")
                 continue
             shown.append(text)
+            if on_cpu:
+                lines.append(f"  compiled graph {i}: {text}")
+                continue
             lines.append(f"  compiled graph {i}:")
             lines.extend("    " + line for line in text.splitlines())
         stats = engine.stats

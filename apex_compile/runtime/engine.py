@@ -164,6 +164,18 @@ def _attn_implementation(config, name: str):
         config._attn_implementation = previous
 
 
+def host_memory_available() -> Optional[int]:
+    """Bytes of host memory available for new allocations (/proc/meminfo's MemAvailable), None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _model_step(model: torch.nn.Module) -> Callable:
     """step(input_ids [1, T], position_ids [1, T], logits_indices [N]) -> logits [N, vocab] of `model`."""
 
@@ -239,7 +251,12 @@ class Engine:
         param = next(hf_model.parameters())
         self.device = param.device
         self.dtype = param.dtype
-        self.max_model_len = self.config.max_model_len or model_config.max_position_embeddings
+        positions = getattr(model_config, "max_position_embeddings", None)
+        if self.config.max_model_len is not None and positions is not None and self.config.max_model_len > positions:
+            raise ValueError(f"ApexConfig.max_model_len={self.config.max_model_len} is beyond the model's "
+                             f"max_position_embeddings={positions}: positions past it were never trained; use "
+                             f"max_model_len <= {positions} (or None for {positions})")
+        self.max_model_len = self.config.max_model_len or positions
         num_heads = model_config.num_attention_heads
         head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // num_heads
         self.shape = CacheShape(model_config.num_hidden_layers,
@@ -458,6 +475,21 @@ class Engine:
             else:
                 device_bytes = GiB
         host_bytes = GiB if self.config.cpu_cache_size is None else self.config.cpu_cache_size
+        available = host_memory_available()
+        host_total = host_bytes + (device_bytes if self.device.type != "cuda" else 0)
+        if available is not None and host_total > available:
+            what = ("cpu_cache_size" if self.device.type == "cuda"
+                    else "gpu_cache_size + cpu_cache_size (on a CPU both pools are host RAM)")
+            raise ValueError(f"the KV pools do not fit: {what} = {host_total / GiB:.2f} GiB "
+                             f"({host_total} bytes) but only {available / GiB:.2f} GiB ({available} bytes) of host "
+                             f"memory is available (MemAvailable); choose at most that, leaving room for the "
+                             f"model and activations")
+        if self.device.type == "cuda" and self.config.gpu_cache_size is not None:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if device_bytes > free:
+                raise ValueError(f"the device KV pool does not fit: gpu_cache_size = {device_bytes / GiB:.2f} GiB "
+                                 f"({device_bytes} bytes) but only {free / GiB:.2f} GiB ({free} bytes) of CUDA "
+                                 f"memory is free on {self.device}; choose at most that (None: 80% of it)")
         return device_bytes, host_bytes
 
     @property
@@ -528,6 +560,8 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(prompt)}..{max(prompt)}")
         if sampling.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: pass one to apex_compile.optimize(..., tokenizer=...)")
+        if sampling.eos_token_ids is None:  # the model's EOS, resolved here (a user's SamplingParams stops at it)
+            sampling = dataclasses.replace(sampling, eos_token_ids=self.model_eos_token_ids())
         request = Request(self._next_id, prompt, sampling)
         self.scheduler.check_fits(request)
         return request
@@ -570,7 +604,7 @@ class Engine:
     def _stop_reason(self, request: Request) -> Optional[str]:
         last = request.output_token_ids[-1]
         sampling = request.sampling
-        if last in sampling.eos_token_ids:
+        if sampling.eos_token_ids and last in sampling.eos_token_ids:
             return "eos"
         if sampling.stop_strings:
             text = self.tokenizer.decode(request.output_token_ids)
@@ -1251,11 +1285,17 @@ class Engine:
             raise
         return requests
 
+    def model_eos_token_ids(self) -> Tuple[int, ...]:
+        """The model's EOS token(s): `generation_config.eos_token_id` (else the config's), () when it has none."""
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.model.config, "eos_token_id", None)
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return tuple(int(t) for t in eos)
+
     def default_sampling(self) -> SamplingParams:
         """Greedy, 64 new tokens, stopping at the model's EOS token(s)."""
-        eos = self.model.generation_config.eos_token_id
-        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        return SamplingParams(eos_token_ids=tuple(eos))
+        return SamplingParams(eos_token_ids=self.model_eos_token_ids())
 
     def generate(self, prompts: Sequence[Union[str, Sequence[int]]],
                  sampling: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
@@ -1265,6 +1305,42 @@ class Engine:
         for _ in self._events(self._prepare(prompts, sampling), progress, requests):
             pass
         return [self._completion(i, r) for i, r in enumerate(requests)]
+
+    def chat(self, conversations, sampling: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+             progress: Optional[bool] = None) -> List[Completion]:
+        """Answers chat conversations, as vLLM's `LLM.chat`: one Completion per conversation, in order.
+
+        conversations: a list of conversations, each a list of {"role": ..., "content": ...} messages (a single
+        conversation, a list of such dicts, is accepted too). Each is rendered by the tokenizer's chat template
+        with the assistant's turn opened (`apply_chat_template(conv, add_generation_prompt=True,
+        tokenize=False)`), then encoded without special tokens (the template writes them). sampling, progress:
+        as `generate` (default: greedy, 64 new tokens, stopping at the model's EOS).
+        """
+        return self.generate(self.chat_prompts(conversations), sampling, progress)
+
+    def chat_prompts(self, conversations) -> List[List[int]]:
+        """Token ids of each conversation in the tokenizer's chat template, the assistant's turn opened."""
+        if self.tokenizer is None:
+            raise ValueError("engine.chat needs a tokenizer with a chat template: pass tokenizer= to "
+                             "apex_compile.optimize")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError(f"engine.chat needs a chat template, and the tokenizer "
+                             f"({type(self.tokenizer).__name__}) has none: use engine.generate with raw prompts, "
+                             f"or set tokenizer.chat_template")
+        if isinstance(conversations, Sequence) and conversations and all(isinstance(m, dict) for m in conversations):
+            conversations = [conversations]  # one conversation
+        if (isinstance(conversations, (str, dict)) or not isinstance(conversations, Sequence) or not conversations
+                or not all(isinstance(c, Sequence) and not isinstance(c, str) and c
+                           and all(isinstance(m, dict) and "role" in m and "content" in m for m in c)
+                           for c in conversations)):
+            raise ValueError('conversations must be a non-empty list of conversations, each a non-empty list of '
+                             '{"role": ..., "content": ...} messages (or one such conversation)')
+        rows = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=True,
+                                                      tokenize=False)
+            rows.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return rows
 
     def _completion(self, index: int, request: Request) -> Completion:
         text = None
@@ -1282,9 +1358,10 @@ class Engine:
         prompt = [int(self.model.config.bos_token_id or 1)] * 3
         # A prefill of two prompts, then two decode rows: with CUDA graphs the decode captures every size and
         # the one compiled graph (both dimensions dynamic) serves every step.
-        self.generate([prompt, prompt + prompt], [SamplingParams(max_new_tokens=2), SamplingParams(max_new_tokens=3)])
-        if self.graphs is None:
-            self.generate([prompt], SamplingParams(max_new_tokens=2))  # a lone decode row: size-1 specialisation
+        self.generate([prompt, prompt + prompt], [SamplingParams(max_new_tokens=2, ignore_eos=True),
+                                                  SamplingParams(max_new_tokens=3, ignore_eos=True)])
+        if self.graphs is None:  # a lone decode row: size-1 specialisation
+            self.generate([prompt], SamplingParams(max_new_tokens=2, ignore_eos=True))
         self.runner.compile_decode_variants(self.model.config.num_attention_heads)
         self.capture_graphs()
         if self.stagger is not None:  # the staggered step compiles too (a quiet step of padding rows)

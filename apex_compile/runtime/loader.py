@@ -81,6 +81,12 @@ def _dequantised_checkpoint(gguf_path: str) -> str:
     return target
 
 
+def embedded_checkpoint() -> str:
+    """Directory of the embedded SmolLM2-135M-Instruct as an ordinary HF checkpoint (written on first use), for
+    `AutoModelForCausalLM.from_pretrained` / `AutoTokenizer.from_pretrained`."""
+    return _dequantised_checkpoint(embedded_gguf_path())
+
+
 def load_model(path: Optional[str] = None, dtype: torch.dtype = torch.float32,
                device: str = "cpu") -> Tuple[torch.nn.Module, object]:
     """(model, tokenizer) from a local HF checkpoint directory, a .gguf file, or (path None) the embedded model.

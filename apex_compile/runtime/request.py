@@ -10,7 +10,10 @@ class SamplingParams:
 
     do_sample False: greedy (temperature/top_k/top_p ignored). top_k 0 and top_p 1.0 disable those filters.
     seed: a private generator for this request (reproducible whatever the batch); None uses torch's global RNG.
-    eos_token_ids: generation stops after emitting one of them (it is kept in the output).
+    eos_token_ids: generation stops after emitting one of them (it is kept in the output); None (the default):
+        the model's EOS token(s) (`model.generation_config.eos_token_id`), filled in by the engine when it builds
+        the request; () stops at no token.
+    ignore_eos: run to max_new_tokens whatever the EOS tokens (as vLLM's `ignore_eos`); stop_strings still apply.
     stop_strings: generation stops once the decoded output contains one (needs a tokenizer; the text is cut
         before it).
     repetition_penalty: HF's: the logit of every token already in the prompt or output is divided by it (multiplied
@@ -24,13 +27,18 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: Optional[int] = None
-    eos_token_ids: Tuple[int, ...] = ()
+    eos_token_ids: Optional[Tuple[int, ...]] = None
     stop_strings: Tuple[str, ...] = ()
     repetition_penalty: float = 1.0
     min_new_tokens: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self):
-        self.eos_token_ids = tuple(int(t) for t in self.eos_token_ids)
+        if self.eos_token_ids is not None:
+            eos = self.eos_token_ids
+            self.eos_token_ids = (int(eos),) if isinstance(eos, int) else tuple(int(t) for t in eos)
+        if self.ignore_eos:
+            self.eos_token_ids = ()
         self.stop_strings = tuple(self.stop_strings)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")

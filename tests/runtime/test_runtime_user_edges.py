@@ -128,7 +128,7 @@ def test_main_job_shows_progress_and_streams_answers():
                            "3"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
-    order = [out.index(s) for s in ("compiling the apex step", "compiled the apex step", "first token after", "[0]",
+    order = [out.index(s) for s in ("compiling the model", "compiled and warmed up", "first token after", "[0]",
                                     "apex: ")]
     assert order == sorted(order)
 
