@@ -6,6 +6,7 @@ from typing import Optional, Sequence, Union
 from apex_compile import envs
 
 OFFLOAD_MODES = ("auto", "never", "all", "staggered")
+OBJECTIVES = ("auto", "makespan", "latency")
 PREEMPTION_MODES = ("swap", "recompute")
 INNER_COMPILERS = ("inductor", "eager")
 
@@ -120,6 +121,11 @@ class ApexConfig:
         CUDA (on a CPU the step runs on the host thread itself, so nothing would overlap).
     capture_sizes: batch sizes captured (None: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs); a decode step
         runs the smallest size >= its batch, larger batches run uncaptured.
+    objective: what offload="auto" serves with the staggered plan: "makespan" (a batch judged by its last token:
+        the pipeline takes the waiting requests the device pool would reach last, where they are predicted to
+        finish sooner there), "latency" (online arrivals judged by TTFT and TPOT: no request enters the pipeline,
+        whose members gain a token per lanes x (layers + 1) steps), or "auto": "latency" once requests arrive
+        through the engine's asynchronous front (`AsyncEngine`, the server), else "makespan".
     tuning: the plans' control-law constants (`TuningConfig`).
     """
 
@@ -143,9 +149,12 @@ class ApexConfig:
     stagger_lanes: Optional[int] = None
     cpu_attention_threads: Optional[int] = None
     pin_launcher: Optional[bool] = None
+    objective: str = "auto"
     tuning: TuningConfig = dataclasses.field(default_factory=TuningConfig)
 
     def __post_init__(self):
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"ApexConfig.objective must be one of {OBJECTIVES}, got {self.objective!r}")
         for name in ("gpu_cache_size", "cpu_cache_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):

@@ -217,6 +217,9 @@ class AsyncEngine:
         ValueError here for a bad prompt or sampling (empty, too long, ids outside the vocabulary, cannot fit),
         QueueFullError when max_waiting requests wait, EngineShutdownError after shutdown."""
         request = self.engine._prepare([prompt], sampling)[0]  # validation in the caller's thread
+        scheduler = self.engine.scheduler
+        if self.engine.config.objective == "auto" and scheduler is not None:
+            scheduler.objective = "latency"  # requests arrive over time: judged by TTFT and TPOT
         return self._submit_prepared(request, bounded=True)
 
     @property

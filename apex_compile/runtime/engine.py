@@ -87,6 +87,7 @@ class EngineStats:
     moved: int = 0
     parked: int = 0
     recomputed: int = 0
+    migrated: int = 0  # pipeline members moved to the device pool
     ahead_steps: int = 0  # steps queued before the previous step's tokens reached the host (async scheduling)
     # why a step was not queued ahead, per reason (`Engine._ahead_chunks`): each such step leaves the GPU idle while
     # the host schedules and prepares it
@@ -454,6 +455,41 @@ class Engine:
         stagger.executor.drain()  # nothing may still read their blocks as they shrink (no job holds them now)
         for request in stagger.remove(ready):
             self.scheduler.park_from_pipeline(request)
+
+    def _migrate_to_device(self) -> None:
+        """Pipeline members move to the device pool where it has room for them: there a member gains a token per
+        step instead of one per lanes x (layers + 1) steps, and PCIe moves its KV in milliseconds. Members with the
+        most tokens left go first (those nearly done finish as soon where they are). A marked member leaves at its
+        next token boundary (`StaggerPipeline.leaving`); once its token is on the host it is parked with its host
+        KV and resumes in the device pool ahead of waiting requests (`Scheduler.schedule`)."""
+        stagger, scheduler, kv = self.stagger, self.scheduler, self.kv
+        ready = [r.request_id for r in stagger.joining
+                 if r.request_id in stagger.leaving and r.num_computed < r.num_tokens]
+        if ready:
+            stagger.executor.drain()  # nothing may still read their blocks as they move
+            for request in stagger.remove(ready):
+                scheduler.park_from_pipeline(request)
+                scheduler.to_device.add(request.request_id)
+                self.stats.migrated += 1
+        members = stagger.members()
+        leaving = [r for r in members if r.request_id in stagger.leaving]
+        slots = self.config.max_num_seqs - len(scheduler.running) - len(scheduler.parked) - len(leaving)
+        if slots <= 0:
+            return
+
+        def need(request) -> int:  # its whole table in the device pool, and its growth reserve
+            return kv.blocks_for(scheduler._reserve_target(request))
+
+        room = (kv.num_free(DEVICE_POOL) + kv.num_held(DEVICE_POOL)
+                - scheduler._running_need(lookahead=scheduler._parks_ahead(), reserve=True)
+                - sum(need(r) for r in list(scheduler.parked) + leaving))
+        rest = lambda r: scheduler.max_tokens(r) - r.num_tokens  # noqa: E731
+        for request in sorted((r for r in members if r.request_id not in stagger.leaving), key=rest, reverse=True):
+            if slots <= 0 or need(request) > room:
+                break
+            stagger.leaving.add(request.request_id)
+            room -= need(request)
+            slots -= 1
 
     def _auto_host_policy(self) -> Optional[AutoOffload]:
         """The auto policy if its model predicts that host requests pay for some typical load, else None (then
@@ -924,6 +960,7 @@ class Engine:
             if self.config.offload == "auto":
                 self._update_stagger_ceiling()
             self._park_idle_pipeline()
+            self._migrate_to_device()
             self.stats.recomputed += len(self.scheduler.unstall_pipeline())
             self.scheduler.parked_to_pipeline()
             if not self.stagger.num_members:
@@ -1286,10 +1323,9 @@ class Engine:
         return requests
 
     def model_eos_token_ids(self) -> Tuple[int, ...]:
-        """The model's EOS token(s): `generation_config.eos_token_id` (else the config's), () when it has none."""
+        """The model's EOS token(s) as HF `generate` takes them: `generation_config.eos_token_id`, () when it has
+        none (a generation config that unsets it runs to length, as in HF, whatever the model config says)."""
         eos = getattr(self.model.generation_config, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(self.model.config, "eos_token_id", None)
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         return tuple(int(t) for t in eos)
 

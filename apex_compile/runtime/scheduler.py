@@ -107,6 +107,10 @@ class Scheduler:
         self._park_after: List[Request] = []  # parks ahead chosen by `schedule`, issued by `park_launched`
         self._host_rest = (None, 0)  # (when, the host requests' remaining tokens then): `_pipeline_reserve`
         self._warned_split = False  # `_warn_split` once
+        # what the staggered pipeline serves: "makespan" (a batch: requests the device pool would reach last) or
+        # "latency" (online arrivals: none; `ApexConfig.objective`, "auto" resolved by the engine's front)
+        self.objective = "latency" if config.objective == "latency" else "makespan"
+        self.to_device: set = set()  # ids of parked pipeline members bound for the device pool (not to rejoin)
 
     def capacity_tokens(self) -> int:
         """Tokens the largest pool that runs requests can hold (the longest request that can ever run)."""
@@ -160,8 +164,11 @@ class Scheduler:
             return (self.kv.extra_blocks(request.request_id, last) > self.kv.num_free(pool)
                     or pool == DEVICE_POOL and not self._keeps_reserve(request, last))
 
-        if self.stagger is not None:  # the pipeline's host pool (the device pool, unless the parked wait for it)
-            return (bool(self.parked) or full(DEVICE_POOL)) and not self._pipeline_takes(request)
+        if self.stagger is not None:  # the device pool, unless the parked wait for it; the pipeline from the tail
+            if self.config.offload == "staggered":
+                return (bool(self.parked) or full(DEVICE_POOL)) and not self._pipeline_takes(request)
+            return ((bool(self.parked or self.stagger.leaving) or full(DEVICE_POOL))
+                    and self._pipeline_candidate(budget) is None)
         if len(self.run_pools) > 1:
             return False  # a policy picks the pool: leave it to the step
         return full(self.run_pools[0])
@@ -351,8 +358,11 @@ class Scheduler:
         while index >= 0 and not self._pipeline_full():
             request = self.parked[index]
             index -= 1
-            if request.num_tokens - request.num_computed != 1:
-                continue  # parked mid-prompt: its prefill resumes in the device pool
+            if request.num_tokens - request.num_computed != 1 or request.request_id in self.to_device:
+                continue  # parked mid-prompt (its prefill resumes in the device pool), or migrating there
+            if self.config.offload == "auto" and not (self.objective == "makespan"
+                                                      and self._pipeline_pays(request, 0)):
+                continue  # first in line for the device pool: sooner there (`_pipeline_pays`)
             if not self.kv.landed(request.request_id):
                 # its park's copy (queued behind the step in flight) has not landed: it joins at a later step;
                 # waiting here would hold the launching thread for that whole step and the copy, the GPU idle after
@@ -453,6 +463,7 @@ class Scheduler:
             self.kv.move(request.request_id, pool)
             self.kv.grow(request.request_id, pool, request.num_computed + num_tokens)
             self.parked.popleft()
+            self.to_device.discard(request.request_id)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.resumed.append(request)
@@ -480,6 +491,16 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(ScheduledChunk(request, request.num_computed, num_tokens, pool))
+            budget -= num_tokens
+        while self.stagger is not None and len(self.running) < self.config.max_num_seqs and budget > 0:
+            request = self._pipeline_candidate(budget)
+            if request is None or not self.kv.grow(request.request_id, HOST_POOL, self._host_target(request)):
+                break
+            num_tokens = request.num_tokens - request.num_computed
+            self.waiting.pop()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(ScheduledChunk(request, request.num_computed, num_tokens, HOST_POOL))
             budget -= num_tokens
         for chunk in out.chunks:
             chunk.request.steps_per_pool[chunk.pool] += 1
@@ -579,11 +600,15 @@ class Scheduler:
 
     def _admit_staggered(self, request: Request, num_tokens: int, device_tokens: int,
                          fitting: List[int]) -> Optional[int]:
-        """The staggered plan: the device pool when it has room and no parked request waits for it, else the
-        host pool while the pipeline has a row for the request, with blocks for its prompt and first token."""
-        if not self.parked and DEVICE_POOL in fitting and self._grow(request, DEVICE_POOL,
-                                                                     request.num_computed + device_tokens):
+        """The staggered plan, the head of the queue: the device pool when it has room and no parked or migrating
+        request waits for it. Else, with offload="staggered" (throughput asked for), the pipeline while it has a
+        row and the host pool room, with blocks for its prompt and first token; under offload="auto" the pipeline
+        takes requests from the queue's tail instead, where they pay (`_pipeline_candidate`)."""
+        if (not (self.parked or self.stagger.leaving) and DEVICE_POOL in fitting
+                and self._grow(request, DEVICE_POOL, request.num_computed + device_tokens)):
             return DEVICE_POOL
+        if self.config.offload != "staggered":
+            return None
         if HOST_POOL not in fitting or self._splits_host_prompt(request, num_tokens):
             return None
         if not self._pipeline_takes(request):
@@ -592,6 +617,43 @@ class Scheduler:
                                                            request.num_computed + num_tokens)):
             return HOST_POOL
         return None
+
+    def _pipeline_candidate(self, budget: int) -> Optional[Request]:
+        """The waiting request the staggered pipeline takes now, or None: the queue's last, whose whole prompt fits
+        the step's `budget`, the pipeline a row and the host pool its blocks (`_pipeline_takes`), and which is
+        predicted to finish sooner there than by waiting for the device pool (`_pipeline_pays`). Only under the
+        makespan objective: a pipeline member gains a token per lanes x (layers + 1) steps, a per-token latency
+        no online SLO allows."""
+        if self.config.offload != "auto" or self.objective != "makespan" or not self.waiting:
+            return None
+        request = self.waiting[-1]
+        if request.num_tokens - request.num_computed > budget:
+            return None
+        if self.kv.pools[HOST_POOL].num_blocks * self.kv.block_size < self.max_tokens(request):
+            return None
+        if not (self._pipeline_takes(request) and self._pipeline_pays(request, len(self.waiting) - 1)):
+            return None
+        return request
+
+    def _pipeline_pays(self, request: Request, position: int) -> bool:
+        """Whether `request`, `position` places back in the queue, is predicted to finish sooner in the staggered
+        pipeline than by waiting for the device pool, counted in steps: in the pipeline it gains a token per
+        `stagger.cycle` steps; waiting, it starts once the device rows have worked off the tokens of every
+        request ahead of it (running in the device pool, parked, in the pipeline, which move to the device pool as
+        it has room, and waiting before it) at a token per row and step, then gains a token per step. A batch's
+        last requests are the ones that gain: the pipeline serves what the device pool would reach last. A member
+        moves to the device pool once it has room (`Engine._migrate_to_device`), so it finishes no later than
+        predicted here."""
+        def rest(r: Request) -> int:
+            return max(self.max_tokens(r) - r.num_tokens, 0)
+
+        device = [r for r in self.running if self.kv.pool_of(r.request_id) == DEVICE_POOL]
+        rows = max(len(device), 1)
+        backlog = (sum(rest(r) for r in device) + sum(rest(r) for r in self.parked)
+                   + sum(rest(r) for r in self.stagger.members())
+                   + sum(rest(self.waiting[i]) for i in range(position)))
+        own = max(rest(request), 1)
+        return own * self.stagger.cycle <= backlog / rows + own
 
     def _warn_split(self, request: Request, num_tokens: int) -> None:
         """Warns (once per scheduler) when a request admitted to the host pool starts with a chunk shorter than its

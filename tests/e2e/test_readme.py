@@ -1,5 +1,7 @@
-"""Every ```python block of README.md runs as written, in order and in one namespace, on the embedded model
-(issue 63, item 3): the first block defines `path` through the embedded-model loader."""
+"""Every ```python block of README.md runs as written, in order and in one namespace, on the embedded model:
+the first block defines `path` through the embedded-model loader. Blocks that talk to the server at
+README_SERVER run against a live server on the model the earlier blocks built (on a free port, which is the only
+text the test changes)."""
 import os
 import re
 
@@ -8,6 +10,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+README_SERVER = "http://127.0.0.1:8000"
 
 
 def python_blocks():
@@ -22,8 +25,16 @@ def test_readme_has_python_blocks():
 
 def test_readme_python_blocks_run_as_written(capsys):
     namespace = {"__name__": "__readme__"}
+    server = None
     try:
         for i, block in enumerate(python_blocks()):
+            if README_SERVER in block:
+                if server is None:
+                    from apex_compile.entrypoints.openai.api_server import EMBEDDED_MODEL_NAME, build_app
+                    from tests.server.conftest import LiveServer
+
+                    server = LiveServer(build_app(namespace["model"], model_name=EMBEDDED_MODEL_NAME))
+                block = block.replace(README_SERVER, server.url)
             try:
                 exec(compile(block, f"README.md python block {i}", "exec"), namespace)
             except Exception as error:
@@ -32,6 +43,8 @@ def test_readme_python_blocks_run_as_written(capsys):
         assert "Paris" in out  # the chat example answers, and stops at EOS
         assert "<|im_start|>" not in out
     finally:
+        if server is not None:
+            server.stop()
         model = namespace.get("model")
         if model is not None and hasattr(model, "close"):
             model.close()

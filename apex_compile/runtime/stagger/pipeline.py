@@ -128,6 +128,9 @@ class StaggerPipeline:
         self.evicted = 0  # requests sent back to wait in `joining` by a fallen row limit (begin_step)
         self.stalled = 0  # turns a member waited in `joining` for a host block for its next token (begin_step)
         self.keep_free = 0  # host blocks a member's growth leaves free (the scheduler's room to park into)
+        # ids of members bound for the device pool: at their next token boundary they wait in `joining` (not
+        # re-entering a group), from where the engine parks them to resume in the device pool
+        self.leaving: set = set()
         self.rope = rope
         self.steps = 0
         self.begun = False  # begin_step ran for a step whose end_step has not
@@ -187,6 +190,11 @@ class StaggerPipeline:
         return sum(g.size for g in self.groups) / len(self.groups) if self.active else 0.0
 
     @property
+    def cycle(self) -> int:
+        """Steps between two tokens of a member: lanes x (layers + 1)."""
+        return self.num_lanes * (self.num_layers + 1)
+
+    @property
     def capacity(self) -> int:
         """Requests the pipeline takes at once (every row in use of every group of every lane)."""
         return self.num_lanes * self.rows.capacity_rows(self.num_layers + 1)
@@ -244,6 +252,7 @@ class StaggerPipeline:
     def remove(self, request_ids) -> List[Request]:
         """Takes these requests out of the pipeline (the CPU jobs drained first); returns them."""
         ids = set(request_ids)
+        self.leaving -= ids
         removed = [r for r in self.joining if r.request_id in ids]
         self.joining = collections.deque(r for r in self.joining if r.request_id not in ids)
         if any(r.request_id in ids for r in self._inside()):
@@ -265,6 +274,7 @@ class StaggerPipeline:
         before its token came back, it re-entered group 0 (no job yet), which is rebuilt without it. One lane with
         a step queued ahead: it went on to group 1, into that step's job, so it is removed (`remove` drains the
         job first)."""
+        self.leaving.discard(request.request_id)
         for lane in self.lanes:
             for index, group in enumerate(lane):
                 row = next((row for row, r in enumerate(group.requests) if r is request), None)
@@ -331,27 +341,30 @@ class StaggerPipeline:
         limit = self._row_limit(lane)
         # requests going on beyond the limit (it fell: a CPU behind, or the model's ceiling) wait first in line
         # to rejoin, their blocks kept
-        evicted, used, stalled = [], 0, set()
+        evicted, used, stalled, left = [], 0, set(), 0
         for row, r in enumerate(entering):
             if r is None:
                 continue
-            if used < limit and self._has_block(r):
+            if r.request_id in self.leaving:
+                left += 1
+            elif used < limit and self._has_block(r):
                 used += 1
-            else:
-                if used < limit:
-                    stalled.add(r.request_id)
-                entering[row] = None
-                evicted.append(r)
+                continue
+            elif used < limit:
+                stalled.add(r.request_id)
+            entering[row] = None
+            evicted.append(r)
         self.inside -= len(evicted)
         self.joining.extendleft(reversed(evicted))
-        self.evicted += len(evicted) - len(stalled)
+        self.evicted += len(evicted) - len(stalled) - left
         # free rows take joining requests in order, passing over those without a block for their next token
         free_rows = collections.deque(row for row in range(self.width) if entering[row] is None)
         passed = []
         while free_rows and used < limit and self.joining:
             r = self.joining.popleft()
-            if not self._has_block(r):
-                stalled.add(r.request_id)
+            if r.request_id in self.leaving or not self._has_block(r):
+                if r.request_id not in self.leaving:
+                    stalled.add(r.request_id)
                 passed.append(r)
                 continue
             entering[free_rows.popleft()] = r
