@@ -477,6 +477,11 @@ class AutoOffload:
                      f"{best.tokens_per_s:.0f} vs {never.tokens_per_s:.0f} tokens/s GPU-only "
                      f"({best.tokens_per_s / never.tokens_per_s - 1:+.1%}; it needs {self.stagger_margin:+.0%}): "
                      f"{rows} row(s)")
+        # per-token latency: a device row gains a token per step, a pipeline member one per stagger_groups steps
+        lines.insert(-1, f"TPOT predicted: {never.step_s * 1e3:.2f} ms GPU-only; staggered plan "
+                     f"{best.step_s * 1e3:.2f} ms for device rows, {best.step_s * self.stagger_groups * 1e3:.0f} ms "
+                     f"for host requests (a token per {self.stagger_groups} steps): the pipeline serves a batch's "
+                     f"makespan, never an online latency objective")
         # what the host pool allows at all: each row holds stagger_groups requests (a token per step per row)
         bound = pool_rows / never.step_s
         lines.insert(-1, f"host-pool bound of the staggered plan: {pool_rows} row(s) of {self.stagger_groups} "

@@ -154,13 +154,16 @@ def test_staggered_steps_run_ahead_give_the_synchronous_tokens(lanes, monkeypatc
         assert apex.engine.blocks_in_use() == {"device": 0, "host": 0} and not apex.engine.stagger.members()
         return [(c.token_ids, c.finish_reason, c.steps_per_pool) for c in done], apex.engine.stats
 
+    def tokens(results):  # which pool served each step may differ: members move to the device pool when it
+        return [(ids, reason) for ids, reason, _ in results]  # has room, and a step queued ahead moves that point
+
     plain, _ = generate(False)
     eos = (collections.Counter(t for ids, _, _ in plain for t in ids).most_common(3)[2][0],)
     expected, sync_stats = generate(False, eos)
     pending.clear()
     removed.clear()
     got, stats = generate(True, eos)
-    assert got == expected
+    assert tokens(got) == tokens(expected)
     assert sync_stats.ahead_steps == 0 and stats.ahead_steps > 0
     assert "eos" in [reason for _, reason, _ in got] and sum(1 for _, _, s in got if s["host"]) >= 3
     if lanes == 1:  # ids sampled by the step before, taken on the device; some stopped in a later group
@@ -205,7 +208,8 @@ def test_with_the_staggered_plan_a_parked_request_keeps_the_device_pool_not_the_
 
     shape = CacheShape(num_layers=1, num_kv_heads=1, head_dim=16, block_size=16, dtype=torch.float32)
     kv = KVManager(shape, 4, 16, torch.device("cpu"))
-    pipeline = types.SimpleNamespace(num_members=0, capacity=2, closed=False, steps=0, members=lambda: [])
+    pipeline = types.SimpleNamespace(num_members=0, capacity=2, closed=False, steps=0, members=lambda: [],
+                                     leaving=set())
     sched = Scheduler(ApexConfig(offload="staggered", preemption="swap", max_num_seqs=8,
                                  max_num_batched_tokens=64), kv, stagger=pipeline)
     running = Request(0, list(range(1, 41)), SamplingParams(max_new_tokens=4))
@@ -242,7 +246,7 @@ def test_the_pipeline_leaves_the_host_pool_room_to_park_the_device_pools_request
     sched = Scheduler(ApexConfig(offload="staggered", preemption="swap", max_num_seqs=8, max_num_batched_tokens=64,
                                  tuning=TuningConfig(pipeline_reserve=0.0)),
                       kv, stagger=types.SimpleNamespace(num_members=0, capacity=8, closed=False, steps=0,
-                                                        members=lambda: []))
+                                                        members=lambda: [], leaving=set()))
     running = Request(0, list(range(1, 64)), SamplingParams(max_new_tokens=1))
     running.num_computed, running.status = 63, RequestStatus.RUNNING
     kv.grow(running.request_id, DEVICE_POOL, 64)  # the whole device pool

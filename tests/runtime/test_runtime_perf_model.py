@@ -93,6 +93,9 @@ def test_auto_explains_the_staggered_plan():
     (bound,) = [x for x in lines if x.startswith("host-pool bound of the staggered plan")]
     never = PerfModel(profile(cpu_gbps=90)).predict("never", 8, 0, 1024)
     assert f"{400 // GROUPS} row(s)" in bound and f"+{(400 // GROUPS) / never.step_s:.0f} tokens/s" in bound
+    # the host requests' TPOT is the step's times (layers + 1): stated beside the device rows'
+    (tpot,) = [x for x in lines if x.startswith("TPOT predicted")]
+    assert f"{never.step_s * 1e3:.2f} ms GPU-only" in tpot and f"a token per {GROUPS} steps" in tpot
 
 
 def test_a_large_bound_is_taken_and_never_exceeds_ideal_gain():
