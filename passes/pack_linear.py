@@ -4,7 +4,7 @@ A CPU decode step is its weight reads, and oneDNN reads a weight in its blocked 
 ATen's fp32 GEMM reads the plain one at decode row counts (benchmarks/results/cpu_linear_packed/). The weight
 is packed at its first use and again whenever it changes in place (its version counter moves), so results never
 use stale weights. Used by the engine when the graph runs eagerly on a CPU (inductor's weight freezing does the
-same inside its compiled code).
+same inside its compiled code), and, without a graph, by the engine's eager CPU step (`PackedLinears`).
 """
 import weakref
 from typing import Dict, Optional, Tuple
@@ -31,6 +31,22 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
         entry = _packed[id(weight)] = (weakref.ref(weight), weight._version, packed)
     return torch.ops.mkldnn._linear_pointwise(x, entry[2], bias, "none", [], "")
+
+
+class PackedLinears(torch.overrides.TorchFunctionMode):
+    """Within it, every fp32 CPU `F.linear` (HF's `nn.Linear` modules call it) runs as `packed_linear`: the
+    eager step gets the compiled graph's oneDNN linears without a dynamo trace. Thread-local, like every
+    torch function mode: other threads' linears are untouched."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.linear:
+            x, weight = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if (x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and weight.dim() == 2
+                    and not torch.is_grad_enabled()):
+                return packed_linear(x, weight, bias)
+        return func(*args, **kwargs)
 
 
 def _packable(node: fx.Node) -> bool:

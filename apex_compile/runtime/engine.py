@@ -541,9 +541,12 @@ class Engine:
 
             AttentionInterface.register(EAGER_ATTENTION_NAME, _eager_paged_attention)
             forward = _model_step(model)
+            # on a CPU the fp32 linears run on oneDNN-packed weights, as in the compiled graph (no trace needed)
+            packed = self.device.type == "cpu" and pack_linear.available()
 
             def eager_step(input_ids, position_ids, logits_indices):
-                with _attn_implementation(model.config, EAGER_ATTENTION_NAME):
+                with (_attn_implementation(model.config, EAGER_ATTENTION_NAME),
+                      pack_linear.PackedLinears() if packed else contextlib.nullcontext()):
                     return forward(input_ids, position_ids, logits_indices)
 
             return eager_step
