@@ -219,7 +219,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
                            "parked": len(engine.scheduler.parked), "prefill": prefill_tokens})
             policy = engine.auto_policy
             if policy is not None:  # auto: its model's last verdict and the host gaps it learned (GPU-only, host)
-                limits[-1].update(model_rows=engine._model_rows,
+                limits[-1].update(model_rows=engine.plan.model_rows,
                                   gap_s=[policy.gap.seconds(False), policy.gap.seconds(True)])
         events.append({k: v - counts[k] for k, v in _event_counts(engine).items() if v != counts[k]})
         # each host token's context: the KV its attention read (ideal_gain at the window's own host contexts)
@@ -269,7 +269,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     gc.callbacks.append(on_gc)
     begin, tokens, host_tokens, host_context, steps = time.perf_counter(), engine.stats.generated_tokens, 0, 0, []
     ahead, not_ahead = engine.stats.ahead_steps, dict(engine.stats.not_ahead)
-    captured = engine._captured_seconds()
+    captured = engine.plan.captured_seconds()
     try:
         for _ in range(window_steps):
             step, hosted = one_step()
@@ -279,7 +279,7 @@ def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps
     finally:
         gc.callbacks.remove(on_gc)
     seconds = time.perf_counter() - begin
-    captured = engine._captured_seconds() - captured  # graphs of shapes first met inside the window
+    captured = engine.plan.captured_seconds() - captured  # graphs of shapes first met inside the window
     ahead = engine.stats.ahead_steps - ahead  # the window's steps queued before the previous step's tokens
     not_ahead = {k: v - not_ahead.get(k, 0) for k, v in engine.stats.not_ahead.items() if v != not_ahead.get(k, 0)}
     window_queued = queued[-window_steps:] if window_steps else []

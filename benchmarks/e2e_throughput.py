@@ -112,7 +112,7 @@ class HostTimer:
         self.seconds = {"schedule": 0.0, "fill+copy": 0.0, "forward": 0.0, "wait+finish": 0.0}
         self.active = False
         for name, obj, attr in (("schedule", engine, "_schedule"), ("fill+copy", engine.buffers, "fill"),
-                                ("forward", engine, "_run_model"), ("wait+finish", engine, "_resolve")):
+                                ("forward", engine.plan, "run_model"), ("wait+finish", engine, "_resolve")):
             setattr(obj, attr, self._wrap(name, getattr(obj, attr)))
         for graphs in (engine.graphs, engine.pieces, engine.mixed):
             if graphs is not None:

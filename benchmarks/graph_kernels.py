@@ -96,7 +96,7 @@ def main():
         device_buffer = torch.empty(count, dtype=torch.bfloat16, device="cuda")
         host_buffer = torch.empty(count, dtype=torch.bfloat16, pin_memory=True)
         copies = {"device-to-host": (host_buffer, device_buffer), "host-to-device": (device_buffer, host_buffer)}
-    with engine._quiet_stagger(True):
+    with engine.plan.quiet():
         for name, replay in runs.items():
             kernels = kernels_per_replay(replay, args.replays)
             result["graphs"][name] = {"wall_us": wall_us(replay, args.replays), "kernels_us": kernels,

@@ -6,46 +6,35 @@ runner's token order, prepares the runner's metadata once, and runs the model's 
 attention ops call the runner) inside `with attention_runner(runner)`. The sampler picks the next token of
 every request whose chunk reached its last token; stop conditions are checked; finished requests return
 their blocks.
+
+Where host-pool requests attend is the offload plan's business (`runtime/plans`: GPU-only, overlap, staggered):
+the engine asks its plan for the scheduler's host policy and pipeline, the rows a step runs ahead of the
+scheduler's chunks, the forward (which graph runs the step), the host work after the launch and the control
+loop before a step; the loop itself has no plan branches.
 """
 import contextlib
 import dataclasses
-import math
 import sys
 import threading
 import time
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-import numpy as np
 import torch
 
 from apex_compile.config import GiB, ApexConfig
-from apex_compile.kernels.paged_attention import reserve_decode_counters
-from apex_compile.ops.kv_layout import to_device
 from apex_compile.runtime.attention_runner import PagedAttentionRunner, order_chunks
-from apex_compile.runtime.context import attention_runner
-from apex_compile.runtime.cuda_graphs import (PIECEWISE_MAX_TOKENS, DecodeGraphs, MixedGraphs, PiecewiseGraphs,
-                                              capture_sizes, piecewise_sizes)
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, POOL_NAMES, CacheShape, KVManager
 from apex_compile.runtime.perf_model import AutoOffload, PerfModel, StepCalibration
+from apex_compile.runtime.plans import Plan, make_plan
 from apex_compile.runtime.request import Request, RequestStatus, SamplingParams
 from apex_compile.runtime.sampler import PendingTokens, Sampler
 from apex_compile.runtime.scheduler import ScheduledChunk, Scheduler
-from apex_compile.runtime.stagger import LauncherPin, StaggerPipeline, rope_tables
+from apex_compile.runtime.stagger import StaggerPipeline
 from apex_compile.runtime.step_buffers import DeviceIds, StepBuffers
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 EAGER_ATTENTION_NAME = "apex_paged"
 _PROGRESS_MIN_TOKENS = 4096  # default progress bar only for runs generating at least this many tokens
-DEFAULT_STAGGER_WIDTH = 4  # offload="staggered" without a width
-# offload="auto": steps in a row the model must find host rows paying before a ceiling of 0 rises (an empty
-# pipeline's first requests are prefilled in the host pool, costly; a verdict flickering at the margin would pay
-# that and park them again)
-STAGGER_RISE_STEPS = 64
-# and steps in a row it must find none paying before a pipeline with members closes (its members finish on the
-# host) or, if no rows beat GPU-only, its ceiling falls to 0 (which empties it: its requests are parked, and
-# refilling it takes a rise and a lane's cycle; a dip of the measured rows, the job fit's noise, read as a verdict
-# of 0 for one step)
-STAGGER_FALL_STEPS = 32
 _FRONT_LOCK = threading.Lock()  # makes an engine's run lock and asynchronous front once (`Engine.front`)
 
 
@@ -104,13 +93,9 @@ class EngineStats:
         out["requests_per_pool"] = dict(zip(POOL_NAMES, self.requests_per_pool))
         return out
 
-
-def _rows_of(logits: torch.Tensor, rows: List[int]) -> torch.Tensor:
-    """logits[rows] of a whole-step graph's output: a slice when the rows are 0..n-1, else a gather (its index
-    copied without stalling the host: a staggered block with empty rows, before the pipeline is full)."""
-    if rows == list(range(len(rows))):
-        return logits[:len(rows)]
-    return logits.index_select(0, to_device(rows, torch.long, logits.device))
+def _plan_attr(engine, name: str):
+    """`name` of the engine's plan, None where the plan has none (or the engine is closed)."""
+    return getattr(engine.__dict__.get("plan"), name, None)
 
 
 @dataclasses.dataclass
@@ -119,7 +104,7 @@ class _Launched:
 
     sampled: List[Request]  # the requests whose next token the step chooses, in logits-row order
     pending: Optional[PendingTokens]
-    in_pipeline: set  # ids of the staggered block's requests among them
+    in_pipeline: set  # ids of the plan's lead rows' requests among them (the staggered block's)
     ahead: bool = False  # queued before the previous step's tokens came back (async scheduling)
 
 
@@ -279,227 +264,28 @@ class Engine:
             self.auto_policy = AutoOffload(PerfModel(engine_profile(self), self.calibration),
                                            stagger_groups=self.stagger_lanes * (self.shape.num_layers + 1),
                                            max_stagger_rows=self.config.tuning.auto_stagger_width)
-        self.stagger: Optional[StaggerPipeline] = None
-        self._pipeline_due = False  # a staggered forward was queued and its `_advance_pipeline` not yet run
         self._async = self.config.async_scheduling
         if self._async is None:
             self._async = self.device.type == "cuda"
         self._ahead: Optional[_Launched] = None  # the step queued ahead by the last `step()`, not yet resolved
         self._closed = False
         self._last_tick: Optional[float] = None  # inside `step()`: the time of its last phase tick
-        if self.config.offload == "staggered" and self.kv.pools[HOST_POOL].num_blocks:
-            self.stagger = self._stagger_pipeline(self.config.stagger_width or DEFAULT_STAGGER_WIDTH)
-        elif self.auto_policy is not None and self._auto_stagger_pays():
-            # auto's plan: the model's ceiling (each step) and the measured CPU job (each turn) set the rows
-            self.stagger = self._stagger_pipeline(self.config.stagger_width or "auto")
-        # the threads that call step() kept off the CPU attention worker's cores (a CUDA worker only)
-        cores = getattr(getattr(self.stagger, "executor", None), "cores", None)
-        pin = bool(self.config.pin_launcher)  # off by default (ApexConfig.pin_launcher)
-        self._launcher = LauncherPin(cores) if cores and self.device.type == "cuda" and pin else None
-        self._ceiling_key = None  # (device rows, context bucket, calibration state) of the last auto ceiling
         self._decode_only = False  # whether the last step() only decoded (no prompt chunk, no graph captured)
-        self._verdicts = {}  # the model's host rows at that key, per margin ("rise", "keep", "hold")
-        self._model_rows = 0  # the last of them asked (e2e_hybrid records it)
-        self._rise_steps = 0  # steps in a row the model's rows were > 0 while the ceiling stayed 0
-        self._fall_steps = 0  # steps in a row the model's rows were 0 while the ceiling of a used pipeline was not
-        self.scheduler = Scheduler(self.config, self.kv, self.max_model_len, self._auto_host_policy(), self.stagger)
+        # the offload plan (runtime/plans): its pipeline and host policy shape the scheduler; its graphs, compiled
+        # steps, threads and control loop are its own
+        self.plan: Plan = make_plan(self)
+        self.scheduler = Scheduler(self.config, self.kv, self.max_model_len, self.plan.host_policy,
+                                   self.plan.pipeline)
         self.runner = PagedAttentionRunner(self.kv, self.device)
-        self.runner.stagger = self.stagger
+        self.runner.stagger = self.plan.pipeline
         max_rows = max(self.config.max_num_batched_tokens, self.config.max_num_seqs, 2)
-        width = self.stagger.width if self.stagger is not None else 0
-        self.buffers = StepBuffers(self.kv, max_rows + width, self.max_model_len, self.device)
-        self.graphs: Optional[DecodeGraphs] = None
-        self.pieces: Optional[PiecewiseGraphs] = None
-        self.stagger_pieces: Optional[PiecewiseGraphs] = None
-        self.stagger_graphs: Optional[DecodeGraphs] = None
-        self.mixed: Optional[MixedGraphs] = None  # whole graphs of mixed steps (the staggered ones with the block)
-        self.stagger_mixed: Optional[MixedGraphs] = None
-        if self.device.type == "cuda" and self.config.cuda_graphs and self.config.compile:
-            # the decode kernel's split counters at the largest launch's size, before any capture
-            reserve_decode_counters(self.device, (max_rows + width) * self.shape.num_kv_heads)
-            sizes = self.config.capture_sizes or capture_sizes(min(self.config.max_num_seqs,
-                                                                   self.config.max_num_batched_tokens))
-            self.graphs = DecodeGraphs([n for n in sizes if n <= max_rows])
-            pieces_rows = min(max_rows, PIECEWISE_MAX_TOKENS)
-            self.pieces = PiecewiseGraphs(piecewise_sizes(pieces_rows), pieces_rows, torch.cuda.graph_pool_handle())
-            if self.stagger is not None:  # the staggered graph's pieces (their rows include the block)
-                rows = min(max_rows + width, PIECEWISE_MAX_TOKENS)
-                self.stagger_pieces = PiecewiseGraphs(piecewise_sizes(rows), rows, self.pieces.pool)
-                self.stagger_graphs = DecodeGraphs([n for n in sizes if n <= max_rows])
-            if self.config.mixed_graphs:  # every step size: a whole graph's launch is one call at any size
-                self.mixed = MixedGraphs(piecewise_sizes(max_rows), self.pieces.pool)
-                if self.stagger is not None:
-                    self.stagger_mixed = MixedGraphs(piecewise_sizes(max_rows + width), self.pieces.pool)
+        self.buffers = StepBuffers(self.kv, max_rows + self.plan.block_width, self.max_model_len, self.device)
+        self.plan.build_graphs(max_rows)
         self.sampler = Sampler()
         self.reports: list = []  # pass reports of the compiled step's graphs
         self.stats = EngineStats()
         self._next_id = 0
-        self._step_fn = self._build_step()
-        self._stagger_step_fn = self._build_step(stagger=True) if self.stagger is not None else None
-
-    def _stagger_pipeline(self, width) -> StaggerPipeline:
-        """The staggered plan's pipeline of `width` rows per step, or "auto": `TuningConfig.auto_stagger_width`
-        rows, those in
-        use following the measured CPU job (the compiled step is needed: its passes swap the rows per layer)."""
-        adaptive = width == "auto"
-        width = self.config.tuning.auto_stagger_width if adaptive else width
-        if not self.config.compile:
-            raise ValueError("offload='staggered' needs ApexConfig(compile=True): the staggered rows are swapped "
-                             "per layer by the compiler's passes")
-        config = self.model.config
-        # the profiled CPU rate bounds the adaptive rows' job fit (auto has a profile)
-        prior = self.auto_policy.model.cpu_seconds_per_token() / self.shape.num_layers if self.auto_policy else None
-        return StaggerPipeline(self.kv, width, config.hidden_size, config.num_attention_heads,
-                               rope_tables(self.model, self.max_model_len), self.device, self.dtype,
-                               self.max_model_len, self.config.cpu_attention_threads, adaptive, prior,
-                               lanes=self.stagger_lanes, job_share=self.config.tuning.job_share)
-
-    def _typical_contexts(self) -> List[int]:
-        return sorted({min(c, self.max_model_len) for c in (256, 1024, 4096)})
-
-    def _auto_stagger_pays(self) -> bool:
-        """offload="auto": whether the model predicts the staggered plan gains for some typical load."""
-        width = self.config.stagger_width
-        width = self.config.tuning.auto_stagger_width if width in (None, "auto") else width
-        tokens = [p.num_blocks * self.kv.block_size for p in self.kv.pools]
-        return self.auto_policy.worth_staggering(tokens[DEVICE_POOL], tokens[HOST_POOL], self.config.max_num_seqs,
-                                                 self._typical_contexts(), width)
-
-    def _update_stagger_ceiling(self) -> None:
-        """offload="auto" with the staggered plan, before a step: the host rows per step that the (calibrated)
-        model predicts best beside the running device-pool requests, among the rows the measured CPU job fits;
-        0 when none beats GPU-only, so that no request enters the pipeline (those inside leave it as they
-        sample, parked to resume in the device pool: `_park_idle_pipeline`): a plan whose job fits fewer rows
-        than its overhead needs to pay stops taking requests. Recomputed when the composition or the measured
-        rows change; a ceiling of 0 rises only after the model has found rows paying STAGGER_RISE_STEPS steps in
-        a row (`AutoOffload.stagger_rows`, its margin), and a pipeline with members stops only after
-        STAGGER_FALL_STEPS steps of none (its keep margin, `keep=True`). Stopping first closes it
-        (`StaggerPipeline.closed`): no request joins, its members finish at the rows that still beat GPU-only
-        (`hold=True`), rather than all parked at once to resume in the device pool; the keep verdict back opens
-        it again, and its ceiling falls to 0 once it is empty or after STAGGER_FALL_STEPS steps of no rows
-        beating GPU-only. The model adds each kind of step's host gap, learned from this engine's decode steps
-        (`step`, `_gap_sample`), and predicts the CPU job by the pipeline's measured job fit once there is one
-        (`AutoOffload.learn_cpu_job`)."""
-        running = self.scheduler.running
-        if not running:
-            return
-        stagger = self.stagger
-        device = [r for r in running if self.kv.pool_of(r.request_id) == DEVICE_POOL]
-        context = sum(r.num_tokens for r in running) / len(running)
-        host_context = stagger.rows.context or None  # the job's rows' own context (they lag the device rows')
-        fits = min(stagger.width, stagger.rows.measured)
-        used = bool(stagger.rows.ceiling and stagger.num_members)  # a running pipeline: the lower keep margin
-        gap = self.auto_policy.gap
-        fit = stagger.rows.job_fit()  # the measured job (kept until an idle probe drops it): not the profile's
-        self.auto_policy.learn_cpu_job(fit)
-        key = (len(device), int(context) // 32, int(host_context or 0) // 32, len(self.calibration.rows),
-               self.calibration.stagger_width, fits,
-               round(gap.seconds(False) * 1e4), round(gap.seconds(True) * 1e4),  # gaps in 0.1 ms
-               fit and (round(fit[0] * 1e4), round(math.log(max(fit[1], 1e-15)) * 50)))  # rate in 2% steps
-
-        def verdict(margin: str) -> int:  # the model's rows at that margin ("rise", "keep", "hold"), cached by key
-            if self._ceiling_key != key:
-                self._ceiling_key, self._verdicts = key, {}
-            if margin not in self._verdicts:
-                self._verdicts[margin] = self.auto_policy.stagger_rows(
-                    len(device), context, fits, keep=margin != "rise", host_context=host_context,
-                    hold=margin == "hold")
-            self._model_rows = self._verdicts[margin]
-            return self._model_rows
-
-        rows = verdict("keep" if used else "rise")
-        if stagger.closed and not stagger.num_members:  # a closed pipeline emptied: GPU-only until a rise
-            stagger.closed = False
-            stagger.rows.set_ceiling(0)
-            return
-        if rows and not stagger.rows.ceiling:  # rising from 0: only once the verdict has held STAGGER_RISE_STEPS
-            self._rise_steps += 1
-            if self._rise_steps < STAGGER_RISE_STEPS:
-                return
-        self._rise_steps = 0
-        if rows or not used:
-            self._fall_steps = 0
-            stagger.closed = False
-            stagger.rows.set_ceiling(rows)
-            return
-        held = verdict("hold")  # a used pipeline the keep verdict does not pay: the rows that still beat GPU-only
-        if not stagger.closed:  # an open one closes after STAGGER_FALL_STEPS, or empties if none beat it
-            self._fall_steps += 1
-            if self._fall_steps < STAGGER_FALL_STEPS:
-                return
-            self._fall_steps = 0
-            stagger.closed = bool(held)
-            stagger.rows.set_ceiling(held)
-            return
-        if held:
-            self._fall_steps = 0
-            stagger.rows.set_ceiling(held)
-            return
-        self._fall_steps += 1  # a closed one empties (its members parked) after STAGGER_FALL_STEPS of none
-        if self._fall_steps >= STAGGER_FALL_STEPS:
-            self._fall_steps = 0
-            stagger.closed = False
-            stagger.rows.set_ceiling(0)
-
-    def _park_idle_pipeline(self) -> None:
-        """A staggered pipeline whose ceiling is 0 (offload="auto": host rows no longer pay) empties as its
-        requests sample (`_row_limit`); once none is inside, those waiting to rejoin are parked (with their host
-        KV) so that they resume in the device pool, rather than keeping every step staggered for a row each.
-        Only requests whose last token the host has (a step queued ahead may still be sampling the others')."""
-        stagger = self.stagger
-        if stagger.rows.ceiling or stagger.inside or not stagger.joining:
-            return
-        ready = [r.request_id for r in stagger.joining if r.num_computed < r.num_tokens]
-        if not ready:
-            return
-        stagger.executor.drain()  # nothing may still read their blocks as they shrink (no job holds them now)
-        for request in stagger.remove(ready):
-            self.scheduler.park_from_pipeline(request)
-
-    def _migrate_to_device(self) -> None:
-        """Pipeline members move to the device pool where it has room for them: there a member gains a token per
-        step instead of one per lanes x (layers + 1) steps, and PCIe moves its KV in milliseconds. Members with the
-        most tokens left go first (those nearly done finish as soon where they are). A marked member leaves at its
-        next token boundary (`StaggerPipeline.leaving`); once its token is on the host it is parked with its host
-        KV and resumes in the device pool ahead of waiting requests (`Scheduler.schedule`)."""
-        stagger, scheduler, kv = self.stagger, self.scheduler, self.kv
-        ready = [r.request_id for r in stagger.joining
-                 if r.request_id in stagger.leaving and r.num_computed < r.num_tokens]
-        if ready:
-            stagger.executor.drain()  # nothing may still read their blocks as they move
-            for request in stagger.remove(ready):
-                scheduler.park_from_pipeline(request)
-                scheduler.to_device.add(request.request_id)
-                self.stats.migrated += 1
-        members = stagger.members()
-        leaving = [r for r in members if r.request_id in stagger.leaving]
-        slots = self.config.max_num_seqs - len(scheduler.running) - len(scheduler.parked) - len(leaving)
-        if slots <= 0:
-            return
-
-        def need(request) -> int:  # its whole table in the device pool, and its growth reserve
-            return kv.blocks_for(scheduler._reserve_target(request))
-
-        room = (kv.num_free(DEVICE_POOL) + kv.num_held(DEVICE_POOL)
-                - scheduler._running_need(lookahead=scheduler._parks_ahead(), reserve=True)
-                - sum(need(r) for r in list(scheduler.parked) + leaving))
-        rest = lambda r: scheduler.max_tokens(r) - r.num_tokens  # noqa: E731
-        for request in sorted((r for r in members if r.request_id not in stagger.leaving), key=rest, reverse=True):
-            if slots <= 0 or need(request) > room:
-                break
-            stagger.leaving.add(request.request_id)
-            room -= need(request)
-            slots -= 1
-
-    def _auto_host_policy(self) -> Optional[AutoOffload]:
-        """The auto policy if its model predicts that host requests pay for some typical load, else None (then
-        the host pool only parks swapped-out requests and the overlapped graph is never compiled)."""
-        policy = self.auto_policy
-        if policy is None or self.stagger is not None:
-            return None
-        tokens = [p.num_blocks * self.kv.block_size for p in self.kv.pools]
-        return policy if policy.worth_enabling(tokens[DEVICE_POOL], tokens[HOST_POOL], self.config.max_num_seqs,
-                                               self._typical_contexts()) else None
+        self.plan.build_steps()
 
     def _pool_bytes(self):
         """(device pool bytes, host pool bytes) from the config, defaults filled in."""
@@ -529,9 +315,26 @@ class Engine:
         return device_bytes, host_bytes
 
     @property
+    def stagger(self) -> Optional[StaggerPipeline]:
+        """The staggered plan's pipeline (None under the other plans, and once closed)."""
+        plan = self.__dict__.get("plan")
+        return plan.pipeline if plan is not None else None
+
+    @property
     def overlap(self) -> bool:
-        """Whether compiled graphs split attention into launch / device / wait (CUDA with host-pool requests)."""
-        return self.device.type == "cuda" and HOST_POOL in self.scheduler.run_pools and self.stagger is None
+        """Whether compiled graphs split attention into launch / device / wait (the overlap plan on CUDA)."""
+        return self.plan.overlap
+
+    # the plan's graphs (None where the plan has none of that kind, and once closed)
+    graphs = property(lambda self: _plan_attr(self, "graphs"), doc="whole decode-step graphs (`DecodeGraphs`)")
+    pieces = property(lambda self: _plan_attr(self, "pieces"), doc="piecewise graphs (`PiecewiseGraphs`)")
+    mixed = property(lambda self: _plan_attr(self, "mixed"), doc="whole mixed-step graphs (`MixedGraphs`)")
+    stagger_graphs = property(lambda self: _plan_attr(self, "stagger_graphs"),
+                              doc="the staggered plan's whole decode-step graphs")
+    stagger_pieces = property(lambda self: _plan_attr(self, "stagger_pieces"),
+                              doc="the staggered plan's piecewise graphs")
+    stagger_mixed = property(lambda self: _plan_attr(self, "stagger_mixed"),
+                             doc="the staggered plan's whole mixed-step graphs")
 
     def _build_step(self, stagger: bool = False) -> Callable:
         """The step function: compiled with the apex backend, or eager HF modules with attention routed here."""
@@ -628,16 +431,11 @@ class Engine:
             self._ahead = None
             self._closed = True
             try:
-                if self._launcher is not None:
-                    self._launcher.release()
-                if self.stagger is not None:
-                    self.stagger.close()
+                self.plan.close()  # its threads stop before the pools they read are freed
             finally:
                 self.runner.close()
                 self.kv.close()
-                for name in ("kv", "scheduler", "runner", "stagger", "buffers", "graphs", "pieces", "stagger_graphs",
-                             "stagger_pieces", "mixed", "stagger_mixed", "auto_policy", "_step_fn",
-                             "_stagger_step_fn"):
+                for name in ("kv", "scheduler", "runner", "plan", "buffers", "auto_policy"):
                     setattr(self, name, None)
 
     def _stop_reason(self, request: Request) -> Optional[str]:
@@ -666,250 +464,35 @@ class Engine:
 
     def _schedule(self) -> List[ScheduledChunk]:
         """The scheduler's next chunks in the runner's token order."""
-        plan = self.scheduler.schedule()  # (host blocks a move reads or frees wait for their exports: settle_host)
-        if not plan.chunks and not (self.stagger is not None and self.stagger.active):
+        batch = self.scheduler.schedule()  # (host blocks a move reads or frees wait for their exports: settle_host)
+        if not batch.chunks and not self.plan.lead_rows():  # a step of lead rows only may have no chunk
             raise RuntimeError("scheduler found nothing to run although requests are pending")
-        self.stats.moved += len(plan.moved)
-        self.stats.parked += len(plan.parked)
-        self.stats.recomputed += len(plan.recomputed)
-        for chunk in plan.chunks:
+        self.stats.moved += len(batch.moved)
+        self.stats.parked += len(batch.parked)
+        self.stats.recomputed += len(batch.recomputed)
+        for chunk in batch.chunks:
             if chunk.request.steps_per_pool[chunk.pool] == 1:
                 self.stats.requests_per_pool[chunk.pool] += 1
         self.kv.wait_for_moves()
-        return order_chunks(plan.chunks)
-
-    def _graph_size(self, chunks: List[ScheduledChunk]) -> Optional[int]:
-        """The capture size whose graph runs this step, or None (not a decode-only step of the device pool)."""
-        if self.graphs is None or any(c.pool != DEVICE_POOL or not c.decodes for c in chunks):
-            return None
-        return self.graphs.size_for(len(chunks))
-
-    def _logits_rows(self, count: int) -> int:
-        """Rows of the LM-head GEMM for `count` wanted rows (repeated rows are computed and dropped): on CUDA at
-        least two, since dynamo specialises size-0/1 dimensions and each specialisation would compile the whole
-        model again (on a CPU the graph runs eagerly and a recompile is cheap)."""
-        return max(count, 2) if self.device.type == "cuda" else max(count, 1)
-
-    def _run_model(self, parts, num_rows: int, num_logits: int, runner=None, stagger_rows: int = 0) -> torch.Tensor:
-        """The compiled step over the buffers' first `num_rows` rows, attention served by `runner` (default: the
-        engine's runner, given the step's parts); with `stagger_rows`, the staggered graph, its block first."""
-        self.runner.set_parts(parts, num_rows, stagger_rows)
-        input_ids, position_ids, indices = self.buffers.inputs(num_rows, num_logits)
-        step_fn = self._stagger_step_fn if stagger_rows else self._step_fn
-        with attention_runner(runner or self.runner), torch.inference_mode():
-            return step_fn(input_ids, position_ids, indices)
+        return order_chunks(batch.chunks)
 
     def capture_graphs(self, progress: bool = True) -> None:
         """Captures the decode CUDA graphs of every capture size (done by `warmup`, else at the first decode)."""
-        if self.graphs is None or self.graphs.ready:
-            return
-        padded = {}
-
-        def prepare(size):
-            padded[size] = self.buffers.fill([], [], pad_to=size)
-            self.buffers.copy_to_device()
-
-        self.graphs.capture(prepare, lambda size: self._run_model(*padded[size], size), progress, self.pieces.pool)
-        self.calibration.rows, self.calibration.step_s = self.graphs.time_replays()
-
-    def _capture_pieces(self, key, stagger_rows: int = 0) -> None:
-        """Captures the piecewise graphs of (rows, logits rows) `key` over a step of padding rows only (with
-        `stagger_rows`, the staggered graph's, its residual rows left as they were)."""
-        rows, num_logits = key
-        parts, _ = self.buffers.fill([], [], pad_to=rows - stagger_rows, first_row=stagger_rows)
-        if stagger_rows:  # the block's rows and every logits row within the step (fill wrote rows - block of them)
-            self.buffers.ids[:stagger_rows], self.buffers.positions[:stagger_rows] = 0, 0
-            self.buffers.logits_indices[:num_logits] = np.arange(num_logits) % rows
-        self.buffers.copy_to_device()
-        pieces = self.stagger_pieces if stagger_rows else self.pieces
-
-        def forward(runner):
-            return self._run_model(parts, rows, num_logits, runner, stagger_rows)
-
-        with torch.inference_mode(), self._quiet_stagger(stagger_rows):
-            pieces.capture(key, self.runner, forward)
-
-    def _mixed_key(self, chunks: List[ScheduledChunk], num_tokens: int, num_logits: int,
-                   stagger_rows: int = 0):
-        """The key of the whole mixed graph that runs this step (capturing it the first time), or None: no
-        mixed graphs, a chunk outside the device pool, too many prompt chunks, or too many rows."""
-        graphs = self.stagger_mixed if stagger_rows else self.mixed
-        if graphs is None or not StepBuffers.mixed_fits(chunks):
-            return None
-        key = graphs.key_for(num_tokens, num_logits)
-        if key is not None and key not in graphs.graphs:
-            rows, padded_logits = key
-            parts, _ = self.buffers.fill([], [], first_row=stagger_rows, mixed_rows=rows - stagger_rows)
-            if stagger_rows:
-                self.buffers.ids[:stagger_rows], self.buffers.positions[:stagger_rows] = 0, 0
-            self.buffers.logits_indices[:padded_logits] = np.arange(padded_logits) % rows
-            self.buffers.copy_to_device()
-            with torch.inference_mode(), self._quiet_stagger(stagger_rows):
-                graphs.capture(key, lambda: self._run_model(parts, rows, padded_logits,
-                                                            stagger_rows=stagger_rows))
-        return key
-
-    def _captured_seconds(self) -> float:
-        """Seconds spent so far capturing graphs lazily (piecewise and mixed)."""
-        return sum(g.capture_seconds for g in (self.pieces, self.stagger_pieces, self.mixed, self.stagger_mixed)
-                   if g is not None)
-
-    @contextlib.contextmanager
-    def _quiet_stagger(self, active: bool):
-        """While graphs of the staggered step are captured: their uncaptured runs leave the pipeline as it was
-        (`StaggerPipeline.quiet`)."""
-        if not active:
-            yield
-            return
-        with self.stagger.quiet():
-            yield
-
-    def _fill_staggered(self, chunks, logit_rows, pad_to=None, total_rows=None):
-        """StepBuffers.fill for a step led by the staggered block; a whole graph's step (pad_to) computes the
-        logits of every row."""
-        width = self.stagger.width
-        parts, num_rows = self.buffers.fill(chunks, logit_rows, pad_to=pad_to, total_rows=total_rows,
-                                            first_row=width)
-        if pad_to is not None:
-            self.buffers.logits_indices[:num_rows] = np.arange(num_rows)
-        return parts, num_rows
+        self.plan.capture_graphs(progress)
 
     def capture_stagger_graphs(self, progress: bool = True) -> None:
-        """Captures the whole-step graphs of staggered decode steps (the block and padded device decode rows),
-        every capture size (done by `warmup`, else at the first such step)."""
-        graphs = self.stagger_graphs
-        if graphs is None or graphs.ready:
-            return
-        width = self.stagger.width
-        padded = {}
-
-        def prepare(size):
-            padded[size] = self._fill_staggered([], [], pad_to=size)[0]
-            self.buffers.ids[:width], self.buffers.positions[:width] = 0, 0
-            self.buffers.copy_to_device()
-
-        def forward(size):
-            return self._run_model(padded[size], width + size, width + size, stagger_rows=width)
-
-        with self._quiet_stagger(True):
-            graphs.capture(prepare, forward, progress, self.pieces.pool)
-            rows, seconds = graphs.time_replays()
-        self.calibration.stagger_rows, self.calibration.stagger_s = rows, seconds
-        self.calibration.stagger_width = width
-
-    def _forward_staggered(self, chunks: List[ScheduledChunk], logit_rows: List[int],
-                           device_ids: Optional[DeviceIds] = None) -> torch.Tensor:
-        """`_forward_chunks` of a step led by the staggered block: a whole-step graph when the device rows all
-        decode, a whole mixed graph when they hold prompt chunks that fit its layout (`MixedGraphs`), else the
-        staggered graph in pieces or (without CUDA graphs, above their sizes) as compiled.
-        The block's host work is done after the forward is queued: `end_step` (this step's q/k/v to the CPU),
-        then the next step's `begin_step`; only `collect` (the CPU's outputs to the device) comes before it."""
-        stagger = self.stagger
-        self._advance_pipeline()  # a caller that skipped it (nothing does): the lanes stay in order anyway
-        width = stagger.width
-        num_tokens = width + sum(c.num_tokens for c in chunks)
-        size = None
-        if self.stagger_graphs is not None and all(c.pool == DEVICE_POOL and c.decodes for c in chunks):
-            size = self.stagger_graphs.size_for(max(len(chunks), 1))
-            if size is not None and not self.stagger_graphs.ready:
-                self.capture_stagger_graphs()
-        pieces = self.stagger_pieces
-        mixed = self._mixed_key(chunks, num_tokens, len(logit_rows), width) if size is None else None
-        key = (pieces.key_for(num_tokens, len(logit_rows)) if pieces is not None and size is None and mixed is None
-               else None)
-        if key is not None and key not in pieces.pieces:
-            self._capture_pieces(key, width)
-        num_logits = len(logit_rows)
-        if size is None:
-            padded = mixed or key
-            padded_logits = padded[1] if padded is not None else self._logits_rows(num_logits)
-            padded_rows = (logit_rows + [num_tokens - 1] * padded_logits)[:padded_logits]
-        else:
-            padded_rows = logit_rows
-        if mixed is not None:
-            parts, num_rows = self.buffers.fill(chunks, padded_rows, first_row=width, mixed_rows=mixed[0] - width)
-        else:
-            parts, num_rows = self._fill_staggered(chunks, padded_rows, pad_to=size, total_rows=key and key[0])
-        self.buffers.ids[:width] = stagger.input_ids()  # (0 where the token is still on its way: device_ids)
-        self.buffers.positions[:width] = stagger.groups[0].positions
-        self.buffers.copy_to_device(device_ids)
-        stagger.collect()
-        start = self._tick("prepare")
-        self.runner.set_parts(parts, num_rows, width)
-        if size is not None:
-            logits = _rows_of(self.stagger_graphs.replay(size), logit_rows)
-        elif mixed is not None:
-            logits = self.stagger_mixed.replay(mixed)[:num_logits]
-        elif key is not None:
-            with torch.inference_mode():
-                logits = pieces.replay(key, self.runner)[:num_logits]
-        else:
-            logits = self._run_model(parts, num_rows, len(padded_rows), stagger_rows=width)[:num_logits]
-        self._pipeline_due = True  # `_advance_pipeline`, once the caller queued what it wants before it
-        self.stats.forward_seconds += self._tick("forward") - start
-        self.stats.steps += 1
-        for chunk in chunks:
-            chunk.request.num_computed += chunk.num_tokens
-        return logits
-
-    def _advance_pipeline(self) -> None:
-        """After a staggered forward is queued (and the sampled ids' copy behind it): `end_step` (this step's
-        q/k/v to the CPU job), then the next step's `begin_step`, host work done while the GPU runs the step;
-        their device copies queue behind the sampled ids, so the host gets its tokens without waiting for them."""
-        if not self._pipeline_due:
-            return
-        self._pipeline_due = False
-        stagger = self.stagger
-        stagger.end_step(self.runner)
-        if stagger.num_members:
-            stagger.begin_step()
-        self._tick("pipeline")
+        """Captures the whole-step graphs of staggered decode steps, every capture size (the staggered plan only;
+        done by `warmup`, else at the first such step)."""
+        capture = getattr(self.plan, "capture_stagger_graphs", None)
+        if capture is not None:
+            capture(progress)
 
     def _forward_chunks(self, chunks: List[ScheduledChunk], logit_rows: List[int],
                         device_ids: Optional[DeviceIds] = None) -> torch.Tensor:
-        """Runs the model on the chunks (flattened in order) and returns the logits of `logit_rows`: a whole
-        decode graph, a whole mixed graph (prompt chunks, every row in the device pool), piecewise graphs (host
-        rows), or (without CUDA graphs) the compiled step itself. device_ids: input ids already on the device
-        (a step queued before the host has them)."""
-        if self.stagger is not None and any(not c.decodes for c in chunks):
-            self.stagger.note_prompt_step()  # the row limit leaves this step out of its decode-step measures
-        if self.stagger is not None and self.stagger.active:
-            return self._forward_staggered(chunks, logit_rows, device_ids)
-        size = self._graph_size(chunks)
-        if size is not None and not self.graphs.ready:
-            self.capture_graphs()
-        num_tokens = sum(c.num_tokens for c in chunks)
-        mixed = self._mixed_key(chunks, num_tokens, len(logit_rows)) if size is None else None
-        key = (self.pieces.key_for(num_tokens, len(logit_rows))
-               if size is None and mixed is None and self.pieces is not None else None)
-        if key is not None and key not in self.pieces.pieces:
-            self._capture_pieces(key)
-        num_logits = len(logit_rows)
-        padded = mixed or key
-        padded_logits = padded[1] if padded is not None else self._logits_rows(num_logits)
-        logit_rows = (logit_rows + [num_tokens - 1] * padded_logits)[:padded_logits]
-        if mixed is not None:
-            parts, num_rows = self.buffers.fill(chunks, logit_rows, mixed_rows=mixed[0])
-        else:
-            parts, num_rows = self.buffers.fill(chunks, logit_rows, pad_to=size, total_rows=key and key[0])
-        self.buffers.copy_to_device(device_ids)
-        start = self._tick("prepare")
-        if size is not None:
-            logits = _rows_of(self.graphs.replay(size), logit_rows[:num_logits])
-        elif mixed is not None:
-            self.runner.set_parts(parts, num_rows)
-            logits = self.mixed.replay(mixed)[:num_logits]
-        elif key is not None:
-            self.runner.set_parts(parts, num_rows)
-            with torch.inference_mode():
-                logits = self.pieces.replay(key, self.runner)[:num_logits]
-        else:
-            logits = self._run_model(parts, num_rows, len(logit_rows))[:num_logits]
-        self.stats.forward_seconds += self._tick("forward") - start
-        self.stats.steps += 1
-        for chunk in chunks:
-            chunk.request.num_computed += chunk.num_tokens
-        return logits
+        """Runs the model on the chunks (flattened in order, after the plan's lead rows) and returns the logits
+        of `logit_rows`, the graph chosen by the plan. device_ids: input ids already on the device (a step
+        queued before the host has them)."""
+        return self.plan.forward(chunks, logit_rows, device_ids)
 
     def _tick(self, phase: str) -> float:
         """Adds the time since the last tick of this `step()` to `phase` (stats.phase_seconds); returns now."""
@@ -922,10 +505,10 @@ class Engine:
     def step(self) -> List[Request]:
         """Runs one forward step; returns the requests that got a new token (in scheduling order)."""
         self._check_open()
-        if self._launcher is not None:
-            self._launcher.ensure()
+        plan = self.plan
+        plan.enter_step()
         self._last_tick = start = time.perf_counter()
-        gap_sample = self._gap_sample()
+        gap_sample = plan.gap_sample()
         self._decode_only = False
         try:
             sampled = self._step()
@@ -933,80 +516,38 @@ class Engine:
             self._tick("finish")
             self._last_tick = None
         if gap_sample is not None and self._decode_only:
-            device, rows, context, host_context, job_s = gap_sample
-            self.auto_policy.observe_staggered(device, rows, context, time.perf_counter() - start, job_s,
-                                               host_context=host_context)
+            plan.observe_gap(gap_sample, time.perf_counter() - start)
         return sampled
 
-    def _gap_sample(self) -> Optional[Tuple[int, float, float, Optional[float], Optional[float]]]:
-        """offload="auto" with the staggered plan: (device rows, the block's host rows per layer, mean context
-        of the device rows, that of the job's rows, the measured job fit's seconds for those rows) of the step
-        about to run, whose wall time (GPU-bound once steps are queued ahead) teaches the model its host gap:
-        predicted at the same two contexts as auto's verdict (`_update_stagger_ceiling`)."""
-        stagger = self.stagger
-        if stagger is None or self.config.offload != "auto" or self.auto_policy is None:
-            return None
-        running = self.scheduler.running
-        if not (running or stagger.num_members):
-            return None
-        # prompt turns of the pipeline (its own bookkeeping, which idles with it) or prompt K/V still exporting
-        if (stagger.active and not stagger.measures_decode) or self.runner.exports.queued():
-            return None
-        on_device = [r.num_tokens for r in running if self.kv.pool_of(r.request_id) == DEVICE_POOL]
-        rows = stagger.host_rows
-        host_context = stagger.rows.context or None
-        context = sum(on_device) / len(on_device) if on_device else (host_context or 0.0)
-        return len(on_device), rows, context, host_context, stagger.rows.job_seconds(rows) if rows else None
-
     def _step(self) -> List[Request]:
-        if self.stagger is not None:
-            if self.config.offload == "auto":
-                self._update_stagger_ceiling()
-            self._park_idle_pipeline()
-            self._migrate_to_device()
-            self.stats.recomputed += len(self.scheduler.unstall_pipeline())
-            self.scheduler.parked_to_pipeline()
-            if not self.stagger.num_members:
-                self.stagger.idle_step()
+        plan = self.plan
+        plan.before_schedule()
         launched, self._ahead = self._ahead, None
         chunks = None
-        captured = self._captured_seconds()
+        captured = plan.captured_seconds()
         if launched is None:
-            stagger = self.stagger
-            if stagger is not None and stagger.num_members and not (stagger.begun and stagger.active):
-                stagger.begin_step()  # else begun by the step before, while the GPU ran it
+            plan.begin_step()
             chunks = self._schedule()
             start = self._tick("schedule")
             launched = self._launch(chunks)
         self._ahead = self._launch_ahead(launched)  # while this step runs on the GPU
         sampled = self._resolve(launched)
         self._drop_finished_ahead()
-        capture_free = self._captured_seconds() == captured
+        capture_free = plan.captured_seconds() == captured
         # a step with prompt chunks, or one that captured a graph, teaches no decode step's time
         self._decode_only = capture_free and (chunks is None or all(c.decodes for c in chunks))
-        policy = self.scheduler.host_policy
-        if chunks is None or policy is None:
-            return sampled
-        if capture_free and all(c.decodes for c in chunks):
-            # a decode step's wall time (the sampled ids' copy waits for the GPU) corrects auto's model
-            on_host = sum(1 for c in chunks if c.pool == HOST_POOL)
-            context = sum(c.start + 1 for c in chunks) / len(chunks)
-            policy.observe(len(chunks) - on_host, on_host, context, time.perf_counter() - start)
+        if chunks is not None and capture_free and all(c.decodes for c in chunks):
+            plan.observe_step(chunks, start)
         return sampled
 
     def _launch(self, chunks: List[ScheduledChunk], device_ids: Optional[DeviceIds] = None) -> _Launched:
         """Queues the chunks' forward and the choice of their next tokens, then the parks the step left due (their
         copies behind it); with `device_ids` (a step queued ahead) every chunk is a decode row whose input id is
         on the device."""
-        logit_rows: List[int] = []
-        sampled: List[Request] = []
-        row = 0
-        staggered = []  # the staggered block's last group: its token is through every layer
-        if self.stagger is not None and self.stagger.active:
-            staggered = self.stagger.sampling_rows()
-            logit_rows = [r for r, _ in staggered]
-            sampled = [request for _, request in staggered]
-            row = self.stagger.width
+        lead = self.plan.lead_sampling_rows()  # the plan's rows ahead of the chunks that sample this step
+        logit_rows: List[int] = [r for r, _ in lead]
+        sampled: List[Request] = [request for _, request in lead]
+        row = self.plan.lead_rows()  # the chunks' rows follow the lead rows
         for chunk in chunks:
             row += chunk.num_tokens
             if chunk.samples or device_ids is not None:
@@ -1014,12 +555,9 @@ class Engine:
                 sampled.append(chunk.request)
         logits = self._forward_chunks(chunks, logit_rows, device_ids)
         pending = self.sampler.launch(logits, sampled) if sampled else None
-        for _, request in staggered:  # through every layer (before the pipeline's next turn: one lane re-enters
-            request.num_computed += 1  # it at once, at its next position)
-            request.steps_per_pool[HOST_POOL] += 1
-        self._advance_pipeline()
+        self.plan.after_launch(lead)
         self.stats.parked += len(self.scheduler.park_launched())  # parks ahead, their copies behind this step
-        return _Launched(sampled, pending, {request.request_id for _, request in staggered}, device_ids is not None)
+        return _Launched(sampled, pending, {request.request_id for _, request in lead}, device_ids is not None)
 
     def _resolve(self, launched: _Launched) -> List[Request]:
         """Takes a launched step's tokens: appends them, applies the stop rules; returns the requests that got a
@@ -1045,9 +583,8 @@ class Engine:
                 else:
                     self.scheduler.finish(request, reason)
                 self.sampler.forget(request.request_id)
-            elif (self.stagger is not None and not in_pipeline and request.status is RequestStatus.RUNNING
-                  and self.kv.pool_of(request.request_id) == HOST_POOL):
-                self.scheduler.to_pipeline(request)  # prefilled in the host pool: decodes staggered
+            elif not in_pipeline:
+                self.plan.took_token(request)  # where it decodes next (the staggered plan: its pipeline)
         return got
 
     def _ahead_chunks(self, launched: _Launched) -> Optional[Tuple[List[ScheduledChunk], DeviceIds]]:
@@ -1081,7 +618,7 @@ class Engine:
                 return self._not_ahead("host rules")  # the host-side rules need the token first
             if not self._at_length(request, pending=int(request.request_id in sampled)):
                 kept.append(request)
-        graphs = self.stagger_graphs if self.stagger is not None and self.stagger.active else self.graphs
+        graphs = self.plan.ahead_graphs()
         if not kept:
             return self._not_ahead("stopping")  # every device row stops by length
         if graphs is not None and not (graphs.ready and graphs.size_for(len(kept))):
@@ -1109,14 +646,12 @@ class Engine:
         ahead) and the block's group-0 rows whose token `launched` samples (one lane: a request re-enters group
         0 the step after it sampled). None if a group-0 token is neither on the host nor among them."""
         source = {r.request_id: i for i, r in enumerate(launched.sampled)}
-        rows, sources, first = [], [], 0
-        if self.stagger is not None and self.stagger.active:
-            first = self.stagger.width
-            for row, request in self.stagger.pending_input_rows():
-                if request.request_id not in source:
-                    return None
-                rows.append(row)
-                sources.append(source[request.request_id])
+        rows, sources, first = [], [], self.plan.lead_rows()
+        for row, request in self.plan.lead_input_rows():
+            if request.request_id not in source:
+                return None
+            rows.append(row)
+            sources.append(source[request.request_id])
         for row, request in enumerate(kept, start=first):
             if request.request_id in source:
                 rows.append(row)
@@ -1148,7 +683,7 @@ class Engine:
                 logit_rows = list(range(sum(c.num_tokens for c in chunks)))
                 logits = self._forward_chunks(chunks, logit_rows)
                 self.stats.parked += len(self.scheduler.park_launched())
-                self._advance_pipeline()
+                self.plan.after_launch([])
                 row = 0
                 for chunk in chunks:
                     # a copy: a replayed CUDA graph rewrites its logits buffer on the next step
@@ -1402,15 +937,7 @@ class Engine:
         if self.graphs is None:  # a lone decode row: size-1 specialisation
             self.generate([prompt], SamplingParams(max_new_tokens=2, ignore_eos=True))
         self.runner.compile_decode_variants(self.model.config.num_attention_heads)
-        self.capture_graphs()
-        if self.stagger is not None:  # the staggered step compiles too (a quiet step of padding rows)
-            width = self.stagger.width
-            parts, _ = self.buffers.fill([], [], pad_to=2, first_row=width)
-            self.buffers.ids[:width], self.buffers.positions[:width] = 0, 0
-            self.buffers.copy_to_device()
-            with self._quiet_stagger(True):
-                self._run_model(parts, width + 2, 2, stagger_rows=width)
-            self.capture_stagger_graphs()
+        self.plan.warmup()  # its graphs captured, its other compiled steps (the staggered one) compiled
         self.stats = EngineStats()  # counters describe the user's runs, not the warm-up
 
     def blocks_in_use(self) -> dict:

@@ -642,7 +642,7 @@ class Scheduler:
         request ahead of it (running in the device pool, parked, in the pipeline, which move to the device pool as
         it has room, and waiting before it) at a token per row and step, then gains a token per step. A batch's
         last requests are the ones that gain: the pipeline serves what the device pool would reach last. A member
-        moves to the device pool once it has room (`Engine._migrate_to_device`), so it finishes no later than
+        moves to the device pool once it has room (`StaggeredPlan._migrate_to_device`), so it finishes no later than
         predicted here."""
         def rest(r: Request) -> int:
             return max(self.max_tokens(r) - r.num_tokens, 0)

@@ -440,7 +440,7 @@ def test_auto_gives_its_pipeline_the_profiled_cpu_rate():
             return 2e-6
 
     engine.auto_policy = type("Policy", (), {"model": Model()})()
-    pipeline = engine._stagger_pipeline("auto")
+    pipeline = engine.plan.make_pipeline("auto")
     assert pipeline.rows.prior_rate == pytest.approx(2e-6 / LAYERS)
     pipeline.close()
     apex.close()
@@ -697,7 +697,7 @@ def test_auto_refills_a_pipeline_its_ceiling_emptied_after_the_probe(monkeypatch
     and its requests are parked; once it has been empty for the hold, the probe drops the rows' stale evidence and
     allows one row more, the model (here: pays from 2 rows) raises the ceiling, and requests arriving later decode
     staggered again. Every request gets HF's tokens."""
-    from apex_compile.runtime import engine as engine_module
+    from apex_compile.runtime.plans import staggered as staggered_module
 
     torch.manual_seed(12)
     model = sharp_model()
@@ -714,8 +714,8 @@ def test_auto_refills_a_pipeline_its_ceiling_emptied_after_the_probe(monkeypatch
     engine.config.offload = "auto"  # the ceiling comes from the policy each step
     stagger.rows.guard = stagger.rows.measured = 1  # collapsed
     stagger.rows.idle_hold = 6
-    monkeypatch.setattr(engine_module, "STAGGER_RISE_STEPS", 4)
-    monkeypatch.setattr(engine_module, "STAGGER_FALL_STEPS", 4)
+    monkeypatch.setattr(staggered_module, "STAGGER_RISE_STEPS", 4)
+    monkeypatch.setattr(staggered_module, "STAGGER_FALL_STEPS", 4)
     sampling = SamplingParams(max_new_tokens=24)
     requests = [engine.add_request(p, sampling) for p in prompts[:8]]
     seen = []
@@ -806,7 +806,7 @@ def test_auto_learns_the_host_gap_from_its_decode_steps_only(monkeypatch):
     engine.add_request(torch.randint(3, 96, (5,)).tolist(), sampling)
     engine.step()
     engine.stagger._prompt_turns = 3
-    assert not engine.stagger.active and engine._gap_sample() is not None
+    assert not engine.stagger.active and engine.plan.gap_sample() is not None
     apex.close()
 
 
@@ -925,7 +925,7 @@ def test_auto_ceiling_is_chosen_among_the_rows_the_cpu_job_fits(monkeypatch):
     fewer rows than its overhead needs to pay gets a ceiling of 0 (no request enters the pipeline), where the
     model alone would have asked for more rows than the CPU can serve. From 0 the ceiling rises only after the
     verdict held STAGGER_RISE_STEPS steps (a flickering verdict paid host prefills only to park them again)."""
-    from apex_compile.runtime.engine import STAGGER_FALL_STEPS, STAGGER_RISE_STEPS
+    from apex_compile.runtime.plans.staggered import STAGGER_FALL_STEPS, STAGGER_RISE_STEPS
 
     apex = staggered(sharp_model(), width="auto")
     engine, stagger = apex.engine, apex.engine.stagger
@@ -939,46 +939,46 @@ def test_auto_ceiling_is_chosen_among_the_rows_the_cpu_job_fits(monkeypatch):
     engine.auto_policy = Policy()
     engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=2))
     engine.scheduler.schedule()  # a running request: the ceiling is computed beside it
-    engine._update_stagger_ceiling()
+    engine.plan.update_ceiling()
     assert asked[-1] == stagger.width == TuningConfig().auto_stagger_width and stagger.rows.ceiling == stagger.width  # every row
     stagger.rows.measured = 2
-    engine._update_stagger_ceiling()
+    engine.plan.update_ceiling()
     assert asked[-1] == 2 and stagger.rows.ceiling == 0 and stagger.rows.update(0) == 0
     stagger.rows.measured = 5  # the verdict rises from 0 only once it held STAGGER_RISE_STEPS steps
     for _ in range(STAGGER_RISE_STEPS - 1):
-        engine._update_stagger_ceiling()
+        engine.plan.update_ceiling()
     assert stagger.rows.ceiling == 0
-    engine._update_stagger_ceiling()
+    engine.plan.update_ceiling()
     assert stagger.rows.ceiling == 5
     stagger.rows.measured = 2  # falling needs no wait
-    engine._update_stagger_ceiling()
+    engine.plan.update_ceiling()
     assert stagger.rows.ceiling == 0
     stagger.rows.measured = 5  # a flicker shorter than the hold never raises it
     for _ in range(STAGGER_RISE_STEPS // 2):
-        engine._update_stagger_ceiling()
+        engine.plan.update_ceiling()
     stagger.rows.measured = 2
-    engine._update_stagger_ceiling()
+    engine.plan.update_ceiling()
     stagger.rows.measured = 5
     for _ in range(STAGGER_RISE_STEPS // 2 + 1):
-        engine._update_stagger_ceiling()
+        engine.plan.update_ceiling()
     assert stagger.rows.ceiling == 0
     for _ in range(STAGGER_RISE_STEPS // 2):
-        engine._update_stagger_ceiling()
+        engine.plan.update_ceiling()
     assert stagger.rows.ceiling == 5
     # a pipeline with members: its ceiling falls to 0 (which empties it) only after STAGGER_FALL_STEPS of none,
     # so a dip of the measured rows shorter than that keeps it
     monkeypatch.setattr(type(stagger), "num_members", property(lambda self: 3))
     stagger.rows.measured = 2
     for _ in range(STAGGER_FALL_STEPS - 1):
-        engine._update_stagger_ceiling()
+        engine.plan.update_ceiling()
     assert stagger.rows.ceiling == 5
     stagger.rows.measured = 5
-    engine._update_stagger_ceiling()
+    engine.plan.update_ceiling()
     stagger.rows.measured = 2
     for _ in range(STAGGER_FALL_STEPS - 1):
-        engine._update_stagger_ceiling()
+        engine.plan.update_ceiling()
     assert stagger.rows.ceiling == 5
-    engine._update_stagger_ceiling()
+    engine.plan.update_ceiling()
     assert stagger.rows.ceiling == 0
     monkeypatch.undo()
     apex.close()
@@ -988,7 +988,7 @@ def test_a_running_pipeline_is_kept_by_the_lower_margin(monkeypatch):
     """auto asks the model with `keep=True` (the lower keep margin) only for a pipeline with members and a
     ceiling: a verdict that pays only under the keep margin keeps such a pipeline's rows, and does not raise
     an empty pipeline's ceiling from 0."""
-    from apex_compile.runtime.engine import STAGGER_FALL_STEPS, STAGGER_RISE_STEPS
+    from apex_compile.runtime.plans.staggered import STAGGER_FALL_STEPS, STAGGER_RISE_STEPS
 
     apex = staggered(sharp_model(), width="auto")
     engine, stagger = apex.engine, apex.engine.stagger
@@ -1004,15 +1004,15 @@ def test_a_running_pipeline_is_kept_by_the_lower_margin(monkeypatch):
     engine.scheduler.schedule()
     stagger.rows.set_ceiling(0)
     for _ in range(STAGGER_RISE_STEPS + 1):  # empty: the start margin, never met
-        engine._update_stagger_ceiling()
+        engine.plan.update_ceiling()
     assert stagger.rows.ceiling == 0 and not any(asked)
     stagger.rows.set_ceiling(4)
-    engine._update_stagger_ceiling()  # a ceiling without members: still the start margin, so it falls
+    engine.plan.update_ceiling()  # a ceiling without members: still the start margin, so it falls
     assert asked[-1] is False and stagger.rows.ceiling == 0
     stagger.rows.set_ceiling(4)
     monkeypatch.setattr(type(stagger), "num_members", property(lambda self: 3))
     for _ in range(STAGGER_FALL_STEPS + 1):  # members: kept, whatever the start margin says
-        engine._update_stagger_ceiling()
+        engine.plan.update_ceiling()
         assert asked[-1] is True and stagger.rows.ceiling == stagger.rows.measured
     monkeypatch.undo()
     apex.close()
@@ -1035,7 +1035,7 @@ def test_a_pipeline_the_keep_verdict_drops_closes_and_its_members_finish(monkeyp
     verdict back opens it; closed, it empties to a ceiling of 0 once no rows beat GPU-only for
     STAGGER_FALL_STEPS, or at once when its last member has left. With no rows beating GPU-only at the fall, the
     ceiling falls to 0 as before."""
-    from apex_compile.runtime.engine import STAGGER_FALL_STEPS
+    from apex_compile.runtime.plans.staggered import STAGGER_FALL_STEPS
 
     apex = staggered(sharp_model(), width="auto")
     engine, stagger = apex.engine, apex.engine.stagger
@@ -1050,9 +1050,9 @@ def test_a_pipeline_the_keep_verdict_drops_closes_and_its_members_finish(monkeyp
     assert not full()
 
     def update(steps):
-        engine._ceiling_key = None  # the verdicts are cached per model input; this stand-in's change is not one
+        engine.plan._ceiling_key = None  # the verdicts are cached per model input; this stand-in's change is not one
         for _ in range(steps):
-            engine._update_stagger_ceiling()
+            engine.plan.update_ceiling()
         return stagger.rows.ceiling, stagger.closed
 
     assert update(STAGGER_FALL_STEPS - 1) == (4, False)
@@ -1080,7 +1080,7 @@ def test_a_closed_pipeline_finishes_its_members_on_the_host_and_admits_none(monk
     """auto end to end: the keep verdict drops while the pipeline holds requests and one row still beats
     GPU-only: the pipeline closes; none of its members is parked (each finishes from the host pool), requests
     arriving after it closed run in the device pool only, and every request gets HF's tokens."""
-    from apex_compile.runtime import engine as engine_module
+    from apex_compile.runtime.plans import staggered as staggered_module
     from apex_compile.runtime.kv_manager import HOST_POOL
 
     torch.manual_seed(14)
@@ -1092,7 +1092,7 @@ def test_a_closed_pipeline_finishes_its_members_on_the_host_and_admits_none(monk
     engine.auto_policy = MarginPolicy(rise=2, keep=2, hold=1)
     engine.config.offload = "auto"
     monkeypatch.setattr(type(engine.scheduler), "_pipeline_pays", lambda self, request, position: True)
-    monkeypatch.setattr(engine_module, "STAGGER_FALL_STEPS", 3)
+    monkeypatch.setattr(staggered_module, "STAGGER_FALL_STEPS", 3)
     parked, park = [], engine.scheduler.park_from_pipeline
     monkeypatch.setattr(engine.scheduler, "park_from_pipeline", lambda r: (parked.append(r), park(r)))
     sampling = SamplingParams(max_new_tokens=20)
@@ -1336,7 +1336,7 @@ def test_a_whole_step_graph_fill_computes_every_row():
     torch.manual_seed(4)
     apex = staggered(sharp_model(), width=3)
     engine = apex.engine
-    parts, rows = engine._fill_staggered([], [], pad_to=4)
+    parts, rows = engine.plan.fill_staggered([], [], pad_to=4)
     assert rows == 3 + 4 and [(p.start, p.end) for p in parts] == [(3, 7)]
     assert engine.buffers.logits_indices[:rows].tolist() == list(range(rows))
     assert engine.buffers.rows[0].slot[:4].tolist() == [-1] * 4  # padding rows write no cache slot

@@ -123,7 +123,7 @@ class StaggerPipeline:
                                                 for _ in range(lanes)]
         self.joining: Deque[Request] = collections.deque()
         self.inside = 0  # requests in the groups of both lanes (kept by begin_step, finish, remove)
-        # offload="auto": closed to new requests, its members finishing (`Engine._update_stagger_ceiling`)
+        # offload="auto": closed to new requests, its members finishing (`StaggeredPlan.update_ceiling`)
         self.closed = False
         self.evicted = 0  # requests sent back to wait in `joining` by a fallen row limit (begin_step)
         self.stalled = 0  # turns a member waited in `joining` for a host block for its next token (begin_step)
@@ -416,7 +416,7 @@ class StaggerPipeline:
         self._prompt_turns = max(self._prompt_turns - 1, 0)
         # admitted requests (inside, or waiting to join) keep at least one row, so they all finish; unless the
         # model's ceiling is 0 (auto: host rows no longer pay): then the pipeline empties as its requests sample,
-        # and the engine parks them (`Engine._park_idle_pipeline`)
+        # and the engine parks them (`StaggeredPlan._park_idle_pipeline`)
         limit = rows.turn_rows((self.steps // self.num_lanes) % (self.num_layers + 1))
         return max(limit, 1) if (self.joining or self.inside) and rows.ceiling else limit
 
