@@ -100,7 +100,9 @@ class ApexConfig:
         pool when it has room and is not running requests there; else recompute) or "recompute" (blocks freed,
         prompt + generated tokens prefilled again later).
     compile: run the model through torch.compile(backend="apex"); False runs the HF modules eagerly with their
-        attention routed to the paged runner (debugging, models the compiler cannot capture).
+        attention routed to the paged runner (on a CPU with oneDNN-packed fp32 linears): no dynamo trace, so a
+        process's first answer comes ~20-40 s sooner on two cores, for ~12% fewer tokens/s (the main job's CPU
+        default); also for debugging and models the compiler cannot capture.
     inner: what the apex backend hands the rewritten graph to: "inductor", "eager", or None (the backend's
         default: inductor on CUDA, eager on CPU). "inductor" on CPU also freezes the weights into the graph
         (oneDNN-packed linear layers; minutes of compiling on a small machine, faster steps; weights changed

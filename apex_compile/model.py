@@ -301,7 +301,8 @@ class ApexModel:
                      f"{config.max_num_batched_tokens} (chunked prefill), prefill_tokens_while_decoding="
                      f"{config.prefill_tokens_while_decoding}, preemption={config.preemption}")
         if not self.apex_config.compile:
-            lines.append("  compile: off (eager HF modules, attention routed to the paged runner)")
+            lines.append("  compile: off (eager HF modules, attention routed to the paged runner"
+                         + ("; fp32 linears on oneDNN-packed weights)" if engine.device.type == "cpu" else ")"))
         elif not engine.reports:
             lines.append("  compile: apex backend (no graph compiled yet: run generate() first)")
         on_cpu = engine.device.type == "cpu" and self.apex_config.compile

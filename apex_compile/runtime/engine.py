@@ -342,6 +342,8 @@ class Engine:
         if not self.config.compile:
             from transformers import AttentionInterface
 
+            from apex_compile.passes import pack_linear
+
             AttentionInterface.register(EAGER_ATTENTION_NAME, _eager_paged_attention)
             forward = _model_step(model)
             # on a CPU the fp32 linears run on oneDNN-packed weights, as in the compiled graph (no trace needed)

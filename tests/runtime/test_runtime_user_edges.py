@@ -128,8 +128,16 @@ def test_main_job_shows_progress_and_streams_answers():
                            "3"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
-    order = [out.index(s) for s in ("compiling the model", "compiled and warmed up", "first token after", "[0]",
-                                    "apex: ")]
+    order = [out.index(s) for s in ("warming up", "warmed up in", "first token after", "[0]", "apex: ")]
+    assert order == sorted(order)
+
+
+def test_main_job_compiles_on_request():
+    done = subprocess.run([sys.executable, "-m", "apex_compile", "--no-hf", "--batch-size", "1", "--max-new-tokens",
+                           "2", "--compile", "on"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    order = [out.index(s) for s in ("compiling the model", "compiled and warmed up", "first token after")]
     assert order == sorted(order)
 
 
