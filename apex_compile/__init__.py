@@ -7,6 +7,8 @@ import importlib.util as _util
 import os as _os
 import sys as _sys
 
+from apex_compile import envs as _envs
+
 
 # libgomp's wait policy, set by `import apex_compile` before torch loads libgomp (which reads it once, at load; torch's
 # CPU ops and apex's C++ ops share that one libgomp). By default an idle thread of a team spins ~300k pauses before it
@@ -27,7 +29,7 @@ def _gpu_host() -> bool:
 
 def openmp_wait_choice() -> dict:
     """The OpenMP environment `import apex_compile` sets on this host when nothing overrides it (see OPENMP_WAIT)."""
-    forced = _os.environ.get("APEX_COMPILE_OMP_WAIT_POLICY", "").lower()
+    forced = _envs.APEX_COMPILE_OMP_WAIT_POLICY
     if forced == "keep" or (forced != "passive" and _gpu_host()):
         return {}
     return dict(OPENMP_WAIT)
@@ -37,10 +39,10 @@ def _openmp_wait_policy() -> None:
     """Sets `openmp_wait_choice()` in the environment unless the user set OMP_WAIT_POLICY or GOMP_SPINCOUNT, or torch
     (and so libgomp) is already loaded: then it could no longer take effect; export OMP_WAIT_POLICY=PASSIVE before
     starting Python instead."""
-    env = _os.environ
-    if "torch" in _sys.modules or "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
+    if "torch" in _sys.modules or _envs.OMP_WAIT_POLICY is not None or _envs.GOMP_SPINCOUNT is not None:
         return
-    env.update(openmp_wait_choice())
+    for name, value in openmp_wait_choice().items():
+        _envs.set_value(name, value)
 
 
 _openmp_wait_policy()

@@ -25,6 +25,11 @@ _VARIABLES: Dict[str, Callable[[], Any]] = {
     "APEX_COMPILE_BUILD_DIR": lambda: os.environ.get("APEX_COMPILE_BUILD_DIR", _home_cache("jit")),
     # the CPU attention kernel path ("avx512", "avx2", "scalar"); unset: the best the CPU supports (read in C++)
     "APEX_CPU_ISA": lambda: os.environ.get("APEX_CPU_ISA"),
+    # libgomp's wait policy that `import apex_compile` sets: "passive" or "keep" (libgomp's default) overrides the
+    # host's choice (passive without an NVIDIA driver); OMP_WAIT_POLICY / GOMP_SPINCOUNT set by the user win
+    "APEX_COMPILE_OMP_WAIT_POLICY": lambda: os.environ.get("APEX_COMPILE_OMP_WAIT_POLICY", "").lower(),
+    "OMP_WAIT_POLICY": lambda: os.environ.get("OMP_WAIT_POLICY"),
+    "GOMP_SPINCOUNT": lambda: os.environ.get("GOMP_SPINCOUNT"),
     # inductor's and triton's own cache dirs: apex points them under APEX_COMPILE_CACHE_DIR unless set
     "TORCHINDUCTOR_CACHE_DIR": lambda: os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
     "TRITON_CACHE_DIR": lambda: os.environ.get("TRITON_CACHE_DIR"),
@@ -36,6 +41,9 @@ APEX_COMPILE_PROFILE_REFRESH: bool
 APEX_COMPILE_FORCE_JIT: bool
 APEX_COMPILE_BUILD_DIR: str
 APEX_CPU_ISA: Optional[str]
+APEX_COMPILE_OMP_WAIT_POLICY: str
+OMP_WAIT_POLICY: Optional[str]
+GOMP_SPINCOUNT: Optional[str]
 TORCHINDUCTOR_CACHE_DIR: Optional[str]
 TRITON_CACHE_DIR: Optional[str]
 

@@ -55,7 +55,7 @@ DECODE_BLOCK_T = 64
 """Tokens per inner-loop chunk of the decode kernel when the grid has many programs (and the fallback)."""
 DECODE_BLOCK_T_SMALL_GRID = 128
 """Chunk for grids of at most one program per SMALL_GRID_SMS_PER_PROGRAM SMs, when its K/V tiles are at most
-SMALL_GRID_TILE_BYTES: fewer, larger loads per program where the grid leaves SMs free (notes items 10, 31)."""
+SMALL_GRID_TILE_BYTES: fewer, larger loads per program where the grid leaves SMs free (`benchmarks/triton_sweep.py`)."""
 SMALL_GRID_TILE_BYTES = 32 * 1024
 DECODE_NUM_STAGES = 2
 MIN_TOKENS_PER_SPLIT = 256

@@ -898,8 +898,8 @@ class LayerJob {
   int team() const { return team_; }
 
   // Every team thread's share. The layers are planned by the team, a layer per thread at a time (planned by the
-  // calling thread alone, the other threads idled through it while the CPU was already behind the GPU: notes item
-  // 51); a thread still waking finds them planned and goes straight to the flow. Thread 0 then allocates the
+  // calling thread alone, the other threads would idle through it while the CPU is already behind the GPU); a
+  // thread still waking finds them planned and goes straight to the flow. Thread 0 then allocates the
   // scratch and lays out the flow while the others poll, and calls before_flow (if given) once the others run it.
   void team_part(int thread, const std::function<void()>* before_flow = nullptr) {
     const int64_t layers = in_.layers;
