@@ -164,8 +164,6 @@ def test_a_staggered_step_queues_its_sampling_before_the_pipelines_host_work():
 
 
 def test_engine_close_stops_the_stagger_worker_midway():
-    import threading
-
     torch.manual_seed(6)
     apex = staggered(sharp_model(), width=2)
     apex.engine.stagger.executor = AsyncJobs(ImmediateCopies(), pin_memory=False, threads=1)
@@ -175,9 +173,10 @@ def test_engine_close_stops_the_stagger_worker_midway():
         pass
     assert apex.engine.stagger.num_members
     worker = apex.engine.stagger.executor.worker
-    assert any(t.name.startswith("apex-stagger") for t in threading.enumerate())
+    threads = list(worker._threads)  # this engine's worker threads (other tests' engines may still hold theirs)
+    assert threads and all(t.is_alive() and t.name.startswith("apex-stagger") for t in threads)
     apex.close()
-    assert worker._shutdown and not any(t.name.startswith("apex-stagger") for t in threading.enumerate())
+    assert worker._shutdown and not any(t.is_alive() for t in threads)
     list(stream)  # it ends (its requests were cancelled) without stepping the closed engine
     with pytest.raises(RuntimeError, match="engine is closed"):
         apex.engine.step()
