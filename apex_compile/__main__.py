@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                         help="run the step through torch.compile(backend='apex'): on with CUDA; auto = off on a CPU, "
                              "where the eager step (HF modules, paged attention, oneDNN-packed linears) answers a "
-                             "one-shot batch sooner: dynamo's trace costs ~20 s per process on two cores for ~15%% "
+                             "one-shot batch sooner: dynamo's trace costs ~20-40 s per process on two cores for ~12%% "
                              "more tokens/s")
     parser.add_argument("--no-hf", action="store_true", help="skip the HF generate comparison")
     parser.add_argument("--explain", action="store_true", help="print the pass report and pool layout")
