@@ -30,11 +30,16 @@ class TuningConfig:
         for its tokens and the next one, more as it grows; one with no block for its next token waits to rejoin,
         and when every member waits so, the newest are recomputed. Taking blocks as they grow lets the same host
         pool hold more members, so it does not bind the pipeline before its rows do.
+    pipeline_prompt_tokens: the longest prompt offload="auto" lets enter the staggered pipeline; one step takes
+        it whole, beyond max_num_batched_tokens (at most one such prompt a step), because its K/V is exported to
+        the host pool as that step computes it: a prompt split across steps would attend its cached part on
+        the CPU. A longer prompt waits for the device pool. The step buffers hold this many rows more.
     """
 
     job_share: float = 0.95
     auto_stagger_width: int = 12
     pipeline_reserve: float = 0.3
+    pipeline_prompt_tokens: int = 2048
 
     def __post_init__(self):
         share = self.job_share
@@ -46,6 +51,9 @@ class TuningConfig:
         reserve = self.pipeline_reserve
         if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or not 0.0 <= reserve <= 1.0:
             raise ValueError(f"TuningConfig.pipeline_reserve must be a share in [0, 1], got {reserve!r}")
+        prompt = self.pipeline_prompt_tokens
+        if isinstance(prompt, bool) or not isinstance(prompt, int) or prompt < 0:
+            raise ValueError(f"TuningConfig.pipeline_prompt_tokens must be a number of tokens >= 0, got {prompt!r}")
 
 
 @dataclasses.dataclass

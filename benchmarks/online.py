@@ -11,12 +11,22 @@ batch of --num-requests) and sweeps 0.25x..1.5x of it: light load to past satura
     python benchmarks/online.py --shape llama3_8b --device-gib 1 --rates auto --prompt 1024 --output 256
     python benchmarks/online.py --shape smollm2 --device-gib 0.01 --rates 2,4 --num-requests 16 --prompt 32 --output 16
     python benchmarks/online.py --base-url http://127.0.0.1:8000 --rates 1,2 --num-requests 50   # over HTTP
+    python benchmarks/online.py --shape llama3_8b --modes never --device-gib 2 --rates 4,inf --http
+
+--http times each (pool, mode, rate) twice, in-process and over HTTP against a server process of its own
+(`serve_random.py`: the same shape and config), and reports the server's cost: tokens/s over HTTP against
+in-process, and the TTFT it adds. Each engine, in-process or served, first runs a rehearsal (the workload's
+first prompts for a few tokens), so that neither carries the process's first compiles into its row.
 """
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
 import os
+import signal
+import socket
+import subprocess
 import sys
 import time
 
@@ -107,11 +117,11 @@ def over_http(base_url: str, model_name: str):
     return submit_and_stream, client
 
 
-def run_rate(model, config, prompts, lengths, rate, args) -> dict:
-    """One engine (or the server), one arrival rate: every request timed to its last token."""
+def run_rate(model, config, prompts, lengths, rate, args, base_url=None) -> dict:
+    """One engine (or the server at `base_url`), one arrival rate: every request timed to its last token."""
     arrivals = arrival_times(len(prompts), rate, args.burstiness, args.seed)
-    if args.base_url:
-        submit, client = over_http(args.base_url, args.served_model)
+    if base_url:
+        submit, client = over_http(base_url, args.served_model)
         times, failures, start, end = asyncio.run(_drive(submit, prompts, lengths, arrivals))
         result = summarize(times, start, end, args.slo_ttft, args.slo_tpot)
         result["failures"] = failures[:10]
@@ -140,6 +150,69 @@ def run_rate(model, config, prompts, lengths, rate, args) -> dict:
             torch.cuda.empty_cache()
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served(shape: str, mode: str, pool: float, args, start_timeout_s: float = 900.0):
+    """A `serve_random.py` process serving `shape` with this row's engine config; yields its base URL once
+    /health answers and the rehearsal ran through it; SIGTERM (drain) at exit."""
+    import httpx
+
+    port = free_port()
+    command = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_random.py"),
+               "--shape", shape, "--mode", mode, "--device-gib", str(pool), "--host-gib", str(args.host_gib),
+               "--port", str(port)]
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        if getattr(args, flag):
+            command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    process = subprocess.Popen(command)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.perf_counter() + start_timeout_s
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited with status {process.returncode} before it answered")
+            try:
+                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"the server did not answer /health within {start_timeout_s:.0f} s")
+            time.sleep(1.0)
+        yield url
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def rehearse_http(url: str, model_name: str, prompts, count: int = 64) -> float:
+    """The rehearsal over HTTP: the workload's first `count` prompts for 4 tokens each, all at once."""
+    submit, client = over_http(url, model_name)
+
+    async def drive():
+        async def one(prompt):
+            async for _ in submit(prompt, 4):
+                pass
+        try:
+            await asyncio.gather(*(one(p) for p in prompts[:count]))
+        finally:
+            await client.aclose()
+
+    start = time.perf_counter()
+    asyncio.run(drive())
+    return time.perf_counter() - start
+
+
 def plot(result: dict, path: str) -> None:
     """Goodput and p99 TPOT against the arrival rate, one line per (mode, pool)."""
     try:
@@ -153,10 +226,10 @@ def plot(result: dict, path: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     series = {}
     for row in result["rows"]:
-        series.setdefault((row["mode"], row["device_gib"]), []).append(row)
-    for (mode, pool), rows in sorted(series.items()):
+        series.setdefault((row["mode"], row["device_gib"], row.get("transport", "")), []).append(row)
+    for (mode, pool, transport), rows in sorted(series.items()):
         rows.sort(key=lambda r: r["rate"])
-        label = f"{mode}, {pool} GiB"
+        label = f"{mode}, {pool} GiB" + (f", {transport}" if transport else "")
         left.plot([r["rate"] for r in rows], [r["goodput_rps"] for r in rows], marker="o", label=label)
         right.plot([r["rate"] for r in rows], [(r["tpot_s"]["p99"] or 0) * 1e3 for r in rows], marker="o",
                    label=label)
@@ -172,6 +245,19 @@ def plot(result: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
+
+
+def print_row(row: dict) -> None:
+    extra = ""
+    if row.get("transport") == "http":
+        extra = (f"  over HTTP: {row['tokens_per_s_vs_in_process']:.3f}x in-process tok/s, TTFT p50 "
+                 f"{row.get('ttft_p50_added_s', float('nan')) * 1e3:+.1f} ms")
+    print(f"  {row['device_gib']:>5} GiB  rate {row['rate']:6.2f}/s  {row['mode']:>10}  goodput "
+          f"{row['goodput_rps']:6.2f} req/s ({row['good_requests']}/{row['requests']})  "
+          f"{row['output_tokens_per_s']:8.1f} tok/s  TTFT p50/p99 {fmt_ms(row['ttft_s']['p50'])}/"
+          f"{fmt_ms(row['ttft_s']['p99'])} ms  TPOT p50/p99 {fmt_ms(row['tpot_s']['p50'])}/"
+          f"{fmt_ms(row['tpot_s']['p99'])} ms  ITL p99 {fmt_ms(row['itl_s']['p99'])} ms  failed {row['failed']}"
+          + extra, flush=True)
 
 
 def main(argv=None):
@@ -194,6 +280,8 @@ def main(argv=None):
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--base-url", default=None, help="benchmark a running server over HTTP instead")
     parser.add_argument("--served-model", default="apex", help="model name sent to the server")
+    parser.add_argument("--http", action="store_true",
+                        help="also time each row over HTTP against a server process of the same config")
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=None, help="PNG path (goodput and p99 TPOT against rate)")
     args = parser.parse_args(argv)
@@ -202,14 +290,22 @@ def main(argv=None):
     modes = ["server"] if args.base_url else [m.strip() for m in args.modes.split(",") if m.strip()]
     pools = [float(x) for x in args.device_gib.split(",")]
     lengths = lengths_spec.draw(args.num_requests, args.seed)
+    if args.http and args.base_url:
+        parser.error("--http starts its own servers: leave out --base-url")
     model, label = (None, args.served_model) if args.base_url else build_model(args.shape)
-    vocab = 32000 if model is None else model.config.vocab_size
+    if args.http:
+        args.served_model = label  # serve_random.py serves the shape under its label
+    vocab = 32000  # ids every LLaMA-family vocabulary holds: the same prompts in-process and over HTTP
     prompts = prompts_for(lengths, vocab, args.seed)
     result = {"benchmark": "online", "model": label, "lengths": lengths_spec.describe(), "modes": modes,
               "burstiness": args.burstiness, "num_requests": args.num_requests, "slo_ttft_s": args.slo_ttft,
               "slo_tpot_s": args.slo_tpot, "host_gib": args.host_gib, "machine": machine(), "rows": []}
     print(f"online: {label}, {lengths_spec.describe()}, {args.num_requests} requests per rate, modes {modes}, "
           f"SLO TTFT {args.slo_ttft}s TPOT {args.slo_tpot * 1e3:.0f}ms", flush=True)
+    from offline import rehearse
+    if not args.base_url:
+        seconds = rehearse(model, engine_config(modes[0], pools[0], args.host_gib, args), prompts, lengths)
+        print(f"  rehearsal (the process's first compiles) {seconds:.1f} s", flush=True)
     for pool in pools:
         if args.rates == "auto":
             capacity = run_batch(model, engine_config(modes[0], pool, args.host_gib, args), prompts,
@@ -219,25 +315,38 @@ def main(argv=None):
             result.setdefault("capacity_rps", {})[str(pool)] = capacity
         else:
             rates = [float(r) for r in args.rates.split(",")]
-        for rate in rates:
-            base = None
-            for mode in modes:
-                config = None if args.base_url else engine_config(mode, pool, args.host_gib, args)
-                row = run_rate(model, config, prompts, lengths, rate, args)
-                row.update(mode=mode, device_gib=pool, rate=rate)
-                if base is None:
-                    base = row
-                else:
-                    row["goodput_vs_baseline"] = row["goodput_rps"] / max(base["goodput_rps"], 1e-9)
-                    if base["tpot_s"]["p99"] and row["tpot_s"]["p99"]:
-                        row["p99_tpot_vs_baseline"] = row["tpot_s"]["p99"] / base["tpot_s"]["p99"]
-                print(f"  {pool:>5} GiB  rate {rate:6.2f}/s  {mode:>10}  goodput {row['goodput_rps']:6.2f} req/s "
-                      f"({row['good_requests']}/{row['requests']})  {row['output_tokens_per_s']:8.1f} tok/s  "
-                      f"TTFT p50/p99 {fmt_ms(row['ttft_s']['p50'])}/{fmt_ms(row['ttft_s']['p99'])} ms  "
-                      f"TPOT p50/p99 {fmt_ms(row['tpot_s']['p50'])}/{fmt_ms(row['tpot_s']['p99'])} ms  "
-                      f"ITL p99 {fmt_ms(row['itl_s']['p99'])} ms  failed {row['failed']}", flush=True)
-                result["rows"].append(row)
-                write_json(args.out, result)
+        with contextlib.ExitStack() as servers:
+            urls = {}
+            for rate in rates:
+                base = None
+                for mode in modes:
+                    config = None if args.base_url else engine_config(mode, pool, args.host_gib, args)
+                    row = run_rate(model, config, prompts, lengths, rate, args, base_url=args.base_url)
+                    row.update(mode=mode, device_gib=pool, rate=rate)
+                    if base is None:
+                        base = row
+                    else:
+                        row["goodput_vs_baseline"] = row["goodput_rps"] / max(base["goodput_rps"], 1e-9)
+                        if base["tpot_s"]["p99"] and row["tpot_s"]["p99"]:
+                            row["p99_tpot_vs_baseline"] = row["tpot_s"]["p99"] / base["tpot_s"]["p99"]
+                    print_row(row)
+                    result["rows"].append(row)
+                    write_json(args.out, result)
+                    if not args.http:
+                        continue
+                    if mode not in urls:
+                        urls[mode] = servers.enter_context(served(args.shape, mode, pool, args))
+                        seconds = rehearse_http(urls[mode], label, prompts)
+                        print(f"  {mode} server up; rehearsal over HTTP {seconds:.1f} s", flush=True)
+                    http = run_rate(None, None, prompts, lengths, rate, args, base_url=urls[mode])
+                    http.update(mode=mode, device_gib=pool, rate=rate, transport="http",
+                                tokens_per_s_vs_in_process=http["output_tokens_per_s"] / row["output_tokens_per_s"])
+                    for p in ("p50", "p99"):
+                        if http["ttft_s"][p] is not None and row["ttft_s"][p] is not None:
+                            http[f"ttft_{p}_added_s"] = http["ttft_s"][p] - row["ttft_s"][p]
+                    print_row(http)
+                    result["rows"].append(http)
+                    write_json(args.out, result)
     if args.plot:
         plot(result, args.plot)
     return result

@@ -168,7 +168,7 @@ class Scheduler:
             if self.config.offload == "staggered":
                 return (bool(self.parked) or full(DEVICE_POOL)) and not self._pipeline_takes(request)
             return ((bool(self.parked or self.stagger.leaving) or full(DEVICE_POOL))
-                    and self._pipeline_candidate(budget) is None)
+                    and self._pipeline_candidate(self._pipeline_budget(budget)) is None)
         if len(self.run_pools) > 1:
             return False  # a policy picks the pool: leave it to the step
         return full(self.run_pools[0])
@@ -493,10 +493,10 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(request, request.num_computed, num_tokens, pool))
             budget -= num_tokens
         while self.stagger is not None and len(self.running) < self.config.max_num_seqs and budget > 0:
-            request = self._pipeline_candidate(budget)
+            request = self._pipeline_candidate(self._pipeline_budget(budget))
             if request is None or not self.kv.grow(request.request_id, HOST_POOL, self._host_target(request)):
                 break
-            num_tokens = request.num_tokens - request.num_computed
+            num_tokens = request.num_tokens - request.num_computed  # past `budget` ends the loop: one a step
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -618,9 +618,14 @@ class Scheduler:
             return HOST_POOL
         return None
 
+    def _pipeline_budget(self, budget: int) -> int:
+        """The prompt tokens a pipeline candidate may bring into a step with `budget` tokens left: its whole prompt,
+        up to `TuningConfig.pipeline_prompt_tokens` beyond the budget (`ApexConfig` sizes the step for it)."""
+        return max(budget, self.config.tuning.pipeline_prompt_tokens)
+
     def _pipeline_candidate(self, budget: int) -> Optional[Request]:
         """The waiting request the staggered pipeline takes now, or None: the queue's last, whose whole prompt fits
-        the step's `budget`, the pipeline a row and the host pool its blocks (`_pipeline_takes`), and which is
+        `budget` (`_pipeline_budget`), the pipeline a row and the host pool its blocks (`_pipeline_takes`), and which is
         predicted to finish sooner there than by waiting for the device pool (`_pipeline_pays`). Only under the
         makespan objective: a pipeline member gains a token per lanes x (layers + 1) steps, a per-token latency
         no online SLO allows."""

@@ -494,3 +494,40 @@ def test_decode_steps_never_wait_for_the_gpu(fp32_model, offload):
         assert (engine.stagger_graphs.replays if staggered else engine.graphs.replays) == replays + 12
     engine.abort()
     apex.close()
+
+
+def test_pipeline_members_moving_to_the_device_pool_equal_hf_generate_fp32():
+    """Staggered requests move to the device pool once the device requests finish (each parked at a token
+    boundary with its host KV, copied over, resumed ahead of waiting ones): HF's tokens, every block back."""
+    ids, mask, ref, block, model = sharp_small_pool_case()
+    apex = optimize(model, ApexConfig(offload="staggered", stagger_width=3, gpu_cache_size=8 * block,
+                                      cpu_cache_size=32 * MB))
+    out = apex.generate(ids, attention_mask=mask, **GREEDY_20)
+    assert torch.equal(out, ref)
+    assert apex.engine.stats.migrated > 0 and apex.engine.stats.requests_per_pool[1] > 0
+    assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+    apex.close()
+
+
+@pytest.mark.parametrize("offload", ["never", "all", "staggered"])
+def test_online_arrivals_through_the_front_equal_hf_generate_fp32(offload):
+    """Requests submitted to the asynchronous front while others decode (online arrivals, the latency
+    objective), the device pool too small for all of them (parks; with "staggered" the pipeline and its
+    migrations): each stream's tokens are HF's batched greedy tokens for its prompt."""
+    from apex_compile.runtime.request import SamplingParams
+
+    ids, mask, ref, block, model = sharp_small_pool_case()
+    apex = optimize(model, ApexConfig(offload=offload, stagger_width=3 if offload == "staggered" else None,
+                                      gpu_cache_size=8 * block, cpu_cache_size=32 * MB))
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    expected = [row[ids.shape[1]:].tolist() for row in ref]
+    front = apex.engine.front
+    sampling = SamplingParams(max_new_tokens=GREEDY_20["max_new_tokens"], eos_token_ids=())
+    streams = [front.submit(p, sampling) for p in prompts[:3]]
+    next(iter(streams[0]))  # running: the rest arrive while it decodes
+    streams += [front.submit(p, sampling) for p in prompts[3:]]
+    assert [s.result(timeout=120).token_ids for s in streams] == expected
+    assert apex.engine.scheduler.objective == "latency"
+    front.shutdown()
+    assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+    apex.close()

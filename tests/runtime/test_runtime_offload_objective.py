@@ -104,3 +104,37 @@ def test_the_objective_switches_between_batch_and_online():
     latency = auto_engine(sharp_model(), objective="latency")
     assert latency.engine.scheduler.objective == "latency"
     latency.close()
+
+
+@pytest.mark.parametrize("prompt_tokens", [24, 0])
+def test_a_prompt_past_the_step_budget_enters_the_pipeline_whole(prompt_tokens):
+    """Prompts longer than max_num_batched_tokens: the pipeline takes one whole in a step (its K/V goes to the
+    host pool as that step computes it), up to TuningConfig.pipeline_prompt_tokens; with 0 none enters, and the
+    device pool takes them in chunks. HF's tokens either way."""
+    from apex_compile.config import TuningConfig
+
+    torch.manual_seed(4)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in torch.randint(17, 23, (24,)).tolist()]
+    reference = hf_tokens(model, prompts, 12)
+    apex = auto_engine(model, max_num_batched_tokens=16, tuning=TuningConfig(pipeline_prompt_tokens=prompt_tokens))
+    scheduler = apex.engine.scheduler
+    schedule, host_chunks = scheduler.schedule, []
+
+    def recording():
+        out = schedule()
+        host_chunks.extend((c.start, c.num_tokens, c.request.num_tokens) for c in out.chunks
+                           if c.pool == 1 and c.start == 0)  # a host prompt's first chunk
+        return out
+
+    scheduler.schedule = recording
+    done = apex.engine.generate(prompts, SamplingParams(max_new_tokens=12))
+    assert [c.token_ids for c in done] == reference
+    on_host = [c for c in done if c.steps_per_pool["host"]]
+    if prompt_tokens:
+        assert on_host and host_chunks and all(n == total for _, n, total in host_chunks)
+        assert max(n for _, n, _ in host_chunks) > 16  # past the step budget, whole
+    else:
+        assert not on_host and not host_chunks
+    assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+    apex.close()

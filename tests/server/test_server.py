@@ -6,7 +6,7 @@ import httpx
 import pytest
 import torch
 
-from tests.server.conftest import wait_until
+from tests.server.conftest import MB, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -141,3 +141,38 @@ def test_metrics(live, client):
                  "apex_time_to_first_token_seconds_bucket", "apex_time_per_output_token_seconds_count",
                  "apex_prompt_tokens_total", "apex_generation_tokens_total"):
         assert name in text, name
+
+
+def test_a_server_with_no_tokenizer_streams_each_token_id(smol):
+    """Token-id prompts on a model served without a tokenizer (random weights of a real shape, as the HTTP
+    benchmarks serve): every token goes out in a chunk of its own, as its id (vLLM's `token_ids`), so clients
+    can time them; the non-streamed answer carries the same ids, and a text prompt is refused."""
+    from apex_compile.config import ApexConfig
+    from apex_compile.entrypoints.openai.api_server import build_app
+    from apex_compile.model import optimize
+    from apex_compile.runtime.request import SamplingParams
+    from tests.server.conftest import LiveServer
+
+    model, _ = smol
+    bare = optimize(model, ApexConfig(offload="never", gpu_cache_size=16 * MB, cpu_cache_size=16 * MB))
+    assert bare.engine.tokenizer is None
+    prompt = [1000, 2000, 3000, 4000, 5000]
+    expected = bare.engine.generate([prompt], SamplingParams(max_new_tokens=TOKENS, ignore_eos=True))[0].token_ids
+    server = LiveServer(build_app(bare, model_name="bare"))
+    try:
+        body = dict(model="bare", prompt=prompt, max_tokens=TOKENS, temperature=0, ignore_eos=True)
+        whole = httpx.post(server.url + "/v1/completions", json=body, timeout=120).json()
+        assert whole["choices"][0]["token_ids"] == expected and whole["choices"][0]["text"] == ""
+        chunks = []
+        with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True},
+                          timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunks.append(json.loads(line[6:]))
+        assert [c["choices"][0]["token_ids"] for c in chunks] == [[t] for t in expected]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        refused = httpx.post(server.url + "/v1/completions", json={**body, "prompt": "hello"}, timeout=120)
+        assert refused.status_code == 400
+    finally:
+        server.stop()
+        bare.close()

@@ -296,8 +296,9 @@ class OpenAIServing:
         if chat:
             return api.ChatCompletionResponse(model=self.model_name, usage=usage, choices=[api.ChatCompletionChoice(
                 message=api.ChatResponseMessage(content=text), finish_reason=reason)])
-        return api.CompletionResponse(model=self.model_name, usage=usage,
-                                      choices=[api.CompletionChoice(text=text, finish_reason=reason)])
+        ids = None if self.tokenizer is not None else list(completion.token_ids)
+        return api.CompletionResponse(model=self.model_name, usage=usage, choices=[
+            api.CompletionChoice(text=text, finish_reason=reason, token_ids=ids)])
 
     async def wait(self, stream: RequestStream, raw: Request):
         """The stream's Completion; aborts the request if the client disconnects first."""
@@ -328,25 +329,34 @@ class OpenAIServing:
         created = api._now()
         deltas = _Deltas(sampling.stop_strings)
 
-        def chunk(text: Optional[str], reason: Optional[str] = None, role: Optional[str] = None):
+        def chunk(text: Optional[str], reason: Optional[str] = None, role: Optional[str] = None, token_id=None):
             if chat:
                 return api.ChatCompletionChunk(id=ids, created=created, model=self.model_name, choices=[
                     api.ChatCompletionStreamChoice(delta=api.DeltaMessage(role=role, content=text),
                                                    finish_reason=reason)])
-            return api.CompletionChunk(id=ids, created=created, model=self.model_name,
-                                       choices=[api.CompletionChoice(text=text or "", finish_reason=reason)])
+            return api.CompletionChunk(id=ids, created=created, model=self.model_name, choices=[api.CompletionChoice(
+                text=text or "", finish_reason=reason, token_ids=None if token_id is None else [token_id])])
+
+        # with no tokenizer (token-id prompts only) each token goes out as its id, in a chunk of its own
+        by_id = self.tokenizer is None and not chat
 
         try:
             if chat:
                 yield _sse(chunk("", role="assistant"))
             async for event in stream:
                 if event.finish_reason is None:
+                    if by_id:
+                        yield _sse(chunk("", token_id=event.token_id))
+                        continue
                     text = deltas.add(event.text)
                     if text:
                         yield _sse(chunk(text))
                     continue
                 completion = stream.result()  # (ended together with its last event)
                 reason = FINISH_REASONS.get(event.finish_reason, event.finish_reason)
+                if by_id:
+                    yield _sse(chunk("", reason, token_id=event.token_id))
+                    continue
                 yield _sse(chunk(deltas.final(completion.text if completion else None), reason))
             if stream.finish_reason == "abort":  # aborted by the server (shutdown without drain)
                 yield _sse(chunk("", "abort"))

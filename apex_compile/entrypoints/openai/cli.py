@@ -60,10 +60,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not 0 <= args.port < 65536:
         parser.error(f"--port must be in 0..65535, got {args.port}")
     import torch
-    import uvicorn
 
     from apex_compile.config import ApexConfig
-    from apex_compile.entrypoints.openai.api_server import EMBEDDED_MODEL_NAME, build_app
+    from apex_compile.entrypoints.openai.api_server import EMBEDDED_MODEL_NAME
     from apex_compile.model import optimize
     from apex_compile.runtime.loader import load_model
 
@@ -88,13 +87,26 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     print(f"loaded {type(model).__name__} ({dtype}) on {device} in {time.perf_counter() - start:.1f}s", flush=True)
     apex = optimize(model, config, tokenizer)
-    if not args.no_warmup:
+    name = args.served_model_name or (EMBEDDED_MODEL_NAME if args.model is None else None)
+    return serve(apex, model_name=name, host=args.host, port=args.port, api_key=args.api_key,
+                 max_waiting=args.max_waiting, log_level=args.log_level, warmup=not args.no_warmup)
+
+
+def serve(apex, model_name: Optional[str] = None, host: str = "127.0.0.1", port: int = 8000,
+          api_key: Optional[str] = None, max_waiting: int = 1024, log_level: str = "info",
+          warmup: bool = True) -> int:
+    """Serves an optimized model (`apex_compile.optimize`'s result) until SIGTERM/SIGINT, then drains its
+    requests and closes it; returns the exit status (0 once the server had started)."""
+    import uvicorn
+
+    from apex_compile.entrypoints.openai.api_server import build_app
+
+    if warmup:
         start = time.perf_counter()
         apex.engine.warmup()
         print(f"compiled the apex step in {time.perf_counter() - start:.1f}s", flush=True)
-    name = args.served_model_name or (EMBEDDED_MODEL_NAME if args.model is None else None)
-    app = build_app(apex, model_name=name, api_key=args.api_key, max_waiting=args.max_waiting)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    app = build_app(apex, model_name=model_name, api_key=api_key, max_waiting=max_waiting)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            timeout_graceful_shutdown=None))
     # uvicorn handles SIGTERM/SIGINT while it runs (graceful shutdown: in-flight requests finish) and raises the
     # signal again once it is done; this handler takes that one, so that the process exits with status 0

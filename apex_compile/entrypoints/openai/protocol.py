@@ -69,6 +69,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: None = None
     finish_reason: Optional[str] = None
+    token_ids: Optional[List[int]] = None  # the generated ids, from a server with no tokenizer (as vLLM's field)
 
 
 class CompletionResponse(BaseModel):
