@@ -143,7 +143,7 @@ def pipeline_bound(engine, request_tokens: int) -> dict:
     return {"members": engine.stagger.num_members, "capacity": engine.stagger.capacity,
             "host_free_bytes": kv.num_free(HOST_POOL) * block, "host_bytes": kv.pools[HOST_POOL].num_blocks * block,
             "member_bytes": kv.blocks_for(request_tokens) * block,
-            "park_room_bytes": engine.scheduler.park_room() * block, "stalled": engine.stagger.stalled}
+            "park_room_bytes": engine.scheduler.pipeline_rules.park_room() * block, "stalled": engine.stagger.stalled}
 
 
 def steady_state(engine, prompts, sampling, warm_steps, window_steps, fill_steps=0, probe=None, start_step=0):

@@ -8,13 +8,13 @@ are freed and it is prefilled again later (recompute preemption). With overlappe
 (`KVManager.overlaps_moves`) the device pool parks ahead: once its free blocks fall short of its requests' next
 tokens, the newest is parked after its step is queued, so the copy runs beside the next step (`park_launched`).
 Parked requests resume before waiting requests are admitted (with the staggered plan, waiting requests may
-meanwhile start in its pipeline, and parked ones join it while it takes them: `parked_to_pipeline`); waiting
+meanwhile start in its pipeline, and parked ones join it while it takes them: `PipelineRules`); waiting
 requests are admitted in arrival order while their first chunk fits in the pool the offload policy picks for
 them. With `ApexConfig.growth_reserve` the device pool admits or resumes a request only while its free blocks
 also cover that share of every device request's remaining tokens (SGLang's new-token ratio): a pool filled to
 its last block parks a request each time one grows. A parked request resumes in a step scheduled on the host,
 which waits for its copy. The staggered pipeline's members take host blocks as they grow, a share of their
-remaining tokens kept free (`unstall_pipeline` where growth runs dry).
+remaining tokens kept free (`PipelineRules.unstall` where growth runs dry).
 """
 import collections
 import dataclasses
@@ -99,13 +99,17 @@ class Scheduler:
             other = 1 - self.run_pools[0]
             if kv.pools[other].num_blocks > 0:
                 self.park_pool = other
+        # the staggered plan's rules where its pipeline is involved (None without one); imported here, as the
+        # plans package imports this module's chunks
+        from apex_compile.runtime.plans.pipeline_rules import PipelineRules
+
+        self.pipeline_rules = PipelineRules(self, stagger) if stagger is not None else None
         if stagger is not None:
-            stagger.keep_free = self.park_room()  # members grow around the room kept to park into
+            stagger.keep_free = self.pipeline_rules.park_room()  # members grow around the room kept to park into
         self.waiting: Deque[Request] = collections.deque()
         self.running: List[Request] = []
         self.parked: Deque[Request] = collections.deque()
         self._park_after: List[Request] = []  # parks ahead chosen by `schedule`, issued by `park_launched`
-        self._host_rest = (None, 0)  # (when, the host requests' remaining tokens then): `_pipeline_reserve`
         self._warned_split = False  # `_warn_split` once
         # what the staggered pipeline serves: "makespan" (a batch: requests the device pool would reach last) or
         # "latency" (online arrivals: none; `ApexConfig.objective`, "auto" resolved by the engine's front)
@@ -166,9 +170,9 @@ class Scheduler:
 
         if self.stagger is not None:  # the device pool, unless the parked wait for it; the pipeline from the tail
             if self.config.offload == "staggered":
-                return (bool(self.parked) or full(DEVICE_POOL)) and not self._pipeline_takes(request)
+                return (bool(self.parked) or full(DEVICE_POOL)) and not self.pipeline_rules.takes(request)
             return ((bool(self.parked or self.stagger.leaving) or full(DEVICE_POOL))
-                    and self._pipeline_candidate(self._pipeline_budget(budget)) is None)
+                    and self.pipeline_rules.candidate(self.pipeline_rules.budget(budget)) is None)
         if len(self.run_pools) > 1:
             return False  # a policy picks the pool: leave it to the step
         return full(self.run_pools[0])
@@ -285,117 +289,6 @@ class Scheduler:
             return cap
         return None
 
-    def _pipeline_takes(self, request: Request) -> bool:
-        """Whether the staggered pipeline has a row for `request` and the host pool room for its blocks
-        (`_host_target`) beside the room kept to park the device pool's requests (`park_room`; else they would be
-        recomputed from their prompts) and that kept for the host requests' growth (`_pipeline_reserve`)."""
-        if self._pipeline_full():
-            return False
-        need = self.kv.extra_blocks(request.request_id, self._host_target(request))
-        return self.kv.num_free(HOST_POOL) >= need + self.park_room() + self._pipeline_reserve(request)
-
-    def _host_target(self, request: Request) -> int:
-        """The tokens a request entering the staggered pipeline takes host blocks for: its tokens and the next one
-        (more as it grows: `StaggerPipeline.begin_step`)."""
-        return min(request.num_tokens + 1, self.max_tokens(request))
-
-    def _pipeline_reserve(self, request: Request) -> int:
-        """Host blocks kept free for the growth of the host requests (the pipeline's members, those prefilling in
-        the host pool) and of `request`: `TuningConfig.pipeline_reserve` of their remaining tokens. The members'
-        sum is taken once per pipeline turn and membership (it moves by a token per member and turn)."""
-        when = (self.stagger.steps, self.stagger.num_members, len(self.running))
-        if self._host_rest[0] != when:
-            hosted = self.stagger.members() + [r for r in self.running
-                                               if self.kv.pool_of(r.request_id) == HOST_POOL]
-            self._host_rest = (when, sum(max(self.max_tokens(r) - r.num_tokens, 0) for r in hosted))
-        rest = self._host_rest[1] + max(self.max_tokens(request) - request.num_tokens, 0)
-        return math.ceil(self.config.tuning.pipeline_reserve * rest / self.kv.block_size)
-
-    def unstall_pipeline(self) -> List[Request]:
-        """Before a step: when no member is in the staggered pipeline's groups and the first
-        waiting to rejoin has no host block for its next token (growth outran the reserve), the newest waiting
-        members whose last token is on the host are recomputed (blocks freed, first in line to start again) until
-        it has one; returns them."""
-        recomputed: List[Request] = []
-        stagger = self.stagger
-        if stagger is None or stagger.inside or not stagger.joining:
-            return recomputed
-        first = stagger.joining[0]
-        while not stagger.can_grow(first):
-            victim = next((r for r in reversed(stagger.joining) if r.num_tokens - r.num_computed == 1), None)
-            if victim is None:
-                break
-            stagger.remove([victim.request_id])
-            victim.num_preemptions += 1
-            self._requeue(victim)
-            recomputed.append(victim)
-            if victim is first:
-                break
-        return recomputed
-
-    def park_room(self) -> int:
-        """Host blocks the staggered pipeline leaves free to park the device pool's requests (swap preemption):
-        the device pool's blocks, at most half the host pool; 0 without parking there."""
-        if self.park_pool != HOST_POOL:
-            return 0
-        return min(self.kv.pools[DEVICE_POOL].num_blocks, self.kv.pools[HOST_POOL].num_blocks // 2)
-
-    def _pipeline_full(self) -> bool:
-        """Whether the staggered pipeline has no row left for another host request (members, and host-pool
-        requests still prefilling, which join it next), or is closed to new ones (auto: its members finishing)."""
-        if self.stagger.closed:
-            return True
-        prefilling = sum(1 for r in self.running if self.kv.pool_of(r.request_id) == HOST_POOL)
-        return self.stagger.num_members + prefilling >= self.stagger.capacity
-
-    def parked_to_pipeline(self) -> List[Request]:
-        """The staggered plan, before a step: parked requests (their KV in the host pool, their last token
-        sampled) join its pipeline while it takes them, the latest parked first (the earliest resume first in the
-        device pool); returns them. Else the parked wait for the device pool while the pipeline starves once the
-        waiting queue is empty (a pipeline emptied by auto's ceiling would refill only from new arrivals)."""
-        joined: List[Request] = []
-        index = len(self.parked) - 1
-        while index >= 0 and not self._pipeline_full():
-            request = self.parked[index]
-            index -= 1
-            if request.num_tokens - request.num_computed != 1 or request.request_id in self.to_device:
-                continue  # parked mid-prompt (its prefill resumes in the device pool), or migrating there
-            if self.config.offload == "auto" and not (self.objective == "makespan"
-                                                      and self._pipeline_pays(request, 0)):
-                continue  # first in line for the device pool: sooner there (`_pipeline_pays`)
-            if not self.kv.landed(request.request_id):
-                # its park's copy (queued behind the step in flight) has not landed: it joins at a later step;
-                # waiting here would hold the launching thread for that whole step and the copy, the GPU idle after
-                continue
-            if not (self._pipeline_takes(request)
-                    and self.kv.grow(request.request_id, HOST_POOL, self._host_target(request))):
-                break  # the host pool has no room for it (nor, mostly, for the earlier parked)
-            del self.parked[index + 1]
-            request.status = RequestStatus.RUNNING
-            self.stagger.join(request)
-            joined.append(request)
-        return joined
-
-    def to_pipeline(self, request: Request) -> None:
-        """A host-pool request finished its prefill: it decodes in the staggered pipeline from now on."""
-        self.running.remove(request)
-        self.stagger.join(request)
-
-    def park_from_pipeline(self, request: Request) -> None:
-        """A request the staggered pipeline let go (auto's model stopped its host rows): parked with its host KV
-        (the blocks past its computed tokens returned), it resumes in the device pool like a swapped-out one."""
-        self.kv.shrink(request.request_id, request.num_computed)
-        request.status = RequestStatus.PARKED
-        request.num_preemptions += 1
-        self.parked.append(request)
-
-    def finish_staggered(self, request: Request, reason: str) -> None:
-        """Marks a pipeline request finished and returns its blocks."""
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-        self.stagger.finish(request)
-        self.kv.free(request.request_id)
-
     def finish(self, request: Request, reason: str) -> None:
         """Marks a running request finished and returns its blocks (one parked ahead after its last step was
         queued is parked by then)."""
@@ -493,8 +386,9 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(request, request.num_computed, num_tokens, pool))
             budget -= num_tokens
         while self.stagger is not None and len(self.running) < self.config.max_num_seqs and budget > 0:
-            request = self._pipeline_candidate(self._pipeline_budget(budget))
-            if request is None or not self.kv.grow(request.request_id, HOST_POOL, self._host_target(request)):
+            rules = self.pipeline_rules
+            request = rules.candidate(rules.budget(budget))
+            if request is None or not self.kv.grow(request.request_id, HOST_POOL, rules.host_target(request)):
                 break
             num_tokens = request.num_tokens - request.num_computed  # past `budget` ends the loop: one a step
             self.waiting.pop()
@@ -567,7 +461,7 @@ class Scheduler:
         total = self.max_tokens(request)
         fitting = [p for p in self.run_pools if self.kv.pools[p].num_blocks * self.kv.block_size >= total]
         if self.stagger is not None:
-            return self._admit_staggered(request, num_tokens, device_tokens, fitting)
+            return self.pipeline_rules.admit_head(request, num_tokens, device_tokens, fitting)
         if self.host_policy is not None:
             return self._admit_auto(request, num_tokens, device_tokens, fitting)
         pool = fitting[0]
@@ -597,68 +491,6 @@ class Scheduler:
         if self._host_pays(request) and self.kv.grow(request.request_id, HOST_POOL, end):
             return HOST_POOL
         return None
-
-    def _admit_staggered(self, request: Request, num_tokens: int, device_tokens: int,
-                         fitting: List[int]) -> Optional[int]:
-        """The staggered plan, the head of the queue: the device pool when it has room and no parked or migrating
-        request waits for it. Else, with offload="staggered" (throughput asked for), the pipeline while it has a
-        row and the host pool room, with blocks for its prompt and first token; under offload="auto" the pipeline
-        takes requests from the queue's tail instead, where they pay (`_pipeline_candidate`)."""
-        if (not (self.parked or self.stagger.leaving) and DEVICE_POOL in fitting
-                and self._grow(request, DEVICE_POOL, request.num_computed + device_tokens)):
-            return DEVICE_POOL
-        if self.config.offload != "staggered":
-            return None
-        if HOST_POOL not in fitting or self._splits_host_prompt(request, num_tokens):
-            return None
-        if not self._pipeline_takes(request):
-            return None
-        if self.kv.grow(request.request_id, HOST_POOL, max(self._host_target(request),
-                                                           request.num_computed + num_tokens)):
-            return HOST_POOL
-        return None
-
-    def _pipeline_budget(self, budget: int) -> int:
-        """The prompt tokens a pipeline candidate may bring into a step with `budget` tokens left: its whole prompt,
-        up to `TuningConfig.pipeline_prompt_tokens` beyond the budget (`ApexConfig` sizes the step for it)."""
-        return max(budget, self.config.tuning.pipeline_prompt_tokens)
-
-    def _pipeline_candidate(self, budget: int) -> Optional[Request]:
-        """The waiting request the staggered pipeline takes now, or None: the queue's last, whose whole prompt fits
-        `budget` (`_pipeline_budget`), the pipeline a row and the host pool its blocks (`_pipeline_takes`), and which is
-        predicted to finish sooner there than by waiting for the device pool (`_pipeline_pays`). Only under the
-        makespan objective: a pipeline member gains a token per lanes x (layers + 1) steps, a per-token latency
-        no online SLO allows."""
-        if self.config.offload != "auto" or self.objective != "makespan" or not self.waiting:
-            return None
-        request = self.waiting[-1]
-        if request.num_tokens - request.num_computed > budget:
-            return None
-        if self.kv.pools[HOST_POOL].num_blocks * self.kv.block_size < self.max_tokens(request):
-            return None
-        if not (self._pipeline_takes(request) and self._pipeline_pays(request, len(self.waiting) - 1)):
-            return None
-        return request
-
-    def _pipeline_pays(self, request: Request, position: int) -> bool:
-        """Whether `request`, `position` places back in the queue, is predicted to finish sooner in the staggered
-        pipeline than by waiting for the device pool, counted in steps: in the pipeline it gains a token per
-        `stagger.cycle` steps; waiting, it starts once the device rows have worked off the tokens of every
-        request ahead of it (running in the device pool, parked, in the pipeline, which move to the device pool as
-        it has room, and waiting before it) at a token per row and step, then gains a token per step. A batch's
-        last requests are the ones that gain: the pipeline serves what the device pool would reach last. A member
-        moves to the device pool once it has room (`StaggeredPlan._migrate_to_device`), so it finishes no later than
-        predicted here."""
-        def rest(r: Request) -> int:
-            return max(self.max_tokens(r) - r.num_tokens, 0)
-
-        device = [r for r in self.running if self.kv.pool_of(r.request_id) == DEVICE_POOL]
-        rows = max(len(device), 1)
-        backlog = (sum(rest(r) for r in device) + sum(rest(r) for r in self.parked)
-                   + sum(rest(r) for r in self.stagger.members())
-                   + sum(rest(self.waiting[i]) for i in range(position)))
-        own = max(rest(request), 1)
-        return own * self.stagger.cycle <= backlog / rows + own
 
     def _warn_split(self, request: Request, num_tokens: int) -> None:
         """Warns (once per scheduler) when a request admitted to the host pool starts with a chunk shorter than its

@@ -329,7 +329,8 @@ def test_members_taking_host_blocks_as_they_grow_on_the_gpu_equal_hf_generate_fp
                                       tuning=TuningConfig(pipeline_reserve=reserve)))
     out = apex.generate(ids, attention_mask=mask, **GREEDY_20)
     assert torch.equal(out, ref)
-    assert apex.engine.stats.requests_per_pool[1] >= 1 and any(grown)
+    # members grew in the host pool, or moved to the device pool before they had to
+    assert apex.engine.stats.requests_per_pool[1] >= 1 and (any(grown) or apex.engine.stats.migrated)
     assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
     apex.close()
 
@@ -360,22 +361,22 @@ def test_a_fallen_row_limit_on_the_gpu_equals_hf_generate_fp32(lanes):
 def test_parked_requests_join_the_pipeline_on_the_gpu_equal_hf_generate_fp32(monkeypatch):
     """Requests parked from the device pool while the pipeline took nothing (its ceiling 0) join it once it
     takes them again (one lane: layered jobs, async scheduling, captured graphs): HF's tokens, no block lost."""
-    from apex_compile.runtime.scheduler import Scheduler
+    from apex_compile.runtime.plans.pipeline_rules import PipelineRules
     ids, mask, ref, block, model = sharp_small_pool_case()
     apex = optimize(model, ApexConfig(offload="staggered", stagger_width=3, gpu_cache_size=8 * block,
                                       cpu_cache_size=32 * MB, stagger_lanes=1))
     stagger = apex.engine.stagger
     stagger.rows.set_ceiling(0)
     joined = []
-    join = Scheduler.parked_to_pipeline
+    join = PipelineRules.join_parked
 
     def open_and_join(self):
-        if self.parked and not stagger.rows.ceiling and not joined:
+        if self.scheduler.parked and not stagger.rows.ceiling and not joined:
             stagger.rows.set_ceiling(3)
         joined.extend(join(self))
         return joined
 
-    monkeypatch.setattr(Scheduler, "parked_to_pipeline", open_and_join)
+    monkeypatch.setattr(PipelineRules, "join_parked", open_and_join)
     out = apex.generate(ids, attention_mask=mask, **GREEDY_20)
     assert torch.equal(out, ref) and joined
     assert int(stagger.executor.status[0]) == 0 and apex.engine.blocks_in_use() == {"device": 0, "host": 0}
@@ -461,7 +462,7 @@ def test_decode_steps_never_wait_for_the_gpu(fp32_model, offload):
     block = 2 * SMALL["num_hidden_layers"] * SMALL["num_key_value_heads"] * 16 * head_dim * 4
     staggered, ahead = offload == "staggered", offload == "ahead"
     apex = optimize(fp32_model, ApexConfig(offload="never" if ahead else offload, stagger_width=3,
-                                           capture_sizes=(2, 4, 8), gpu_cache_size=(8 if staggered else 64) * block,
+                                           capture_sizes=(2, 4, 8), gpu_cache_size=(8 if staggered else 160) * block,
                                            cpu_cache_size=32 * MB))
     engine = apex.engine
     kinds = [dict(), dict(do_sample=True, temperature=0.8, top_k=50), dict(do_sample=True, top_p=0.9, seed=5),
@@ -473,8 +474,8 @@ def test_decode_steps_never_wait_for_the_gpu(fp32_model, offload):
                            SamplingParams(max_new_tokens=200, **kinds[i % len(kinds)]))
     for _ in range(300):  # until every request has a token (the staggered ones ride the pipeline first)
         engine.step()
-        if not engine.scheduler.waiting and all(r.output_token_ids for r in engine.scheduler.running) and not (
-                staggered and engine.stagger.joining):
+        if not (engine.scheduler.waiting or engine.scheduler.parked) and all(
+                r.output_token_ids for r in engine.scheduler.running) and not (staggered and engine.stagger.joining):
             break
     if staggered:
         assert engine.stagger.active and 0 < engine.stagger.num_members < engine.stagger.capacity
@@ -490,7 +491,8 @@ def test_decode_steps_never_wait_for_the_gpu(fp32_model, offload):
     if ahead:  # a step was queued ahead in each call (the first call's own step was queued by the call before)
         assert engine.stats.ahead_steps == ahead_steps + 12 and engine.graphs.replays >= replays + 12
     else:
-        assert engine.stats.ahead_steps == 0
+        assert engine.stats.ahead_steps == 0, (engine.stats.not_ahead, [
+            (r.request_id, r.status, r.sampling, len(r.output_token_ids)) for r in engine.scheduler.running])
         assert (engine.stagger_graphs.replays if staggered else engine.graphs.replays) == replays + 12
     engine.abort()
     apex.close()

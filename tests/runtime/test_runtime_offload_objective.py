@@ -57,7 +57,7 @@ def test_pays_rule_compares_the_wait_for_the_device_rows_with_a_token_per_cycle(
     for n in range(12):
         apex.engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=10))
     # nothing runs: the backlog ahead of position p is p requests x 10 tokens over one row
-    pays = [scheduler._pipeline_pays(scheduler.waiting[p], p) for p in range(12)]
+    pays = [scheduler.pipeline_rules.pays(scheduler.waiting[p], p) for p in range(12)]
     assert pays == [10 * cycle <= 10 * p + 10 for p in range(12)]
     assert not pays[0] and pays[-1]
     apex.close()
@@ -98,7 +98,7 @@ def test_the_objective_switches_between_batch_and_online():
     assert scheduler.objective == "latency"  # arrivals through the front: TTFT and TPOT
     for n in range(12):  # a queue that would pay under the makespan objective enters no pipeline
         apex.engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=10))
-    assert scheduler._pipeline_candidate(512) is None
+    assert scheduler.pipeline_rules.candidate(512) is None
     front.shutdown()
     apex.close()
     latency = auto_engine(sharp_model(), objective="latency")

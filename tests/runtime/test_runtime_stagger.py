@@ -777,7 +777,7 @@ def test_auto_learns_the_host_gap_from_its_decode_steps_only(monkeypatch):
     engine.auto_policy = Policy()
     engine.config.offload = "auto"
     # the pipeline takes every request the device pool cannot (this test is about what the steps report)
-    monkeypatch.setattr(type(engine.scheduler), "_pipeline_pays", lambda self, request, position: True)
+    monkeypatch.setattr(type(engine.scheduler.pipeline_rules), "pays", lambda self, request, position: True)
     schedule = engine._schedule
 
     def spy():
@@ -814,7 +814,7 @@ def test_a_ceiling_of_zero_admits_nothing_and_parks_the_pipelines_requests(monke
     pipeline's capacity is 0, so nothing more enters the host pool, and requests admitted before leave it as
     they sample, parked with their host KV, to resume in the device pool; either way the tokens are HF's."""
     from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL
-    from apex_compile.runtime.scheduler import Scheduler
+    from apex_compile.runtime.plans.pipeline_rules import PipelineRules
 
     from apex_compile.runtime.stagger import RowLimit
 
@@ -836,8 +836,8 @@ def test_a_ceiling_of_zero_admits_nothing_and_parks_the_pipelines_requests(monke
     assert [c.token_ids for c in done] == reference
     assert apex.engine.stats.requests_per_pool[1] == 0  # nothing decoded from the host pool
     parked = []
-    park = Scheduler.park_from_pipeline
-    monkeypatch.setattr(Scheduler, "park_from_pipeline", lambda self, r: parked.append(r) or park(self, r))
+    park = PipelineRules.park
+    monkeypatch.setattr(PipelineRules, "park", lambda self, r: parked.append(r) or park(self, r))
     apex = staggered(model, width=3)
     stagger = apex.engine.stagger
     stagger.rows.set_ceiling(1)  # one row per turn: admitted requests queue to join
@@ -860,7 +860,7 @@ def test_parked_requests_join_the_pipeline_when_it_takes_them(monkeypatch, overl
     overlapped moves (a stand-in swap stream whose copies land late) a request joins only once its park has
     landed (`KVManager.landed`, before a CPU job reads its host blocks), and the join never waits for a copy."""
     from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL
-    from apex_compile.runtime.scheduler import Scheduler
+    from apex_compile.runtime.plans.pipeline_rules import PipelineRules
     from tests.helpers import DeferredSwap
 
     torch.manual_seed(10)
@@ -868,8 +868,8 @@ def test_parked_requests_join_the_pipeline_when_it_takes_them(monkeypatch, overl
     prompts = [torch.randint(3, 96, (n,)).tolist() for n in (6, 11, 4, 9, 13, 5, 7, 8)]
     reference = hf_tokens(model, prompts, 12)
     joined = []
-    join = Scheduler.parked_to_pipeline
-    monkeypatch.setattr(Scheduler, "parked_to_pipeline", lambda self: joined.extend(join(self)) or joined)
+    join = PipelineRules.join_parked
+    monkeypatch.setattr(PipelineRules, "join_parked", lambda self: joined.extend(join(self)) or joined)
     apex = staggered(model, width=2)
     engine, stagger = apex.engine, apex.engine.stagger
     ready, waited = [], []
@@ -1045,7 +1045,7 @@ def test_a_pipeline_the_keep_verdict_drops_closes_and_its_members_finish(monkeyp
     monkeypatch.setattr(type(stagger), "num_members", property(lambda self: members[0]))
     stagger.rows.measured = 8
     stagger.rows.set_ceiling(4)
-    full = engine.scheduler._pipeline_full
+    full = engine.scheduler.pipeline_rules.full
     assert not full()
 
     def update(steps):
@@ -1090,10 +1090,10 @@ def test_a_closed_pipeline_finishes_its_members_on_the_host_and_admits_none(monk
     engine, stagger = apex.engine, apex.engine.stagger
     engine.auto_policy = MarginPolicy(rise=2, keep=2, hold=1)
     engine.config.offload = "auto"
-    monkeypatch.setattr(type(engine.scheduler), "_pipeline_pays", lambda self, request, position: True)
+    monkeypatch.setattr(type(engine.scheduler.pipeline_rules), "pays", lambda self, request, position: True)
     monkeypatch.setattr(staggered_module, "STAGGER_FALL_STEPS", 3)
-    parked, park = [], engine.scheduler.park_from_pipeline
-    monkeypatch.setattr(engine.scheduler, "park_from_pipeline", lambda r: (parked.append(r), park(r)))
+    parked, park = [], engine.scheduler.pipeline_rules.park
+    monkeypatch.setattr(engine.scheduler.pipeline_rules, "park", lambda r: (parked.append(r), park(r)))
     sampling = SamplingParams(max_new_tokens=20)
     requests = [engine.add_request(p, sampling) for p in prompts[:6]]
     late, members = [], []
@@ -1412,15 +1412,15 @@ def test_members_taking_host_blocks_as_they_grow_fit_more_requests_and_equal_hf(
     token and takes more as it grows. A member finding no block for its next token waits to rejoin (`stalled`);
     with no reserve the pool runs dry and, once every member waits, the newest are recomputed. HF's tokens
     throughout, every block back."""
-    from apex_compile.runtime import scheduler as scheduler_module
+    from apex_compile.runtime.plans.pipeline_rules import PipelineRules
 
     torch.manual_seed(3)
     model = sharp_model()
     prompts = [torch.randint(3, 96, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4, 8, 6, 10, 11, 13, 2)]
     reference = hf_tokens(model, prompts, 40)
     runs, unstalled = {}, []
-    unstall = scheduler_module.Scheduler.unstall_pipeline
-    monkeypatch.setattr(scheduler_module.Scheduler, "unstall_pipeline",
+    unstall = PipelineRules.unstall
+    monkeypatch.setattr(PipelineRules, "unstall",
                         lambda self: (lambda got: unstalled.extend(got) or got)(unstall(self)))
     for reserve, host_blocks in ((0.3, 20), (0.0, 12)):
         apex = optimize(model, ApexConfig(offload="staggered", stagger_width=2, gpu_cache_size=4 * BLOCK_BYTES,

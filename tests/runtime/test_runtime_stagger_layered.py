@@ -197,11 +197,11 @@ def test_steps_queued_ahead_with_layered_jobs_give_the_synchronous_tokens():
 def test_a_ceiling_of_zero_parks_the_one_lane_pipeline_with_steps_queued_ahead(monkeypatch):
     """The model's ceiling falls to 0 while one lane's steps run ahead: the pipeline empties as its requests
     sample, they are parked once their token is on the host and resume in the device pool; tokens are HF's."""
-    from apex_compile.runtime.scheduler import Scheduler
+    from apex_compile.runtime.plans.pipeline_rules import PipelineRules
 
     parked = []
-    park = Scheduler.park_from_pipeline
-    monkeypatch.setattr(Scheduler, "park_from_pipeline", lambda self, r: parked.append(r) or park(self, r))
+    park = PipelineRules.park
+    monkeypatch.setattr(PipelineRules, "park", lambda self, r: parked.append(r) or park(self, r))
     torch.manual_seed(26)
     model = sharp_model()
     prompts = [torch.randint(3, 96, (n,)).tolist() for n in (5, 9, 3, 12, 7, 4, 8)]

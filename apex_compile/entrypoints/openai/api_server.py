@@ -13,8 +13,7 @@ aborts its request (its KV blocks return). Errors carry OpenAI's body: {"error":
 import asyncio
 import json
 import os
-import time
-from typing import AsyncIterator, List, Optional, Sequence, Tuple, Union
+from typing import AsyncIterator, List, Optional, Sequence, Union
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError

@@ -237,8 +237,8 @@ class StaggeredPlan(GpuOnlyPlan):
             self.update_ceiling()
         self._park_idle_pipeline()
         self._migrate_to_device()
-        engine.stats.recomputed += len(engine.scheduler.unstall_pipeline())
-        engine.scheduler.parked_to_pipeline()
+        engine.stats.recomputed += len(engine.scheduler.pipeline_rules.unstall())
+        engine.scheduler.pipeline_rules.join_parked()
         if not self.pipeline.num_members:
             self.pipeline.idle_step()
 
@@ -260,7 +260,7 @@ class StaggeredPlan(GpuOnlyPlan):
             return
         stagger.executor.drain()  # nothing may still read their blocks as they shrink (no job holds them now)
         for request in stagger.remove(ready):
-            self.engine.scheduler.park_from_pipeline(request)
+            self.engine.scheduler.pipeline_rules.park(request)
 
     def _migrate_to_device(self) -> None:
         """Pipeline members move to the device pool where it has room for them: there a member gains a token per
@@ -275,7 +275,7 @@ class StaggeredPlan(GpuOnlyPlan):
         if ready:
             stagger.executor.drain()  # nothing may still read their blocks as they move
             for request in stagger.remove(ready):
-                scheduler.park_from_pipeline(request)
+                scheduler.pipeline_rules.park(request)
                 scheduler.to_device.add(request.request_id)
                 engine.stats.migrated += 1
         members = stagger.members()
@@ -468,7 +468,7 @@ class StaggeredPlan(GpuOnlyPlan):
     def took_token(self, request: Request) -> None:
         """A request prefilled in the host pool decodes staggered from its first token on."""
         if request.status is RequestStatus.RUNNING and self.engine.kv.pool_of(request.request_id) == HOST_POOL:
-            self.engine.scheduler.to_pipeline(request)
+            self.engine.scheduler.pipeline_rules.join(request)
 
     def close(self) -> None:
         try:
