@@ -462,7 +462,7 @@ def test_decode_steps_never_wait_for_the_gpu(fp32_model, offload):
     block = 2 * SMALL["num_hidden_layers"] * SMALL["num_key_value_heads"] * 16 * head_dim * 4
     staggered, ahead = offload == "staggered", offload == "ahead"
     apex = optimize(fp32_model, ApexConfig(offload="never" if ahead else offload, stagger_width=3,
-                                           capture_sizes=(2, 4, 8), gpu_cache_size=(8 if staggered else 160) * block,
+                                           capture_sizes=(2, 4, 8), gpu_cache_size=(8 if staggered else 64) * block,
                                            cpu_cache_size=32 * MB))
     engine = apex.engine
     kinds = [dict(), dict(do_sample=True, temperature=0.8, top_k=50), dict(do_sample=True, top_p=0.9, seed=5),
@@ -474,8 +474,8 @@ def test_decode_steps_never_wait_for_the_gpu(fp32_model, offload):
                            SamplingParams(max_new_tokens=200, **kinds[i % len(kinds)]))
     for _ in range(300):  # until every request has a token (the staggered ones ride the pipeline first)
         engine.step()
-        if not (engine.scheduler.waiting or engine.scheduler.parked) and all(
-                r.output_token_ids for r in engine.scheduler.running) and not (staggered and engine.stagger.joining):
+        if not engine.scheduler.waiting and all(r.output_token_ids for r in engine.scheduler.running) and not (
+                staggered and engine.stagger.joining):
             break
     if staggered:
         assert engine.stagger.active and 0 < engine.stagger.num_members < engine.stagger.capacity
@@ -490,10 +490,11 @@ def test_decode_steps_never_wait_for_the_gpu(fp32_model, offload):
         torch.cuda.set_sync_debug_mode("default")
     if ahead:  # a step was queued ahead in each call (the first call's own step was queued by the call before)
         assert engine.stats.ahead_steps == ahead_steps + 12 and engine.graphs.replays >= replays + 12
-    else:
-        assert engine.stats.ahead_steps == 0, (engine.stats.not_ahead, [
-            (r.request_id, r.status, r.sampling, len(r.output_token_ids)) for r in engine.scheduler.running])
-        assert (engine.stagger_graphs.replays if staggered else engine.graphs.replays) == replays + 12
+    elif staggered:  # the host-rule requests are pipeline members: the device rows' steps may run ahead
+        assert engine.stagger_graphs.replays >= replays + 12
+    else:  # the host rules of requests 3 and 4 (repetition penalty, min_new_tokens) keep every step in line
+        assert engine.stats.ahead_steps == 0, engine.stats.not_ahead
+        assert engine.graphs.replays == replays + 12
     engine.abort()
     apex.close()
 
