@@ -184,25 +184,28 @@ class PipelineRules:
         return request
 
     def pays(self, request: Request, position: int) -> bool:
-        """Whether `request`, `position` places back in the queue, is predicted to finish sooner in the staggered
-        pipeline than by waiting for the device pool, counted in steps: in the pipeline it gains a token per
-        `pipeline.cycle` steps; waiting, it starts once the device rows have worked off the tokens of every
-        request ahead of it (running in the device pool, parked, in the pipeline, which move to the device pool as
-        it has room, and waiting before it) at a token per row and step, then gains a token per step. A batch's
-        last requests are the ones that gain: the pipeline serves what the device pool would reach last. A member
-        moves to the device pool once it has room (`StaggeredPlan._migrate_to_device`), so it finishes no later than
-        predicted here."""
+        """Whether `request`, `position` places back in the queue (a waiting or parked request), is predicted to
+        finish sooner in the staggered pipeline than by waiting for the device pool, counted in steps: in the
+        pipeline it gains a token per `pipeline.cycle` steps; waiting, it starts once the device rows have worked
+        off the tokens of every request ahead of it (running in the device pool, parked, in the pipeline, and
+        waiting before it) at a token per row and step, then gains a token per step. A batch's last requests are
+        the ones that gain: the pipeline serves what the device pool would reach last."""
+        s = self.scheduler
+        if position == len(s.waiting) - 1:
+            ahead = self._queue_rest() - self._rest(s.waiting[-1])
+        else:
+            ahead = sum(self._rest(s.waiting[i]) for i in range(position))
+        return self._sooner_in_pipeline(request, self._members_rest() + ahead)
+
+    def _sooner_in_pipeline(self, request: Request, others: int) -> bool:
+        """own x cycle <= backlog / device rows + own, where the backlog is the device rows' and parked requests'
+        remaining tokens plus `others` (the remaining tokens of the members and waiting requests counted ahead)."""
         s = self.scheduler
         rest = self._rest
         device = [r for r in s.running if s.kv.pool_of(r.request_id) == DEVICE_POOL]
-        rows = max(len(device), 1)
-        if position == len(s.waiting) - 1:
-            ahead = self._queue_rest() - rest(s.waiting[-1])
-        else:
-            ahead = sum(rest(s.waiting[i]) for i in range(position))
-        backlog = sum(rest(r) for r in device) + sum(rest(r) for r in s.parked) + self._members_rest() + ahead
+        backlog = sum(rest(r) for r in device) + sum(rest(r) for r in s.parked if r is not request) + others
         own = max(rest(request), 1)
-        return own * self.pipeline.cycle <= backlog / rows + own
+        return own * self.pipeline.cycle <= backlog / max(len(device), 1) + own
 
     def _rest(self, request: Request) -> int:
         """Tokens `request` may still generate."""

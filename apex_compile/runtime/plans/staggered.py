@@ -267,7 +267,10 @@ class StaggeredPlan(GpuOnlyPlan):
         step instead of one per lanes x (layers + 1) steps, and PCIe moves its KV in milliseconds. Members with the
         most tokens left go first (those nearly done finish as soon where they are). A marked member leaves at its
         next token boundary (`StaggerPipeline.leaving`); once its token is on the host it is parked with its host
-        KV and resumes in the device pool ahead of waiting requests (`Scheduler.schedule`)."""
+        KV and resumes in the device pool ahead of waiting requests (`Scheduler.schedule`). Members are marked only
+        while no request waits: until then the device pool's room goes to waiting requests, which make no progress
+        elsewhere, while a member still gains its token per cycle (moving members ahead of them lengthened a
+        batch's makespan past GPU-only's)."""
         engine = self.engine
         stagger, scheduler, kv = self.pipeline, engine.scheduler, engine.kv
         ready = [r.request_id for r in stagger.joining
@@ -278,6 +281,8 @@ class StaggeredPlan(GpuOnlyPlan):
                 scheduler.pipeline_rules.park(request)
                 scheduler.to_device.add(request.request_id)
                 engine.stats.migrated += 1
+        if scheduler.waiting:
+            return
         members = stagger.members()
         leaving = [r for r in members if r.request_id in stagger.leaving]
         slots = engine.config.max_num_seqs - len(scheduler.running) - len(scheduler.parked) - len(leaving)
