@@ -20,7 +20,7 @@ import collections
 import dataclasses
 import math
 import warnings
-from typing import Deque, List, Optional, Tuple
+from typing import Callable, Deque, Dict, Iterable, List, Optional, Tuple
 
 from apex_compile.config import ApexConfig
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, POOL_NAMES, KVManager
@@ -62,6 +62,76 @@ class SchedulerOutput:
     parked: List[Request] = dataclasses.field(default_factory=list)
     resumed: List[Request] = dataclasses.field(default_factory=list)
     recomputed: List[Request] = dataclasses.field(default_factory=list)
+
+
+class WaitingQueue(collections.deque):
+    """The waiting requests, first in line first, and `rest_tokens`: the sum of the tokens they may still
+    generate, kept as requests come and go (each one's share recorded as it enters), so that the staggered
+    plan's admission rule (`PipelineRules.pays`) reads a long queue's backlog in O(1)."""
+
+    def __init__(self, rest: Callable[[Request], int], requests: Iterable[Request] = ()):
+        super().__init__()
+        self._rest = rest
+        self._shares: Dict[int, int] = {}  # id(request) -> its remaining tokens when it entered
+        self.rest_tokens = 0
+        self.extend(requests)
+
+    def _enter(self, request: Request) -> Request:
+        share = self._rest(request)
+        self._shares[id(request)] = share
+        self.rest_tokens += share
+        return request
+
+    def _leave(self, request: Request) -> Request:
+        self.rest_tokens -= self._shares.pop(id(request))
+        return request
+
+    def append(self, request: Request) -> None:
+        super().append(self._enter(request))
+
+    def appendleft(self, request: Request) -> None:
+        super().appendleft(self._enter(request))
+
+    def extend(self, requests: Iterable[Request]) -> None:
+        for request in requests:
+            self.append(request)
+
+    def extendleft(self, requests: Iterable[Request]) -> None:
+        for request in requests:
+            self.appendleft(request)
+
+    def insert(self, index: int, request: Request) -> None:
+        super().insert(index, self._enter(request))
+
+    def pop(self) -> Request:
+        return self._leave(super().pop())
+
+    def popleft(self) -> Request:
+        return self._leave(super().popleft())
+
+    def remove(self, request: Request) -> None:
+        index = next(i for i, r in enumerate(self) if r is request)
+        del self[index]
+
+    def __delitem__(self, index: int) -> None:
+        self._leave(self[index])
+        super().__delitem__(index)
+
+    def __setitem__(self, index: int, request: Request) -> None:
+        self._leave(self[index])
+        super().__setitem__(index, self._enter(request))
+
+    def __iadd__(self, requests: Iterable[Request]) -> "WaitingQueue":
+        self.extend(requests)
+        return self
+
+    def clear(self) -> None:
+        super().clear()
+        self._shares.clear()
+        self.rest_tokens = 0
+
+    def copy(self) -> "WaitingQueue":
+        return WaitingQueue(self._rest, self)
 
 
 class Scheduler:
@@ -106,7 +176,7 @@ class Scheduler:
         self.pipeline_rules = PipelineRules(self, stagger) if stagger is not None else None
         if stagger is not None:
             stagger.keep_free = self.pipeline_rules.park_room()  # members grow around the room kept to park into
-        self.waiting: Deque[Request] = collections.deque()
+        self.waiting = WaitingQueue(self._rest_tokens)
         self.running: List[Request] = []
         self.parked: Deque[Request] = collections.deque()
         self._park_after: List[Request] = []  # parks ahead chosen by `schedule`, issued by `park_launched`
@@ -124,6 +194,10 @@ class Scheduler:
         """The most tokens (prompt + generated) the request can reach: max_new_tokens capped by max_model_len."""
         total = len(request.prompt_token_ids) + request.sampling.max_new_tokens
         return total if self.max_model_len is None else min(total, self.max_model_len)
+
+    def _rest_tokens(self, request: Request) -> int:
+        """The tokens `request` may still generate."""
+        return max(self.max_tokens(request) - request.num_tokens, 0)
 
     def add(self, request: Request) -> None:
         """Queues a request; raises if it could never fit in a pool, so no work starts for it."""
@@ -317,7 +391,7 @@ class Scheduler:
             request.status = RequestStatus.FINISHED
             request.finish_reason = "abort"
         keep = [r for r in self.waiting if r.status is not RequestStatus.FINISHED]
-        self.waiting = collections.deque(keep)
+        self.waiting = WaitingQueue(self._rest_tokens, keep)
         self.running = [r for r in self.running if r.status is not RequestStatus.FINISHED]
         self.parked = collections.deque(r for r in self.parked if r.status is not RequestStatus.FINISHED)
         return dropped

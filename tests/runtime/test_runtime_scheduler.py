@@ -319,3 +319,50 @@ def test_the_growth_reserve_is_validated():
     for bad in (-0.1, 1.5, True, "0.2"):
         with pytest.raises(ValueError, match="growth_reserve"):
             ApexConfig(growth_reserve=bad)
+
+
+def test_the_waiting_queue_keeps_its_remaining_tokens_through_every_change():
+    """`WaitingQueue.rest_tokens` (the backlog behind the staggered plan's admission rule) equals the sum over the
+    queue through a random run of arrivals, admissions from the head, takes from the tail, requeues, removals,
+    replacements and abort's rebuild, looked at after one change or several. Requests with equal fields stay
+    distinct."""
+    from apex_compile.runtime.scheduler import WaitingQueue
+
+    sched, _ = make(4, 64)
+    rng = random.Random(0)
+    next_id = 0
+
+    def request():
+        nonlocal next_id
+        r = Request(next_id, [1, 2, 3], SamplingParams(max_new_tokens=rng.choice([4, 8])))
+        r.output_token_ids = [5] * rng.randrange(0, 3)  # a requeued one carries its tokens
+        next_id += 1
+        return r
+
+    for _ in range(6):
+        sched.add(request())
+    for _ in range(3000):
+        op, waiting = rng.random(), sched.waiting
+        if op < 0.3:
+            sched.add(request())
+        elif op < 0.45 and waiting:
+            waiting.popleft()
+        elif op < 0.55 and waiting:
+            waiting.pop()
+        elif op < 0.65:
+            waiting.appendleft(request())
+        elif op < 0.75 and waiting:
+            del waiting[rng.randrange(len(waiting))]
+        elif op < 0.8 and waiting:
+            waiting[rng.randrange(len(waiting))] = request()
+        elif op < 0.85 and waiting:
+            waiting.remove(waiting[rng.randrange(len(waiting))])
+        elif op < 0.88:
+            waiting += [request(), request()]
+        elif op < 0.9 and waiting:
+            sched.abort([waiting[0].request_id])
+        if rng.random() < 0.5:
+            assert isinstance(sched.waiting, WaitingQueue)
+            assert sched.waiting.rest_tokens == sum(sched._rest_tokens(r) for r in sched.waiting)
+    sched.waiting.clear()
+    assert sched.waiting.rest_tokens == 0

@@ -19,7 +19,6 @@ class PipelineRules:
         self.pipeline = pipeline  # its `StaggerPipeline`
         self._host_rest = (None, 0)  # (when, the host requests' remaining tokens then): `reserve`
         self._members = (None, 0)  # (when, the members' remaining tokens then): `_members_rest`
-        self._queue = None  # (length, first, last, remaining tokens, first's, last's): `_queue_rest`
 
     def takes(self, request: Request) -> bool:
         """Whether the staggered pipeline has a row for `request` and the host pool room for its blocks
@@ -192,7 +191,7 @@ class PipelineRules:
         the ones that gain: the pipeline serves what the device pool would reach last."""
         s = self.scheduler
         if position == len(s.waiting) - 1:
-            ahead = self._queue_rest() - self._rest(s.waiting[-1])
+            ahead = s.waiting.rest_tokens - self._rest(s.waiting[-1])
         else:
             ahead = sum(self._rest(s.waiting[i]) for i in range(position))
         return self._sooner_in_pipeline(request, self._members_rest() + ahead)
@@ -209,7 +208,7 @@ class PipelineRules:
 
     def _rest(self, request: Request) -> int:
         """Tokens `request` may still generate."""
-        return max(self.scheduler.max_tokens(request) - request.num_tokens, 0)
+        return self.scheduler._rest_tokens(request)
 
     def _members_rest(self) -> int:
         """The pipeline members' remaining tokens, summed once per pipeline turn and membership."""
@@ -217,29 +216,3 @@ class PipelineRules:
         if self._members[0] != when:
             self._members = (when, sum(self._rest(r) for r in self.pipeline.members()))
         return self._members[1]
-
-    def _queue_rest(self) -> int:
-        """The waiting requests' remaining tokens (constant while a request waits). Kept up to date in O(1) where
-        the queue changed by one request at an end since the last call (a request admitted from the head, taken
-        from the tail, or queued), else summed again."""
-        waiting = self.scheduler.waiting
-        n = len(waiting)
-        first, last = (waiting[0], waiting[-1]) if n else (None, None)
-        cached = self._queue
-        if cached is not None and cached[:3] != (n, first, last):
-            count, head, tail, total, head_rest, tail_rest = cached
-            if n == count - 1 and last is tail and first is not head:
-                total -= head_rest
-            elif n == count - 1 and first is head and last is not tail:
-                total -= tail_rest
-            elif n == count + 1 and first is head and last is not tail and count:
-                total += self._rest(last)
-            else:
-                cached = None
-            if cached is not None:
-                cached = (n, first, last, total, self._rest(first) if n else 0, self._rest(last) if n else 0)
-        if cached is None:
-            cached = (n, first, last, sum(self._rest(r) for r in waiting), self._rest(first) if n else 0,
-                      self._rest(last) if n else 0)
-        self._queue = cached
-        return cached[3]
