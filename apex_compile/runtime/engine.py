@@ -279,7 +279,7 @@ class Engine:
         self.runner = PagedAttentionRunner(self.kv, self.device)
         self.runner.stagger = self.plan.pipeline
         max_rows = max(self.config.max_num_batched_tokens, self.config.max_num_seqs, 2)
-        # the pipeline may take a whole prompt past the step budget (`PipelineRules.budget`)
+        # the pipeline may take a whole prompt past the step budget (`PipelineRules.candidate`)
         pipeline_prompt = self.config.tuning.pipeline_prompt_tokens if self.plan.pipeline is not None else 0
         self.buffers = StepBuffers(self.kv, max_rows + pipeline_prompt + self.plan.block_width, self.max_model_len,
                                    self.device)

@@ -246,7 +246,7 @@ class Scheduler:
             if self.config.offload == "staggered":
                 return (bool(self.parked) or full(DEVICE_POOL)) and not self.pipeline_rules.takes(request)
             return ((bool(self.parked or self.stagger.leaving) or full(DEVICE_POOL))
-                    and self.pipeline_rules.candidate(self.pipeline_rules.budget(budget)) is None)
+                    and self.pipeline_rules.candidate(budget) is None)
         if len(self.run_pools) > 1:
             return False  # a policy picks the pool: leave it to the step
         return full(self.run_pools[0])
@@ -461,7 +461,7 @@ class Scheduler:
             budget -= num_tokens
         while self.stagger is not None and len(self.running) < self.config.max_num_seqs and budget > 0:
             rules = self.pipeline_rules
-            request = rules.candidate(rules.budget(budget))
+            request = rules.candidate(budget)
             if request is None or not self.kv.grow(request.request_id, HOST_POOL, rules.host_target(request)):
                 break
             num_tokens = request.num_tokens - request.num_computed  # past `budget` ends the loop: one a step

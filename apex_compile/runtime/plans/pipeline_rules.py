@@ -44,8 +44,8 @@ class PipelineRules:
         when = (self.pipeline.steps, self.pipeline.num_members, len(s.running))
         if self._host_rest[0] != when:
             hosted = self.pipeline.members() + [r for r in s.running if s.kv.pool_of(r.request_id) == HOST_POOL]
-            self._host_rest = (when, sum(max(s.max_tokens(r) - r.num_tokens, 0) for r in hosted))
-        rest = self._host_rest[1] + max(s.max_tokens(request) - request.num_tokens, 0)
+            self._host_rest = (when, sum(self._rest(r) for r in hosted))
+        rest = self._host_rest[1] + self._rest(request)
         return math.ceil(s.config.tuning.pipeline_reserve * rest / s.kv.block_size)
 
     def unstall(self) -> List[Request]:
@@ -158,23 +158,18 @@ class PipelineRules:
             return HOST_POOL
         return None
 
-    def budget(self, budget: int) -> int:
-        """The prompt tokens a pipeline candidate may bring into a step with `budget` tokens left: its whole prompt,
-        up to `TuningConfig.pipeline_prompt_tokens` beyond the budget (`ApexConfig` sizes the step for it)."""
-        s = self.scheduler
-        return max(budget, s.config.tuning.pipeline_prompt_tokens)
-
     def candidate(self, budget: int) -> Optional[Request]:
         """The waiting request the staggered pipeline takes now, or None: the queue's last, whose whole prompt fits
-        `budget` (`budget`), the pipeline a row and the host pool its blocks (`takes`), and which is
-        predicted to finish sooner there than by waiting for the device pool (`pays`). Only under the
-        makespan objective: a pipeline member gains a token per lanes x (layers + 1) steps, a per-token latency
+        the step's `budget` or `TuningConfig.pipeline_prompt_tokens`, the pipeline a row and the host pool its
+        blocks (`takes`), and which is predicted to finish sooner there than by waiting for the device pool
+        (`pays`). Only under the makespan objective: a pipeline member gains a token per lanes x (layers + 1) steps, a per-token latency
         no online SLO allows."""
         s = self.scheduler
         if s.config.offload != "auto" or s.objective != "makespan" or not s.waiting:
             return None
         request = s.waiting[-1]
-        if request.num_tokens - request.num_computed > budget:
+        # its whole prompt, up to `TuningConfig.pipeline_prompt_tokens` past the budget (the step buffers hold it)
+        if request.num_tokens - request.num_computed > max(budget, s.config.tuning.pipeline_prompt_tokens):
             return None
         if s.kv.pools[HOST_POOL].num_blocks * s.kv.block_size < s.max_tokens(request):
             return None
