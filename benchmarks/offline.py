@@ -67,6 +67,18 @@ def rehearse(model, config: ApexConfig, prompts, lengths, count: int = 64) -> fl
     return time.perf_counter() - start
 
 
+def engine_counters(engine) -> dict:
+    """The engine's counters that tell where a batch's time went (their differences over the batch go into
+    its row): steps queued ahead and why others were not, the main thread's seconds per part of a step, moves
+    between the pools, and the GPU's waits for the staggered plan's CPU jobs."""
+    stats = engine.stats
+    executor = getattr(getattr(getattr(engine, "plan", None), "pipeline", None), "executor", None)
+    return {"ahead_steps": stats.ahead_steps, "not_ahead": dict(stats.not_ahead),
+            "phase_seconds": dict(stats.phase_seconds), "forward_seconds": stats.forward_seconds,
+            "moved": stats.moved, "parked": stats.parked, "recomputed": stats.recomputed,
+            "migrated": stats.migrated, "cpu_job_wait_s": getattr(executor, "waited_s", 0.0)}
+
+
 def run_batch(model, config: ApexConfig, prompts, lengths, progress_s: float = 10.0) -> dict:
     """One engine over one batch: every request submitted at once, timed to its last token."""
     apex = optimize(model, config)
@@ -78,6 +90,7 @@ def run_batch(model, config: ApexConfig, prompts, lengths, progress_s: float = 1
         sampling = [run_to_length(out) for _, out in lengths]
         requests_before = list(engine.stats.requests_per_pool)
         steps_before = engine.stats.steps
+        counters_before = engine_counters(engine)
         with EnergyMeter() as energy:
             start = time.perf_counter()
             times = [RequestTimes(start) for _ in prompts]
@@ -97,9 +110,10 @@ def run_batch(model, config: ApexConfig, prompts, lengths, progress_s: float = 1
         result["requests_per_pool"] = dict(zip(("device", "host"),
                                                (a - b for a, b in zip(engine.stats.requests_per_pool,
                                                                       requests_before))))
-        predict = getattr(engine, "predicted_makespan", None)
-        if predict is not None and predict() is not None:
-            result["predicted_makespan_s"] = predict()
+        after = engine_counters(engine)
+        result["diagnostics"] = {k: ({n: v - counters_before[k].get(n, 0) for n, v in after[k].items()}
+                                     if isinstance(after[k], dict) else after[k] - counters_before[k])
+                                 for k in after}
         return result
     finally:
         apex.close()
@@ -117,8 +131,14 @@ def print_row(pool, mode, requests, result, base):
           f"TPOT p50/p99 {fmt_ms(result['tpot_s']['p50'])}/{fmt_ms(result['tpot_s']['p99'])} ms  "
           f"host requests {result['requests_per_pool']['host']}"
           + (f"  {result['tokens_per_joule']:.2f} tok/J" if "tokens_per_joule" in result else "")
-          + (f"  predicted {result['predicted_makespan_s']:.1f}s" if "predicted_makespan_s" in result else ""),
-          flush=True)
+          , flush=True)
+    d = result.get("diagnostics")
+    if d:
+        phases = ", ".join(f"{k} {v:.1f}" for k, v in d["phase_seconds"].items())
+        not_ahead = ", ".join(f"{k} {v}" for k, v in sorted(d["not_ahead"].items()) if v)
+        print(f"      {result['steps']} steps, {d['ahead_steps']} queued ahead (not: {not_ahead or '-'}); main thread "
+              f"s: {phases}; GPU waited {d['cpu_job_wait_s']:.1f} s for CPU jobs; moved {d['moved']}, parked "
+              f"{d['parked']}, migrated {d['migrated']}", flush=True)
 
 
 def plot(result: dict, path: str) -> None:

@@ -52,3 +52,28 @@ def test_poisson_arrivals_have_the_asked_rate_and_burstiness_spreads_them():
     assert 4000 / poisson[-1] == pytest.approx(5.0, rel=0.08)
     bursty = arrival_times(4000, rate=5.0, burstiness=0.2, seed=0)
     assert np.std(np.diff(bursty)) > 1.5 * np.std(np.diff(poisson))
+
+
+def test_the_offline_benchmark_measures_a_whole_batch_and_says_where_its_steps_went(tmp_path):
+    """benchmarks/offline.py end to end on the embedded model (a subprocess, as a user runs it): every request
+    completes with its output length, and each row carries the engine's counters over that batch only."""
+    import json
+    import subprocess
+
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    out = tmp_path / "offline.json"
+    result = subprocess.run(
+        [sys.executable, "benchmarks/offline.py", "--shape", "smollm2", "--device-gib", "0.01", "--host-gib", "0.05",
+         "--requests", "6", "--prompt", "16:40", "--dist", "uniform", "--output", "4:8", "--modes", "never,auto",
+         "--no-rehearsal", "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, PYTHONPATH=os.path.abspath(root)))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    expected = sum(o for _, o in Lengths("uniform", (16, 40), (4, 8)).draw(6, 0))
+    assert [r["mode"] for r in rows] == ["never", "auto"]
+    for row in rows:
+        assert row["completed"] == 6 and row["output_tokens"] == expected
+        d = row["diagnostics"]
+        assert 0 < row["steps"] and 0 <= d["ahead_steps"] <= row["steps"]
+        assert d["forward_seconds"] > 0 and d["phase_seconds"]["forward"] > 0
+        assert d["cpu_job_wait_s"] == 0.0  # no staggered pipeline on a CPU-only run under these modes

@@ -46,6 +46,7 @@ class LayerJobs:
         # waits for the CPU (how far the CPU is behind the GPU), as AsyncJobs' collect waits
         self.job_seconds: Deque[Tuple[float, float]] = collections.deque(maxlen=4096)
         self.collect_seconds: Deque[float] = collections.deque(maxlen=4096)
+        self.waited_s = 0.0  # the sum of collect_seconds since the executor was built
         # per job, the team's thread-seconds inside work items; over the running time x len(cores), the share of
         # the team that was working, not waiting between items
         self.job_busy: Deque[float] = collections.deque(maxlen=4096)
@@ -135,6 +136,7 @@ class LayerJobs:
         """Before a step: raises a failed job's error; records the device's waits of the last steps' layers."""
         self._raise_errors()
         self.collect_seconds.append(float(self._stalls.sum()) * self.stall_unit)
+        self.waited_s += self.collect_seconds[-1]
 
     def drain(self) -> None:
         """Waits for every launched job (their steps are queued: each job's flags come)."""
@@ -236,6 +238,7 @@ class AsyncJobs:
         # the launching thread's wait in each collect (how far the CPU is behind the GPU)
         self.job_seconds: Deque[Tuple[float, float]] = collections.deque(maxlen=4096)
         self.collect_seconds: Deque[float] = collections.deque(maxlen=4096)
+        self.waited_s = 0.0  # the sum of collect_seconds since the executor was built
 
     def _buffer(self, name: str, key: int, like: torch.Tensor) -> torch.Tensor:
         buf = self.buffers.get((name, key))
@@ -274,6 +277,7 @@ class AsyncJobs:
         start = time.perf_counter()
         future.result()
         self.collect_seconds.append(time.perf_counter() - start)
+        self.waited_s += self.collect_seconds[-1]
         self.guards[key] = self.copies.restore(out, self.buffers[("out", key)])
 
     def drain(self) -> None:
