@@ -130,8 +130,7 @@ def print_row(pool, mode, requests, result, base):
           f"TTFT p50/p99 {fmt_ms(result['ttft_s']['p50'])}/{fmt_ms(result['ttft_s']['p99'])} ms  "
           f"TPOT p50/p99 {fmt_ms(result['tpot_s']['p50'])}/{fmt_ms(result['tpot_s']['p99'])} ms  "
           f"host requests {result['requests_per_pool']['host']}"
-          + (f"  {result['tokens_per_joule']:.2f} tok/J" if "tokens_per_joule" in result else "")
-          , flush=True)
+          + (f"  {result['tokens_per_joule']:.2f} tok/J" if "tokens_per_joule" in result else ""), flush=True)
     d = result.get("diagnostics")
     if d:
         phases = ", ".join(f"{k} {v:.1f}" for k, v in d["phase_seconds"].items())
