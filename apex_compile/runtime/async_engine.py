@@ -462,7 +462,7 @@ class AsyncEngine:
 
     def _event(self, stream: RequestStream, request: Request):
         """The TokenEvent of the request's newest token, its text decoded as `Engine._events` does."""
-        from apex_compile.runtime.engine import TokenEvent
+        from apex_compile.runtime.engine_api import TokenEvent
 
         text = ""
         tokenizer = self.engine.tokenizer

@@ -10,19 +10,19 @@ their blocks.
 Where host-pool requests attend is the offload plan's business (`runtime/plans`: GPU-only, overlap, staggered):
 the engine asks its plan for the scheduler's host policy and pipeline, the rows a step runs ahead of the
 scheduler's chunks, the forward (which graph runs the step), the host work after the launch and the control
-loop before a step; the loop itself has no plan branches.
+loop before a step; the loop itself has no plan branches. The step function is built in `model_step.py`; the
+user's calls over the loop (generate, stream, chat, abort, the asynchronous front) are `engine_api.EngineAPI`.
 """
-import contextlib
 import dataclasses
-import sys
-import threading
 import time
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from apex_compile.config import GiB, ApexConfig
 from apex_compile.runtime.attention_runner import PagedAttentionRunner, order_chunks
+from apex_compile.runtime.engine_api import EngineAPI
+from apex_compile.runtime.model_step import build_step, check_supported
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, POOL_NAMES, CacheShape, KVManager
 from apex_compile.runtime.perf_model import AutoOffload, PerfModel, StepCalibration
 from apex_compile.runtime.plans import Plan, make_plan
@@ -32,33 +32,6 @@ from apex_compile.runtime.scheduler import ScheduledChunk, Scheduler
 from apex_compile.runtime.stagger import StaggerPipeline
 from apex_compile.runtime.step_buffers import DeviceIds, StepBuffers
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-EAGER_ATTENTION_NAME = "apex_paged"
-_PROGRESS_MIN_TOKENS = 4096  # default progress bar only for runs generating at least this many tokens
-_FRONT_LOCK = threading.Lock()  # makes an engine's run lock and asynchronous front once (`Engine.front`)
-
-
-@dataclasses.dataclass
-class TokenEvent:
-    """One generated token of request `index` (the position of its prompt in the `generate` call)."""
-
-    index: int
-    token_id: int
-    text: str  # newly decoded text ("" without a tokenizer, or while a multi-byte character is incomplete)
-    finish_reason: Optional[str]  # None while the request goes on
-
-
-@dataclasses.dataclass
-class Completion:
-    """The result of one prompt."""
-
-    index: int
-    prompt_token_ids: List[int]
-    token_ids: List[int]
-    text: Optional[str]
-    finish_reason: str
-    steps_per_pool: dict  # {"device": steps, "host": steps} this request ran in each pool
-    num_preemptions: int
 
 
 PHASES = ("schedule", "prepare", "forward", "pipeline", "wait", "finish")
@@ -108,48 +81,6 @@ class _Launched:
     ahead: bool = False  # queued before the previous step's tokens came back (async scheduling)
 
 
-def check_supported(hf_model: torch.nn.Module) -> None:
-    """Raises a clear error unless `hf_model` is a decoder-only LLaMA-family HF causal LM the engine handles."""
-    config = getattr(hf_model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if config is None:
-        raise TypeError(f"apex_compile.optimize expects a HuggingFace causal LM (PreTrainedModel), got "
-                        f"{type(hf_model).__name__}")
-    get_head = getattr(hf_model, "get_output_embeddings", None)
-    if get_head is None or get_head() is None or not hasattr(hf_model, "generation_config"):
-        raise TypeError(f"{type(hf_model).__name__} has no language-model head: apex_compile.optimize needs the "
-                        f"causal LM (e.g. LlamaForCausalLM), not the bare decoder")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported model type {model_type!r} ({type(hf_model).__name__}): apex_compile "
-                         f"supports the LLaMA-family decoders {SUPPORTED_MODEL_TYPES}")
-    if getattr(config, "is_encoder_decoder", False):
-        raise ValueError("unsupported model: encoder-decoder models are not LLaMA-family decoders")
-    window = getattr(config, "sliding_window", None)
-    if window is not None and getattr(config, "use_sliding_window", True) and window < config.max_position_embeddings:
-        raise ValueError(f"unsupported model: sliding-window attention (window {window}) is not implemented by "
-                         f"the paged kernels")
-
-
-def _eager_paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """HF attention-interface function: routes a layer's attention to the step's runner (eager mode)."""
-    from apex_compile.runtime.context import get_attention_runner
-
-    out = get_attention_runner().attention(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
-                                           value[0].transpose(0, 1), scaling)
-    return out.unsqueeze(0), None
-
-
-@contextlib.contextmanager
-def _attn_implementation(config, name: str):
-    """Sets config._attn_implementation for one forward and restores the user's setting afterwards."""
-    previous = config._attn_implementation
-    config._attn_implementation = name
-    try:
-        yield
-    finally:
-        config._attn_implementation = previous
-
-
 def host_memory_available() -> Optional[int]:
     """Bytes of host memory available for new allocations (/proc/meminfo's MemAvailable), None if unknown."""
     try:
@@ -162,70 +93,7 @@ def host_memory_available() -> Optional[int]:
     return None
 
 
-def _model_step(model: torch.nn.Module) -> Callable:
-    """step(input_ids [1, T], position_ids [1, T], logits_indices [N]) -> logits [N, vocab] of `model`."""
-
-    def step(input_ids, position_ids, logits_indices):
-        out = model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=logits_indices)
-        return out.logits[0]
-
-    # a code object of its own: dynamo keeps its graphs (and counts them against RECOMPILE_LIMIT) per code object,
-    # which every closure of this function would otherwise share across models and engines
-    step.__code__ = step.__code__.replace()
-    return step
-
-
-_COMPILED_ATTR = "_apex_compiled_steps"
-RECOMPILE_LIMIT = 64  # graphs per step code object (one per model step): 0/1-size specialisations x options
-
-
-def _compiled_step(model: torch.nn.Module, overlap: bool, inner: Optional[str], stagger: bool = False):
-    """(compiled step, list receiving its pass reports) for `model` with these apex backend options.
-
-    On a CPU the fusions stay off: the fused ops' CPU implementations are the aten ops HF runs, behind a custom-op
-    call that costs more than it saves (~60 such calls per step for a 30-layer model); an eagerly run graph's
-    fp32 linears use oneDNN packed weights instead (`apex_compile.passes.pack_linear`).
-
-    Kept on the model (a private attribute) and shared by every engine of that model: compiling costs far more
-    than a step, and the graph reads no engine state (the runner comes from the context).
-    """
-    per_model = model.__dict__.setdefault(_COMPILED_ATTR, {})
-    key = (overlap, inner, stagger)
-    if key not in per_model:
-        from apex_compile.backend import apex_backend
-
-        reports: list = []
-        on_cpu = next(model.parameters()).device.type == "cpu"
-        if not on_cpu:  # one GEMM per layer for q/k/v (and gate/up): their weights back to back in one buffer
-            from apex_compile.ops.linear import merge_projection_weights
-
-            merge_projection_weights(model)
-        options = {"attention": "paged", "overlap": overlap, "fuse": not on_cpu, "fuse_qkv": not on_cpu,
-                   "pack_linear": on_cpu and inner in (None, "eager"), "stagger": stagger,
-                   "on_report": reports.append}
-        if inner is not None:
-            options["inner"] = inner
-        compiled = torch.compile(_model_step(model), backend=apex_backend, dynamic=True, options=options)
-        if inner == "inductor" and next(model.parameters()).device.type == "cpu":
-            compiled = _with_frozen_weights(compiled)
-        per_model[key] = (compiled, reports)
-    return per_model[key]
-
-
-def _with_frozen_weights(compiled: Callable) -> Callable:
-    """Runs `compiled` with inductor's weight freezing on: on CPU, linear layers become oneDNN calls on
-    pre-packed weights (about twice as fast as ATen's GEMM at decode batch sizes). The weights are read when
-    a graph compiles: later changes to them are not seen."""
-    from torch._inductor import config as inductor_config
-
-    def run(*args):
-        with inductor_config.patch(freezing=True):
-            return compiled(*args)
-
-    return run
-
-
-class Engine:
+class Engine(EngineAPI):
     """Continuous-batching generation over paged device + host KV pools for one HF model."""
 
     def __init__(self, hf_model: torch.nn.Module, config: Optional[ApexConfig] = None, tokenizer=None):
@@ -340,43 +208,12 @@ class Engine:
                              doc="the staggered plan's whole mixed-step graphs")
 
     def _build_step(self, stagger: bool = False) -> Callable:
-        """The step function: compiled with the apex backend, or eager HF modules with attention routed here."""
-        model = self.model
-        if not self.config.compile:
-            from transformers import AttentionInterface
-
-            from apex_compile.passes import pack_linear
-
-            AttentionInterface.register(EAGER_ATTENTION_NAME, _eager_paged_attention)
-            forward = _model_step(model)
-            # on a CPU the fp32 linears run on oneDNN-packed weights, as in the compiled graph (no trace needed)
-            packed = self.device.type == "cpu" and pack_linear.available()
-
-            def eager_step(input_ids, position_ids, logits_indices):
-                with (_attn_implementation(model.config, EAGER_ATTENTION_NAME),
-                      pack_linear.PackedLinears() if packed else contextlib.nullcontext()):
-                    return forward(input_ids, position_ids, logits_indices)
-
-            return eager_step
-        compiled, reports = _compiled_step(model, self.overlap, self.config.inner, stagger)
-        if not stagger:
+        """The step function of this engine's model and plan (`model_step.build_step`); the GPU-only step's pass
+        reports go to `reports`."""
+        step, reports = build_step(self.model, self.device, self.config, self.overlap, stagger)
+        if not stagger and reports is not None:
             self.reports = reports
-        # Past dynamo's recompile limit it would run the unrewritten HF forward, which attends over the step's
-        # tokens only: a silently wrong result. Each model step has its own code object (`_model_step`), so the
-        # limit counts one step's shapes; past it, an error instead of the fallback.
-        # specialize_float: the model's float attributes (RMSNorm eps, attention scaling) are constants; as
-        # symbolic inputs, SDPA's scale guard made AOT autograd restart dynamo's analysis after its cache lookup,
-        # so every fresh process traced the graph twice and its first AOT trace was thrown away, never cached.
-        dynamo_limits = {key: value for key, value in (("recompile_limit", RECOMPILE_LIMIT),
-                                                       ("fail_on_recompile_limit_hit", True),
-                                                       ("specialize_float", True))
-                         if hasattr(torch._dynamo.config, key)}
-
-        def compiled_step(input_ids, position_ids, logits_indices):
-            with _attn_implementation(model.config, "sdpa"), torch._dynamo.config.patch(**dynamo_limits):
-                return compiled(input_ids, position_ids, logits_indices)
-
-        return compiled_step
+        return step
 
     # ----------------------------------------------------------------------------------------------------
     # requests
@@ -700,235 +537,6 @@ class Engine:
             self.runner.exports.wait()
             self.scheduler.abort(r.request_id for r in requests)
         return [torch.cat([piece for _, piece in sorted(pieces[r.request_id].items())]) for r in requests]
-
-    # ----------------------------------------------------------------------------------------------------
-    # request-level API
-
-    def _encode(self, prompt: Union[str, Sequence[int]]) -> List[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer: pass one to apex_compile.optimize(..., "
-                                 "tokenizer=...) or give token ids")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
-        return list(prompt)
-
-    def stream(self, prompts: Sequence[Union[str, Sequence[int]]],
-               sampling: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-               progress: Optional[bool] = None) -> Iterator[TokenEvent]:
-        """Generates for every prompt (strings or token-id lists), yielding each token as it is produced.
-
-        sampling: one SamplingParams for all prompts or one per prompt (default: greedy, 64 new tokens, the
-        model's EOS). Every prompt is validated here, before any work; the requests are queued when iteration
-        starts, and closing the stream (`close()`, garbage collection, an error) at any point drops its
-        unfinished requests and returns their blocks. progress: a tqdm bar (default: on a terminal when the run
-        may generate many tokens).
-        """
-        return self._events(self._prepare(prompts, sampling), progress, [])
-
-    def abort(self, request_ids: Optional[Sequence[int]] = None) -> int:
-        """Cancels the unfinished requests with these ids (every one when None), returning their blocks; an
-        open stream over them then ends. Returns how many were cancelled."""
-        if self._closed:
-            return 0
-        front = self.__dict__.get("_front")
-        if front is not None and self._run_owner == front._thread.ident != threading.get_ident():
-            return front._call(lambda: self.abort(request_ids))  # the engine is used by one thread at a time
-        dropped = self.scheduler.abort(request_ids)  # (freed host blocks wait for their exports: settle_host)
-        for request in dropped:
-            self.sampler.forget(request.request_id)
-        self._drop_finished_ahead()
-        return len(dropped)
-
-    def _events(self, prepared: List[Request], progress: Optional[bool], queued: List[Request]
-                ) -> Iterator[TokenEvent]:
-        """Queues `prepared` (into `queued` too), steps until they finish and yields their tokens; when the
-        generator ends in any way, its unfinished requests are dropped.
-
-        The single caller steps the engine in its own thread (holding `_run_lock` while its run lasts); a call
-        from another thread while the engine runs (the asynchronous front's thread, or another synchronous
-        caller) queues onto the front instead (`apex_compile.runtime.async_engine`), so both get their answers.
-        A call nested in the running caller's own thread raises as before (`_queue`)."""
-        claimed = self._claim_run()
-        if claimed is None:
-            yield from self.front._sync_events(prepared, queued)
-            return
-        try:
-            yield from self._events_in_thread(prepared, progress, queued)
-        finally:
-            if claimed:
-                self._run_owner = None
-                self._run_lock.release()
-
-    def _claim_run(self) -> Optional[bool]:
-        """True: this thread now holds the engine's run lock; False: it held it already (a nested call);
-        None: another thread holds it."""
-        if self._run_owner == threading.get_ident():
-            return False
-        if self._run_lock.acquire(blocking=False):
-            self._run_owner = threading.get_ident()
-            return True
-        return None
-
-    @property
-    def _run_lock(self) -> threading.Lock:
-        """Held by the thread that steps the engine: an in-thread generate/stream run, or the front."""
-        with _FRONT_LOCK:
-            return self.__dict__.setdefault("_run_lock_", threading.Lock())
-
-    @property
-    def _run_owner(self) -> Optional[int]:
-        return self.__dict__.get("_run_owner_")
-
-    @_run_owner.setter
-    def _run_owner(self, ident: Optional[int]) -> None:
-        self.__dict__["_run_owner_"] = ident
-
-    @property
-    def front(self):
-        """This engine's asynchronous front (`AsyncEngine`), made on first use; `close()` stops it."""
-        with _FRONT_LOCK:
-            if self.__dict__.get("_front") is None:
-                self._check_open()
-                from apex_compile.runtime.async_engine import AsyncEngine
-
-                self._front = AsyncEngine(self)
-            return self._front
-
-    @front.setter
-    def front(self, front) -> None:
-        """Installs a front built with other settings (`AsyncEngine(engine, max_waiting=...)`)."""
-        with _FRONT_LOCK:
-            self._front = front
-
-    def _stop_front(self) -> None:
-        front = self.__dict__.pop("_front", None)
-        if front is not None:
-            front.shutdown(drain=False)
-
-    def _events_in_thread(self, prepared: List[Request], progress: Optional[bool], queued: List[Request]
-                          ) -> Iterator[TokenEvent]:
-        requests = self._queue(prepared)
-        queued.extend(requests)
-        index_of = {r.request_id: i for i, r in enumerate(requests)}
-        decoded = {r.request_id: "" for r in requests}
-        total = sum(r.sampling.max_new_tokens for r in requests)
-        if progress is None:
-            progress = sys.stderr.isatty() and total >= _PROGRESS_MIN_TOKENS
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=total, unit="tok", desc="apex generate")
-        try:
-            while self.has_unfinished():
-                for request in self.step():
-                    text = ""
-                    if self.tokenizer is not None:
-                        full = self.tokenizer.decode(request.output_token_ids)
-                        if request.finish_reason == "stop":
-                            full = request.output_text
-                        if not full.endswith("\ufffd") or request.is_finished:
-                            text, decoded[request.request_id] = full[len(decoded[request.request_id]):], full
-                    if bar is not None:
-                        bar.update(1)
-                    yield TokenEvent(index_of[request.request_id], request.output_token_ids[-1], text,
-                                     request.finish_reason)
-        finally:
-            self.abort([r.request_id for r in requests])  # none left after a normal end
-            if bar is not None:
-                bar.close()
-
-    def _prepare(self, prompts, sampling) -> List[Request]:
-        """Validates every prompt and builds its Request (nothing is queued; raises on the first bad one)."""
-        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
-            raise ValueError("prompts must be a non-empty list of strings or token-id lists")
-        token_lists = [self._encode(p) for p in prompts]
-        if sampling is None or isinstance(sampling, SamplingParams):
-            params = [sampling or self.default_sampling() for _ in token_lists]
-        else:
-            params = list(sampling)
-            if len(params) != len(token_lists):
-                raise ValueError(f"{len(params)} SamplingParams for {len(token_lists)} prompts")
-        return [self._new_request(tokens, param) for tokens, param in zip(token_lists, params)]
-
-    def _queue(self, prepared: List[Request]) -> List[Request]:
-        """Queues prepared requests under fresh ids; raises if the engine is busy with other requests."""
-        if self.has_unfinished():
-            raise RuntimeError("the engine is already running requests (generate/stream calls do not nest; a "
-                               "stream still open holds its requests: close it, or call engine.abort())")
-        requests = []
-        try:
-            for request in prepared:
-                requests.append(self._enqueue(request))
-        except BaseException:
-            self.abort([r.request_id for r in requests])
-            raise
-        return requests
-
-    def model_eos_token_ids(self) -> Tuple[int, ...]:
-        """The model's EOS token(s) as HF `generate` takes them: `generation_config.eos_token_id`, () when it has
-        none (a generation config that unsets it runs to length, as in HF, whatever the model config says)."""
-        eos = getattr(self.model.generation_config, "eos_token_id", None)
-        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        return tuple(int(t) for t in eos)
-
-    def default_sampling(self) -> SamplingParams:
-        """Greedy, 64 new tokens, stopping at the model's EOS token(s)."""
-        return SamplingParams(eos_token_ids=self.model_eos_token_ids())
-
-    def generate(self, prompts: Sequence[Union[str, Sequence[int]]],
-                 sampling: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-                 progress: Optional[bool] = None) -> List[Completion]:
-        """Generates for every prompt and returns one Completion per prompt, in order (see `stream`)."""
-        requests: List[Request] = []
-        for _ in self._events(self._prepare(prompts, sampling), progress, requests):
-            pass
-        return [self._completion(i, r) for i, r in enumerate(requests)]
-
-    def chat(self, conversations, sampling: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-             progress: Optional[bool] = None) -> List[Completion]:
-        """Answers chat conversations, as vLLM's `LLM.chat`: one Completion per conversation, in order.
-
-        conversations: a list of conversations, each a list of {"role": ..., "content": ...} messages (a single
-        conversation, a list of such dicts, is accepted too). Each is rendered by the tokenizer's chat template
-        with the assistant's turn opened (`apply_chat_template(conv, add_generation_prompt=True,
-        tokenize=False)`), then encoded without special tokens (the template writes them). sampling, progress:
-        as `generate` (default: greedy, 64 new tokens, stopping at the model's EOS).
-        """
-        return self.generate(self.chat_prompts(conversations), sampling, progress)
-
-    def chat_prompts(self, conversations) -> List[List[int]]:
-        """Token ids of each conversation in the tokenizer's chat template, the assistant's turn opened."""
-        if self.tokenizer is None:
-            raise ValueError("engine.chat needs a tokenizer with a chat template: pass tokenizer= to "
-                             "apex_compile.optimize")
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError(f"engine.chat needs a chat template, and the tokenizer "
-                             f"({type(self.tokenizer).__name__}) has none: use engine.generate with raw prompts, "
-                             f"or set tokenizer.chat_template")
-        if isinstance(conversations, Sequence) and conversations and all(isinstance(m, dict) for m in conversations):
-            conversations = [conversations]  # one conversation
-        if (isinstance(conversations, (str, dict)) or not isinstance(conversations, Sequence) or not conversations
-                or not all(isinstance(c, Sequence) and not isinstance(c, str) and c
-                           and all(isinstance(m, dict) and "role" in m and "content" in m for m in c)
-                           for c in conversations)):
-            raise ValueError('conversations must be a non-empty list of conversations, each a non-empty list of '
-                             '{"role": ..., "content": ...} messages (or one such conversation)')
-        rows = []
-        for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(list(conversation), add_generation_prompt=True,
-                                                      tokenize=False)
-            rows.append(self.tokenizer.encode(text, add_special_tokens=False))
-        return rows
-
-    def _completion(self, index: int, request: Request) -> Completion:
-        text = None
-        if self.tokenizer is not None:
-            text = request.output_text if request.finish_reason == "stop" else self.tokenizer.decode(
-                request.output_token_ids, skip_special_tokens=True)
-        return Completion(index, request.prompt_token_ids, list(request.output_token_ids), text,
-                          request.finish_reason, dict(zip(POOL_NAMES, request.steps_per_pool)),
-                          request.num_preemptions)
 
     def warmup(self) -> None:
         """Compiles the step a run meets and captures the decode CUDA graphs, so that neither lands inside a

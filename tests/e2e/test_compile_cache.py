@@ -25,10 +25,10 @@ ENGINE_PROBE = r"""
 import json, torch
 from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM
-import apex_compile.runtime.engine as engine_module
+import apex_compile.runtime.model_step as step_module
 from apex_compile.config import ApexConfig
 from apex_compile.model import optimize
-engine_module._with_frozen_weights = lambda compiled: compiled  # not frozen, as on CUDA (freezing is not cached)
+step_module.with_frozen_weights = lambda compiled: compiled  # not frozen, as on CUDA (freezing is not cached)
 torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=100,

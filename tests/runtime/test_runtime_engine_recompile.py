@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import apex_compile
-from apex_compile.runtime import engine as engine_module
+from apex_compile.runtime import model_step as step_module
 from tests.helpers import tiny_model
 
 
@@ -15,7 +15,7 @@ def _generate(model, prompt_len):
 
 def test_recompile_limit_hit_raises_instead_of_eager_fallback(monkeypatch):
     torch._dynamo.reset()
-    monkeypatch.setattr(engine_module, "RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(step_module, "RECOMPILE_LIMIT", 1)
     # A prefill step (T > 1) then a decode step (T == 1): the second shape needs a second graph.
     with pytest.raises(Exception, match="(?i)recompil"):
         _generate(tiny_model("llama", layers=1), prompt_len=5)
@@ -37,8 +37,8 @@ def test_each_model_step_counts_its_own_graphs(monkeypatch):
     prefill and a decode shape) per step, three models in a row each generate; one code object shared by their
     steps would hit the limit at the second model."""
     torch._dynamo.reset()
-    monkeypatch.setattr(engine_module, "RECOMPILE_LIMIT", 2)
-    steps = [engine_module._model_step(tiny_model("llama", layers=1)) for _ in range(2)]
+    monkeypatch.setattr(step_module, "RECOMPILE_LIMIT", 2)
+    steps = [step_module.model_step(tiny_model("llama", layers=1)) for _ in range(2)]
     assert steps[0].__code__ is not steps[1].__code__
     for _ in range(3):
         model = tiny_model("llama", layers=1)
