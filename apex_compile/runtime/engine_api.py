@@ -2,8 +2,8 @@
 lets one thread step the engine at a time while others queue onto its asynchronous front (`Engine.front`).
 
 `EngineAPI` is a mixin of `Engine` (runtime/engine.py): it uses the loop's `step`, `has_unfinished`,
-`_new_request`, `_enqueue`, `_check_open`, `scheduler`, `sampler`, `tokenizer` and `model`, and keeps no state of
-its own beyond the run lock, its owner and the front."""
+`_new_request`, `_enqueue`, `_check_open`, `_closed`, `_drop_finished_ahead`, `scheduler`, `sampler`, `tokenizer`
+and `model`, and keeps no state of its own beyond the run lock, its owner and the front."""
 import dataclasses
 import sys
 import threading
