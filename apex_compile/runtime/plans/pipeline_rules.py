@@ -162,8 +162,8 @@ class PipelineRules:
         """The waiting request the staggered pipeline takes now, or None: the queue's last, whose whole prompt fits
         the step's `budget` or `TuningConfig.pipeline_prompt_tokens`, the pipeline a row and the host pool its
         blocks (`takes`), and which is predicted to finish sooner there than by waiting for the device pool
-        (`pays`). Only under the makespan objective: a pipeline member gains a token per lanes x (layers + 1) steps, a per-token latency
-        no online SLO allows."""
+        (`pays`). Only under the makespan objective: a pipeline member gains a token per lanes x (layers + 1)
+        steps, a per-token latency no online SLO allows."""
         s = self.scheduler
         if s.config.offload != "auto" or s.objective != "makespan" or not s.waiting:
             return None
