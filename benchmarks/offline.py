@@ -76,7 +76,18 @@ def engine_counters(engine) -> dict:
     return {"ahead_steps": stats.ahead_steps, "not_ahead": dict(stats.not_ahead),
             "phase_seconds": dict(stats.phase_seconds), "forward_seconds": stats.forward_seconds,
             "moved": stats.moved, "parked": stats.parked, "recomputed": stats.recomputed,
-            "migrated": stats.migrated, "cpu_job_wait_s": getattr(executor, "waited_s", 0.0)}
+            "migrated": stats.migrated, "cpu_job_wait_s": getattr(executor, "waited_s", 0.0),
+            "step_kinds": {kind: list(v) for kind, v in stats.step_kinds.items()}}
+
+
+def difference(after, before):
+    """after - before, through dicts and [count, seconds] lists."""
+    if isinstance(after, dict):
+        return {k: difference(v, before.get(k, 0 if not isinstance(v, (dict, list)) else type(v)()))
+                for k, v in after.items()}
+    if isinstance(after, list):
+        return [a - (before[i] if i < len(before) else 0) for i, a in enumerate(after)]
+    return after - before
 
 
 def run_batch(model, config: ApexConfig, prompts, lengths, progress_s: float = 10.0) -> dict:
@@ -87,6 +98,7 @@ def run_batch(model, config: ApexConfig, prompts, lengths, progress_s: float = 1
         start = time.perf_counter()
         engine.warmup()
         warmup_s = time.perf_counter() - start
+        predicted = engine.predict_batch(lengths) if engine.device.type == "cuda" else {}
         sampling = [run_to_length(out) for _, out in lengths]
         requests_before = list(engine.stats.requests_per_pool)
         steps_before = engine.stats.steps
@@ -106,14 +118,21 @@ def run_batch(model, config: ApexConfig, prompts, lengths, progress_s: float = 1
         result = summarize(times, start, end)
         result.update(energy.report(result["output_tokens"]))
         result["warmup_s"] = warmup_s
+        # the model's makespan for this engine's plan (GPU-only unless auto runs the staggered plan) and the other
+        own = predicted.get("auto", predicted.get("never"))
+        if own is not None:
+            result["predicted"] = {plan: {"makespan_s": p.makespan_s, "steps": p.steps, "host_requests":
+                                          p.host_requests, "parks": p.parks,
+                                          "step_kinds": {k: list(v) for k, v in p.kinds.items()}}
+                                   for plan, p in predicted.items()}
+            result["predicted_plan"] = own.plan
+            result["predicted_makespan_s"] = own.makespan_s
+            result["prediction_error"] = own.makespan_s / result["duration_s"] - 1
         result["steps"] = engine.stats.steps - steps_before
         result["requests_per_pool"] = dict(zip(("device", "host"),
                                                (a - b for a, b in zip(engine.stats.requests_per_pool,
                                                                       requests_before))))
-        after = engine_counters(engine)
-        result["diagnostics"] = {k: ({n: v - counters_before[k].get(n, 0) for n, v in after[k].items()}
-                                     if isinstance(after[k], dict) else after[k] - counters_before[k])
-                                 for k in after}
+        result["diagnostics"] = difference(engine_counters(engine), counters_before)
         return result
     finally:
         apex.close()
@@ -130,6 +149,8 @@ def print_row(pool, mode, requests, result, base):
           f"TTFT p50/p99 {fmt_ms(result['ttft_s']['p50'])}/{fmt_ms(result['ttft_s']['p99'])} ms  "
           f"TPOT p50/p99 {fmt_ms(result['tpot_s']['p50'])}/{fmt_ms(result['tpot_s']['p99'])} ms  "
           f"host requests {result['requests_per_pool']['host']}"
+          + (f"  predicted makespan {result['predicted_makespan_s']:.1f}s ({result['prediction_error']:+.1%})"
+             if "predicted_makespan_s" in result else "")
           + (f"  {result['tokens_per_joule']:.2f} tok/J" if "tokens_per_joule" in result else ""), flush=True)
     d = result.get("diagnostics")
     if d:
@@ -138,6 +159,11 @@ def print_row(pool, mode, requests, result, base):
         print(f"      {result['steps']} steps, {d['ahead_steps']} queued ahead (not: {not_ahead or '-'}); main thread "
               f"s: {phases}; GPU waited {d['cpu_job_wait_s']:.1f} s for CPU jobs; moved {d['moved']}, parked "
               f"{d['parked']}, migrated {d['migrated']}", flush=True)
+        own = (result.get("predicted") or {}).get(result.get("predicted_plan"), {}).get("step_kinds", {})
+        kinds = [f"{kind} {n} x {1e3 * s / n:.2f} ms"
+                 + (f" (predicted {own[kind][0]} x {1e3 * own[kind][1] / max(own[kind][0], 1):.2f})" if kind in own
+                    else "") for kind, (n, s) in d["step_kinds"].items() if n]
+        print(f"      steps by kind: {'; '.join(kinds)}", flush=True)
 
 
 def plot(result: dict, path: str) -> None:

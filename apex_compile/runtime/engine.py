@@ -21,6 +21,7 @@ import torch
 
 from apex_compile.config import GiB, ApexConfig
 from apex_compile.runtime.attention_runner import PagedAttentionRunner, order_chunks
+from apex_compile.runtime.batch_model import BatchPrediction
 from apex_compile.runtime.engine_api import EngineAPI
 from apex_compile.runtime.model_step import build_step, check_supported
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL, POOL_NAMES, CacheShape, KVManager
@@ -35,6 +36,17 @@ from apex_compile.runtime.step_buffers import DeviceIds, StepBuffers
 
 
 PHASES = ("schedule", "prepare", "forward", "pipeline", "wait", "finish")
+# what a step computes (`step_kind`), the kinds the batch model prices apart (`runtime/batch_model.py`)
+STEP_KINDS = ("decode", "staggered decode", "prompt", "staggered prompt", "pipeline prompt")
+
+
+def step_kind(chunks, staggered: bool) -> str:
+    """A step's kind: a host-pool prompt (the staggered pipeline's entry, its whole prompt in the step), device
+    prompt chunks, or decode rows only; "staggered" where the pipeline's block leads it."""
+    if any(c.pool == HOST_POOL and not c.decodes for c in chunks):
+        return "pipeline prompt"
+    kind = "decode" if all(c.decodes for c in chunks) else "prompt"
+    return "staggered " + kind if staggered else kind
 
 
 @dataclasses.dataclass
@@ -59,6 +71,10 @@ class EngineStats:
     # graphs or running the step), pipeline (the staggered block's host work behind it), wait (for the sampled
     # ids: where the GPU sets the pace), finish (stop checks, the scheduler's updates)
     phase_seconds: Dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    # per kind of step (`STEP_KINDS`): [steps, seconds of the step() calls that took their tokens]; each call takes
+    # one step's tokens, so in a run where the GPU sets the pace a call's time is its step's on the GPU
+    step_kinds: Dict[str, List[float]] = dataclasses.field(
+        default_factory=lambda: {kind: [0, 0.0] for kind in STEP_KINDS})
 
     def as_dict(self) -> dict:
         """Plain dict for printing / JSON."""
@@ -79,6 +95,7 @@ class _Launched:
     pending: Optional[PendingTokens]
     in_pipeline: set  # ids of the plan's lead rows' requests among them (the staggered block's)
     ahead: bool = False  # queued before the previous step's tokens came back (async scheduling)
+    kind: str = "decode"  # `step_kind`
 
 
 def host_memory_available() -> Optional[int]:
@@ -139,11 +156,13 @@ class Engine(EngineAPI):
         self._closed = False
         self._last_tick: Optional[float] = None  # inside `step()`: the time of its last phase tick
         self._decode_only = False  # whether the last step() only decoded (no prompt chunk, no graph captured)
+        self._resolved_kind: Optional[str] = None  # the kind of the step whose tokens this step() took
         # the offload plan (runtime/plans): its pipeline and host policy shape the scheduler; its graphs, compiled
         # steps, threads and control loop are its own
         self.plan: Plan = make_plan(self)
         self.scheduler = Scheduler(self.config, self.kv, self.max_model_len, self.plan.host_policy,
                                    self.plan.pipeline)
+        self.plan.attach(self.scheduler)
         self.runner = PagedAttentionRunner(self.kv, self.device)
         self.runner.stagger = self.plan.pipeline
         max_rows = max(self.config.max_num_batched_tokens, self.config.max_num_seqs, 2)
@@ -250,6 +269,34 @@ class Engine(EngineAPI):
         self.scheduler.check_fits(request)
         return request
 
+    @property
+    def requests_added(self) -> int:
+        """Requests queued since the engine was built."""
+        return self._next_id
+
+    def predict_batch(self, lengths: Sequence[Tuple[int, int]]) -> Dict[str, BatchPrediction]:
+        """The predicted makespan of a batch of (prompt, output) token counts submitted at once to this idle
+        engine (`runtime/batch_model.py`): "never" (GPU-only), and "auto" where offload="auto" runs the
+        staggered plan (its pipeline taking the batch's tail where that pays). CUDA only: the prices are the
+        engine's measured profile and captured graphs (`warmup` first)."""
+        from apex_compile.runtime.batch_model import engine_limits, predict_batch
+        from apex_compile.runtime.perf_profile import engine_profile
+
+        if self.device.type != "cuda":
+            raise RuntimeError("Engine.predict_batch prices steps by a profile measured on CUDA; this engine runs "
+                               f"on {self.device}")
+        if self.has_unfinished():
+            raise RuntimeError("Engine.predict_batch predicts a batch on an idle engine; this one has requests")
+        lengths = [(int(p), int(o)) for p, o in lengths]
+        if any(p < 1 or o < 1 for p, o in lengths):
+            raise ValueError("Engine.predict_batch: every request needs >= 1 prompt and >= 1 output token")
+        policy = self.auto_policy or PerfModel(engine_profile(self), self.calibration)
+        limits = engine_limits(self)
+        out = {"never": predict_batch(policy, lengths, limits)}
+        if self.plan.pipeline is not None and self.config.offload == "auto":
+            out["auto"] = predict_batch(policy, lengths, limits, pipeline=True)
+        return out
+
     def has_unfinished(self) -> bool:
         """Whether any request is not finished."""
         return not self._closed and self.scheduler.has_unfinished()
@@ -352,11 +399,16 @@ class Engine(EngineAPI):
         self._last_tick = start = time.perf_counter()
         gap_sample = plan.gap_sample()
         self._decode_only = False
+        self._resolved_kind = None
         try:
             sampled = self._step()
         finally:
             self._tick("finish")
             self._last_tick = None
+        if self._resolved_kind is not None:
+            record = self.stats.step_kinds[self._resolved_kind]
+            record[0] += 1
+            record[1] += time.perf_counter() - start
         if gap_sample is not None and self._decode_only:
             plan.observe_gap(gap_sample, time.perf_counter() - start)
         return sampled
@@ -390,6 +442,7 @@ class Engine(EngineAPI):
         logit_rows: List[int] = [r for r, _ in lead]
         sampled: List[Request] = [request for _, request in lead]
         row = self.plan.lead_rows()  # the chunks' rows follow the lead rows
+        kind = step_kind(chunks, row > 0)
         for chunk in chunks:
             row += chunk.num_tokens
             if chunk.samples or device_ids is not None:
@@ -399,11 +452,13 @@ class Engine(EngineAPI):
         pending = self.sampler.launch(logits, sampled) if sampled else None
         self.plan.after_launch(lead)
         self.stats.parked += len(self.scheduler.park_launched())  # parks ahead, their copies behind this step
-        return _Launched(sampled, pending, {request.request_id for _, request in lead}, device_ids is not None)
+        return _Launched(sampled, pending, {request.request_id for _, request in lead}, device_ids is not None,
+                         kind)
 
     def _resolve(self, launched: _Launched) -> List[Request]:
         """Takes a launched step's tokens: appends them, applies the stop rules; returns the requests that got a
         token (a row queued ahead for a request that stopped or was cancelled meanwhile is dropped)."""
+        self._resolved_kind = launched.kind
         if launched.pending is None:
             return []
         tokens = launched.pending.result()

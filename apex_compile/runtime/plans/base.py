@@ -51,6 +51,9 @@ class Plan(abc.ABC):
     def build_steps(self) -> None:
         """Builds the plan's step functions (compiled once per model and options, shared across engines)."""
 
+    def attach(self, scheduler) -> None:
+        """The engine's scheduler exists (it is built from the plan's `host_policy` and `pipeline`)."""
+
     # ----------------------------------------------------------------------------------------------------
     # around a step
 

@@ -19,6 +19,9 @@ class PipelineRules:
         self.pipeline = pipeline  # its `StaggerPipeline`
         self._host_rest = (None, 0)  # (when, the host requests' remaining tokens then): `reserve`
         self._members = (None, 0)  # (when, the members' remaining tokens then): `_members_rest`
+        # offload="auto": whether the batch as it stands ends sooner with the pipeline than GPU-only (set by the
+        # staggered plan: `StaggeredPlan.batch_pays`); None: no such check (offload="staggered", tests)
+        self.batch_gate = None
 
     def takes(self, request: Request) -> bool:
         """Whether the staggered pipeline has a row for `request` and the host pool room for its blocks
@@ -101,8 +104,9 @@ class PipelineRules:
             index -= 1
             if request.num_tokens - request.num_computed != 1 or request.request_id in s.to_device:
                 continue  # parked mid-prompt (its prefill resumes in the device pool), or migrating there
-            if s.config.offload == "auto" and not (s.objective == "makespan" and self.pays(request, 0)):
-                continue  # first in line for the device pool: sooner there (`pays`)
+            if s.config.offload == "auto" and not (s.objective == "makespan" and self.pays(request, 0)
+                                                   and self._batch_pays()):
+                continue  # first in line for the device pool: sooner there (`pays`, `batch_gate`)
             if not s.kv.landed(request.request_id):
                 # its park's copy (queued behind the step in flight) has not landed: it joins at a later step;
                 # waiting here would hold the launching thread for that whole step and the copy, the GPU idle after
@@ -162,8 +166,8 @@ class PipelineRules:
         """The waiting request the staggered pipeline takes now, or None: the queue's last, whose whole prompt fits
         the step's `budget` or `TuningConfig.pipeline_prompt_tokens`, the pipeline a row and the host pool its
         blocks (`takes`), and which is predicted to finish sooner there than by waiting for the device pool
-        (`pays`). Only under the makespan objective: a pipeline member gains a token per lanes x (layers + 1)
-        steps, a per-token latency no online SLO allows."""
+        (`pays`), while the batch as a whole ends sooner so (`batch_gate`). Only under the makespan objective: a
+        pipeline member gains a token per lanes x (layers + 1) steps, a per-token latency no online SLO allows."""
         s = self.scheduler
         if s.config.offload != "auto" or s.objective != "makespan" or not s.waiting:
             return None
@@ -173,9 +177,15 @@ class PipelineRules:
             return None
         if s.kv.pools[HOST_POOL].num_blocks * s.kv.block_size < s.max_tokens(request):
             return None
-        if not (self.takes(request) and self.pays(request, len(s.waiting) - 1)):
+        if not (self.takes(request) and self.pays(request, len(s.waiting) - 1) and self._batch_pays()):
             return None
         return request
+
+    def _batch_pays(self) -> bool:
+        """The batch-level check beside `pays`: a member's staggered steps slow every device row a little and
+        its prompt takes a step of its own, so a pipeline that takes only a few requests can lengthen the batch
+        that each of them alone finishes sooner in (`StaggeredPlan.batch_pays`)."""
+        return self.batch_gate is None or self.batch_gate()
 
     def pays(self, request: Request, position: int) -> bool:
         """Whether `request`, `position` places back in the queue (a waiting or parked request), is predicted to

@@ -38,6 +38,11 @@ STAGGER_RISE_STEPS = 64
 # refilling it takes a rise and a lane's cycle; a dip of the measured rows, the job fit's noise, read as a verdict
 # of 0 for one step)
 STAGGER_FALL_STEPS = 32
+# offload="auto", a batch (the makespan objective): the share by which the batch's predicted makespan must shrink
+# with the pipeline taking its tail before any request enters it (`batch_pays`). The simulation prices steps
+# by the calibrated model and leaves out the host's launch time of the pipeline's prompt steps and swaps
+# (`runtime/batch_model.py`), which weigh against the pipeline.
+BATCH_MARGIN = 0.05
 
 
 class StaggeredPlan(GpuOnlyPlan):
@@ -64,6 +69,7 @@ class StaggeredPlan(GpuOnlyPlan):
         self.stagger_pieces: Optional[PiecewiseGraphs] = None  # the staggered graph's pieces
         self.stagger_mixed: Optional[MixedGraphs] = None  # whole staggered mixed steps
         self.stagger_step_fn = None
+        self._batch_verdict = None  # (requests added, requests queued, verdict) of the last `batch_pays`
 
     def make_pipeline(self, width) -> StaggerPipeline:
         """The staggered plan's pipeline of `width` rows per step, or "auto": `TuningConfig.auto_stagger_width`
@@ -196,6 +202,33 @@ class StaggeredPlan(GpuOnlyPlan):
             self._fall_steps = 0
             stagger.closed = False
             stagger.rows.set_ceiling(0)
+
+    def attach(self, scheduler) -> None:
+        if self.engine.config.offload == "auto":
+            scheduler.pipeline_rules.batch_gate = self.batch_pays
+
+    def batch_pays(self) -> bool:
+        """offload="auto" with the makespan objective: whether the batch as it stands (running, parked, waiting
+        requests and members) is predicted to end sooner, by BATCH_MARGIN, with the pipeline taking the queue's
+        tail where each request finishes sooner there than without new members (`runtime/batch_model.py`, both
+        simulated from now). Predicted again once requests were added or the queue fell to half of what the
+        last prediction saw (~0.1 s per thousand requests on the launching thread)."""
+        from apex_compile.runtime.batch_model import engine_limits, engine_state, predict_batch
+
+        engine = self.engine
+        scheduler = engine.scheduler
+        queued = len(scheduler.waiting) + len(scheduler.parked)
+        last = self._batch_verdict
+        if last is not None and last[0] == engine.requests_added and queued > last[1] // 2:
+            return last[2]
+        lengths, state = engine_state(engine)
+        limits = engine_limits(engine)
+        policy = engine.auto_policy
+        without = predict_batch(policy, lengths, limits, pipeline=True, state=state, entries=False)
+        with_pipeline = predict_batch(policy, lengths, limits, pipeline=True, state=state)
+        verdict = with_pipeline.makespan_s < without.makespan_s * (1 - BATCH_MARGIN)
+        self._batch_verdict = (engine.requests_added, queued, verdict)
+        return verdict
 
     def gap_sample(self) -> Optional[Tuple[int, float, float, Optional[float], Optional[float]]]:
         """offload="auto": (device rows, the block's host rows per layer, mean context of the device rows, that of

@@ -1,0 +1,199 @@
+"""The batch model (`runtime/batch_model.py`) on synthetic profiles: GPU-only batches whose step count and price
+follow by hand, the pipeline's batch-level trade (a long queue behind a small device pool gains; a short one
+would lose to the staggered steps' overhead although each request it takes finishes sooner), the state of a
+running engine, and offload="auto"'s batch gate built on it: a simulated finite batch is never predicted slower
+than GPU-only."""
+import pytest
+
+from apex_compile import SamplingParams
+from apex_compile.runtime.batch_model import BatchLimits, BatchState, engine_limits, engine_state, predict_batch
+from apex_compile.runtime.perf_model import AutoOffload, PerfModel, StepCalibration
+from tests.runtime.test_runtime_perf_model import profile
+from tests.runtime.test_runtime_stagger import sharp_model, staggered
+
+CYCLE = 33  # one lane x (32 layers + 1)
+
+
+def h100_like(stagger_extra_ms: float = 0.7) -> AutoOffload:
+    """A Llama-3-8B-like machine: memory-bound decode (~5.4 ms of weights), compute-bound prompt GEMMs beyond
+    256 tokens, a CPU at 100 GB/s; the staggered graph `stagger_extra_ms` over the GPU-only one."""
+    prof = profile(100.0, 3000.0, 5.4)
+    prof.linear_tokens += [512, 2048]
+    prof.linear_s += [512 * 16e9 / 700e12 + 0.004, 2048 * 16e9 / 700e12 + 0.004]
+    rows = [1, 8, 32, 64]
+    step = [0.95 * PerfModel(prof).linear_s(n) + 0.0015 for n in rows]
+    calibration = StepCalibration(rows, step, rows, [t + stagger_extra_ms / 1e3 for t in step], 12)
+    return AutoOffload(PerfModel(prof, calibration), stagger_groups=CYCLE, max_stagger_rows=12)
+
+
+def limits(device_blocks=512, **kw) -> BatchLimits:
+    """1 GiB of Llama-3-8B KV (8,192 tokens), a 32 GiB host pool, the default batching limits."""
+    base = dict(device_blocks=device_blocks, block_size=16, max_num_seqs=64, max_num_batched_tokens=512,
+                growth_reserve=0.15, cycle=CYCLE, max_rows=12, pipeline_prompt_tokens=2048, host_blocks=16384)
+    base.update(kw)
+    return BatchLimits(**base)
+
+
+def test_a_batch_that_fits_at_once_takes_one_prompt_step_and_its_decode_steps():
+    """8 requests of 32 + 6 tokens in a large pool: one step computes every prompt (and samples their first
+    tokens), 5 decode steps follow, each priced by the model's GPU-only step at the rows' mean context."""
+    policy = h100_like()
+    model = policy.model
+    out = predict_batch(model, [(32, 6)] * 8, limits(device_blocks=4096, growth_reserve=0.0))
+    assert out.steps == 6 and out.output_tokens == 48 and out.host_requests == 0
+    prompt_step = model.predict("never", 1, 0, 0).step_s + model.linear_s(1 + 256) - model.linear_s(1)
+    decode = sum(model.predict("never", 8, 0, 33 + k).step_s for k in range(5))
+    assert out.makespan_s == pytest.approx(prompt_step + decode, rel=0.02)
+
+
+def test_a_pool_for_one_request_runs_the_batch_one_after_another():
+    """A device pool of one request's blocks: each request's prompt in ceil(p / budget) steps (its last chunk
+    samples its first token), then output - 1 decode steps, then the next is admitted."""
+    model = h100_like().model
+    out = predict_batch(model, [(1000, 10)] * 5, limits(device_blocks=64, growth_reserve=0.0))
+    assert out.steps == 5 * (2 + 9)
+
+
+def test_the_pipeline_shortens_a_long_batch_and_would_lengthen_a_short_one():
+    """A long queue behind a 1 GiB pool: the pipeline takes the tail and the batch ends well before GPU-only's.
+    A short batch: `pays` still lets a few tail requests in (each alone finishes sooner there), but their
+    staggered steps slow every device row for their lifetime, and the batch ends later: the trade only the
+    batch-level prediction sees."""
+    policy = h100_like()
+    long_never = predict_batch(policy, [(1024, 256)] * 400, limits())
+    long_auto = predict_batch(policy, [(1024, 256)] * 400, limits(), pipeline=True)
+    assert long_auto.host_requests > 100
+    assert long_auto.makespan_s < 0.8 * long_never.makespan_s
+    assert long_auto.steps < long_never.steps
+    short_never = predict_batch(policy, [(768, 192)] * 192, limits())
+    short_auto = predict_batch(policy, [(768, 192)] * 192, limits(), pipeline=True)
+    assert 0 < short_auto.host_requests < 20
+    assert short_auto.makespan_s > short_never.makespan_s
+
+
+def test_members_finish_or_move_to_the_device_pool_once_nothing_waits():
+    """A pipeline with members and no queue: every member moves to the device pool (room for all), so the
+    rest takes about the longest member's tokens in steps, not a token per cycle steps."""
+    policy = h100_like()
+    state = BatchState(members=[(1100, 100)] * 20)
+    out = predict_batch(policy, [], limits(device_blocks=2048), pipeline=True, state=state)
+    assert out.migrated == 20 and out.output_tokens == 2000
+    assert out.steps == 100
+    # a pool for 7 of them at a time: three waves, the later ones a few tokens shorter (those waiting still gain a
+    # token per cycle in the pipeline), at least 100 + 97 + 94 steps (more where growth parks one)
+    waves = predict_batch(policy, [], limits(), pipeline=True, state=state)
+    assert waves.migrated == 20 and 291 <= waves.steps < 400
+
+
+def test_a_state_mid_batch_is_predicted_from_where_it_stands():
+    """Requests already decoding count their remaining tokens only; a request half through its prompt computes
+    the rest of it first."""
+    model = h100_like().model
+    state = BatchState(device=[(100, 100, 5), (40, 80, 3)])
+    out = predict_batch(model, [], limits(device_blocks=4096, growth_reserve=0.0), state=state)
+    # step 0: the decode row and the 40 prompt tokens left (its first token); then max(5 - 1, 3 - 1) more steps
+    assert out.steps == 5 and out.output_tokens == 8
+
+
+def test_bad_pipeline_limits_are_refused():
+    with pytest.raises(ValueError, match="pipeline"):
+        predict_batch(h100_like().model, [(8, 8)], limits(), pipeline=True)
+    with pytest.raises(ValueError, match="pipeline"):
+        predict_batch(h100_like(), [(8, 8)], limits(cycle=0), pipeline=True)
+
+
+@pytest.mark.parametrize("count,prompt,output", [(8, 128, 64), (64, 512, 64), (192, 768, 192), (400, 1024, 256),
+                                                 (1000, 1024, 256), (300, 2048, 512), (64, 2048, 512)])
+def test_the_batch_gate_never_predicts_a_batch_slower_than_gpu_only(count, prompt, output):
+    """offload="auto"'s batch gate on an engine (a CPU staggered engine run as auto, its policy the synthetic
+    H100-like model): with the gate's verdict, the batch's predicted makespan is GPU-only's or shorter by the
+    gate's margin; the gate opens exactly where the pipeline's prediction is shorter by that margin."""
+    from apex_compile.runtime.plans.staggered import BATCH_MARGIN
+
+    apex = staggered(sharp_model(), width="auto", device_blocks=6)
+    engine = apex.engine
+    engine.config.offload = "auto"
+    engine.auto_policy = h100_like()
+    engine.plan.attach(engine.scheduler)
+    assert engine.scheduler.pipeline_rules.batch_gate is not None
+    for _ in range(count):
+        engine.add_request([5] * min(prompt, 40), SamplingParams(max_new_tokens=output))
+    waiting, state = engine_state(engine)
+    assert len(waiting) == count and not state.device and not state.members
+    # the engine's own pools are tiny: price the batch as a 1 GiB pool would run it (the gate reads its limits)
+    lims = limits(cycle=engine.plan.pipeline.cycle)
+    lengths = [(prompt, output)] * count
+    never = predict_batch(engine.auto_policy, lengths, lims)
+    auto = predict_batch(engine.auto_policy, lengths, lims, pipeline=True)
+    import apex_compile.runtime.batch_model as batch_model
+
+    original = batch_model.engine_limits
+    batch_model.engine_limits = lambda engine_: lims
+    original_state = batch_model.engine_state
+    batch_model.engine_state = lambda engine_: (lengths, BatchState())
+    try:
+        verdict = engine.plan.batch_pays()
+    finally:
+        batch_model.engine_limits = original
+        batch_model.engine_state = original_state
+    assert verdict == (auto.makespan_s < never.makespan_s * (1 - BATCH_MARGIN))
+    chosen = auto if verdict else never
+    assert chosen.makespan_s <= never.makespan_s
+    apex.close()
+
+
+def test_the_gate_is_predicted_again_only_when_requests_arrive_or_the_queue_halves(monkeypatch):
+    apex = staggered(sharp_model(), width="auto", device_blocks=6)
+    engine = apex.engine
+    engine.config.offload = "auto"
+    engine.auto_policy = h100_like()
+    engine.plan.attach(engine.scheduler)
+    calls = []
+    import apex_compile.runtime.batch_model as batch_model
+
+    real = batch_model.predict_batch
+    monkeypatch.setattr(batch_model, "predict_batch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for _ in range(8):
+        engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=4))
+    engine.plan.batch_pays()
+    engine.plan.batch_pays()
+    assert len(calls) == 2  # both arms once
+    engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=4))
+    engine.plan.batch_pays()
+    assert len(calls) == 4
+    for _ in range(5):
+        engine.scheduler.waiting.pop()
+    engine.plan.batch_pays()  # 4 of the 9 left: below half
+    assert len(calls) == 6
+    apex.close()
+
+
+def test_engine_limits_and_state_read_the_engine():
+    apex = staggered(sharp_model(), width=2, device_blocks=6)
+    engine = apex.engine
+    lims = engine_limits(engine)
+    assert lims.device_blocks == 6 and lims.cycle == engine.plan.pipeline.cycle and lims.max_rows == 2
+    for n in (5, 9):
+        engine.add_request(list(range(3, 3 + n)), SamplingParams(max_new_tokens=6))
+    engine.step()
+    waiting, state = engine_state(engine)
+    rest = sum(r for _, r in waiting) + sum(d[2] for d in state.device) + sum(m[1] for m in state.members)
+    assert rest == 2 * 6 - 2  # each request sampled its first token
+    apex.close()
+
+
+def test_the_engine_counts_its_steps_by_the_kinds_the_batch_model_prices():
+    """Every step is counted under one kind (`STEP_KINDS`), with the time of the step() call that took its tokens:
+    a staggered engine's host-pool prompts are pipeline prompts, its steps beside members staggered ones."""
+    from apex_compile.runtime.engine import STEP_KINDS
+
+    apex = staggered(sharp_model(), width=2, device_blocks=2)
+    engine = apex.engine
+    engine.generate([[5 + i, 6, 7, 8, 9, 10, 11, 12, 13][: 4 + i % 5] for i in range(8)],
+                    SamplingParams(max_new_tokens=12))
+    kinds = engine.stats.step_kinds
+    assert set(kinds) == set(STEP_KINDS)
+    assert sum(n for n, _ in kinds.values()) == engine.stats.steps
+    assert kinds["pipeline prompt"][0] >= 1 and kinds["staggered decode"][0] >= 1
+    assert all(seconds > 0 for n, seconds in kinds.values() if n)
+    apex.close()
