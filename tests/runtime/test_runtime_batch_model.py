@@ -197,3 +197,10 @@ def test_the_engine_counts_its_steps_by_the_kinds_the_batch_model_prices():
     assert kinds["pipeline prompt"][0] >= 1 and kinds["staggered decode"][0] >= 1
     assert all(seconds > 0 for n, seconds in kinds.values() if n)
     apex.close()
+
+
+def test_predict_batch_says_why_it_needs_cuda():
+    apex = staggered(sharp_model(), width=2, device_blocks=4)
+    with pytest.raises(RuntimeError, match="profile measured on CUDA"):
+        apex.engine.predict_batch([(16, 8)])
+    apex.close()
