@@ -76,7 +76,7 @@ def engine_counters(engine) -> dict:
     return {"ahead_steps": stats.ahead_steps, "not_ahead": dict(stats.not_ahead),
             "phase_seconds": dict(stats.phase_seconds), "forward_seconds": stats.forward_seconds,
             "moved": stats.moved, "parked": stats.parked, "recomputed": stats.recomputed,
-            "migrated": stats.migrated, "cpu_job_wait_s": getattr(executor, "waited_s", 0.0),
+            "migrated": stats.migrated, "emptied": stats.emptied, "cpu_job_wait_s": getattr(executor, "waited_s", 0.0),
             "step_kinds": {kind: list(v) for kind, v in stats.step_kinds.items()}}
 
 
@@ -158,7 +158,7 @@ def print_row(pool, mode, requests, result, base):
         not_ahead = ", ".join(f"{k} {v}" for k, v in sorted(d["not_ahead"].items()) if v)
         print(f"      {result['steps']} steps, {d['ahead_steps']} queued ahead (not: {not_ahead or '-'}); main thread "
               f"s: {phases}; GPU waited {d['cpu_job_wait_s']:.1f} s for CPU jobs; moved {d['moved']}, parked "
-              f"{d['parked']}, migrated {d['migrated']}", flush=True)
+              f"{d['parked']}, migrated {d['migrated']}, parked by a falling ceiling {d['emptied']}", flush=True)
         own = (result.get("predicted") or {}).get(result.get("predicted_plan"), {}).get("step_kinds", {})
         kinds = [f"{kind} {n} x {1e3 * s / n:.2f} ms"
                  + (f" (predicted {own[kind][0]} x {1e3 * own[kind][1] / max(own[kind][0], 1):.2f})" if kind in own

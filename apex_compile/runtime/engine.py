@@ -62,6 +62,7 @@ class EngineStats:
     parked: int = 0
     recomputed: int = 0
     migrated: int = 0  # pipeline members moved to the device pool
+    emptied: int = 0  # pipeline members parked because auto's ceiling fell to 0 (they resume in the device pool)
     ahead_steps: int = 0  # steps queued before the previous step's tokens reached the host (async scheduling)
     # why a step was not queued ahead, per reason (`Engine._ahead_chunks`): each such step leaves the GPU idle while
     # the host schedules and prepares it

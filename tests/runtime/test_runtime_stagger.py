@@ -849,6 +849,9 @@ def test_a_ceiling_of_zero_admits_nothing_and_parks_the_pipelines_requests(monke
             cut = True
     assert cut and tokens == reference
     assert parked and all(r.steps_per_pool[HOST_POOL] and r.steps_per_pool[DEVICE_POOL] for r in parked)
+    # each left by the fall (counted as emptied) or, once no request waits, moved to the device pool (migrated)
+    stats = apex.engine.stats
+    assert stats.emptied >= 1 and stats.emptied + stats.migrated == len(parked)
     assert not stagger.members() and apex.engine.blocks_in_use() == {"device": 0, "host": 0}
 
 

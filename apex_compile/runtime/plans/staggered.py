@@ -295,6 +295,7 @@ class StaggeredPlan(GpuOnlyPlan):
         stagger.executor.drain()  # nothing may still read their blocks as they shrink (no job holds them now)
         for request in stagger.remove(ready):
             self.engine.scheduler.pipeline_rules.park(request)
+            self.engine.stats.emptied += 1
 
     def _migrate_to_device(self) -> None:
         """Pipeline members move to the device pool where it has room for them: there a member gains a token per
