@@ -45,7 +45,7 @@ class BatchLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     growth_reserve: float = 0.0
-    # the staggered pipeline (None: GPU-only): steps between two tokens of a member, the most host rows per step,
+    # the staggered pipeline (cycle 0: none): steps between two tokens of a member, the most host rows per step,
     # the longest prompt it takes, and the host pool's blocks
     cycle: int = 0
     max_rows: int = 0
@@ -128,8 +128,8 @@ class _BatchSim:
         self.parked: Deque[Tuple[int, int]] = collections.deque()  # (tokens, rest) of swapped-out requests
         self.parked_rest = 0
         self.parks = 0
-        self.ends: List[Tuple[int, int]] = []  # (last step, id) of the decoding device requests
-        self.by_id: Dict[int, _Device] = {}
+        self.ends: List[Tuple[int, int]] = []  # (last step, serial) of the decoding device requests
+        self.by_serial: Dict[int, _Device] = {}  # the decoding device requests (a parked one's end stays behind)
         self.decode_rows = 0  # device requests decoding this step,
         self.ctx_sum = 0  # their tokens,
         self.device_rest = 0  # and their remaining tokens
@@ -186,7 +186,7 @@ class _BatchSim:
 
     def decode(self, r: _Device, tokens: int) -> None:
         """`r` decodes from the next step on, with `tokens` tokens then."""
-        self.by_id[r.serial] = r
+        self.by_serial[r.serial] = r
         heapq.heappush(self.ends, (r.first + r.rest - 1, r.serial))
         self.decode_rows += 1
         self.ctx_sum += tokens
@@ -195,7 +195,7 @@ class _BatchSim:
     def decode_now(self, r: _Device, tokens: int) -> None:
         """`r`, of `tokens` tokens, decodes from this step on (a member moved in, a request already decoding)."""
         r.first, r.tokens0 = self.step, tokens
-        self.by_id[r.serial] = r
+        self.by_serial[r.serial] = r
         heapq.heappush(self.ends, (r.first + r.rest - 1, r.serial))
         self.decode_rows += 1
         self.ctx_sum += tokens
@@ -301,10 +301,10 @@ class _BatchSim:
             held = (self.ctx_sum + prefill + self.decode_rows * (LOOKAHEAD_TOKENS + bs // 2)) / bs
             if held <= limits.device_blocks:
                 return
-            victim = next(r for r in reversed(self.running) if r.serial in self.by_id)
+            victim = next(r for r in reversed(self.running) if r.serial in self.by_serial)
             done = self.step - victim.first
             tokens, rest = victim.tokens0 + done, victim.rest - done
-            del self.by_id[victim.serial]  # (its end stays in the heap, skipped)
+            del self.by_serial[victim.serial]  # (its end stays in the heap, skipped)
             self.running.remove(victim)
             self.decode_rows -= 1
             self.ctx_sum -= tokens
@@ -381,7 +381,7 @@ class _BatchSim:
             else:
                 self.decode(r, r.prompt + 1)
         while self.ends and self.ends[0][0] <= self.step:
-            r = self.by_id.pop(heapq.heappop(self.ends)[1], None)
+            r = self.by_serial.pop(heapq.heappop(self.ends)[1], None)
             if r is None:  # parked since
                 continue
             self.running.remove(r)
