@@ -1078,6 +1078,43 @@ def test_a_pipeline_the_keep_verdict_drops_closes_and_its_members_finish(monkeyp
     apex.close()
 
 
+def test_under_the_makespan_objective_a_falling_verdict_keeps_members_while_requests_wait(monkeypatch):
+    """auto, a batch (the makespan objective): members entered the pipeline because each finishes sooner there
+    than waiting, so while requests wait a verdict that no longer pays closes the pipeline at its rows (none
+    joins, none is parked ahead of the queue) even where no rows beat GPU-only; once nothing waits, or under
+    the latency objective, no rows beating GPU-only empty it as before."""
+    from apex_compile.runtime.plans.staggered import STAGGER_FALL_STEPS
+
+    apex = staggered(sharp_model(), width="auto")
+    engine, stagger = apex.engine, apex.engine.stagger
+    engine.auto_policy = MarginPolicy(rise=4, keep=0, hold=0)
+    engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=2))
+    engine.scheduler.schedule()
+    engine.add_request([5, 6, 8], SamplingParams(max_new_tokens=2))  # waits
+    assert engine.scheduler.waiting and engine.scheduler.objective == "makespan"
+    monkeypatch.setattr(type(stagger), "num_members", property(lambda self: 3))
+    stagger.rows.measured = 8
+    stagger.rows.set_ceiling(4)
+
+    def update(steps):
+        engine.plan._ceiling_key = None
+        for _ in range(steps):
+            engine.plan.update_ceiling()
+        return stagger.rows.ceiling, stagger.closed
+
+    assert update(STAGGER_FALL_STEPS) == (4, True)  # closed at its rows, not emptied
+    assert update(3 * STAGGER_FALL_STEPS) == (4, True) and engine.scheduler.pipeline_rules.full()
+    waiting = list(engine.scheduler.waiting)
+    engine.scheduler.waiting.clear()  # nothing waits: no rows beating GPU-only empty it
+    assert update(STAGGER_FALL_STEPS) == (0, False)
+    engine.scheduler.waiting.extend(waiting)
+    engine.scheduler.objective = "latency"  # online load: the per-step verdict rules
+    stagger.rows.set_ceiling(4)
+    assert update(STAGGER_FALL_STEPS) == (0, False)
+    monkeypatch.undo()
+    apex.close()
+
+
 def test_a_closed_pipeline_finishes_its_members_on_the_host_and_admits_none(monkeypatch):
     """auto end to end: the keep verdict drops while the pipeline holds requests and one row still beats
     GPU-only: the pipeline closes; none of its members is parked (each finishes from the host pool), requests
