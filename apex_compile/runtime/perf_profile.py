@@ -18,7 +18,13 @@ from apex_compile.runtime.cuda_graphs import replay_seconds
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL
 from apex_compile.runtime.perf_model import Profile, cached_profile
 
-LINEAR_TOKENS = (1, 8, 32, 128)
+LINEAR_TOKENS = (1, 8, 32, 128)  # decode rows (up to max_num_seqs)
+# prompt steps' tokens (a step holds max_num_batched_tokens, plus a pipeline prompt's
+# TuningConfig.pipeline_prompt_tokens; past the last point the time grows linearly): past ~128 rows the GEMMs
+# turn compute-bound, so the decode points' slope, extrapolated, priced an H100's 512-token prompt step at half
+# its measured time (8.1 against 16.2 ms)
+PROMPT_TOKENS = (512, 1024, 2048, 4096)
+PROFILE_VERSION = 2  # in the cache key: a profile measured without PROMPT_TOKENS is measured again
 BATCH = 8  # sequences of the attention probes (their total context is what the model interpolates over)
 
 
@@ -36,7 +42,8 @@ def profile_key(engine) -> str:
     s = engine.shape
     return (f"{torch.cuda.get_device_name(engine.device)}|{_cpu_name()}x{torch.get_num_threads()}|"
             f"L{s.num_layers}-H{c.hidden_size}-I{c.intermediate_size}-V{c.vocab_size}-kv{s.num_kv_heads}x"
-            f"{s.head_dim}-q{c.num_attention_heads}|{str(s.dtype).replace('torch.', '')}|bs{s.block_size}")
+            f"{s.head_dim}-q{c.num_attention_heads}|{str(s.dtype).replace('torch.', '')}|bs{s.block_size}"
+            f"|v{PROFILE_VERSION}")
 
 
 def _graph_seconds(fn: Callable[[], None], replays: int = 5) -> float:
@@ -133,11 +140,18 @@ def _copy_bytes_per_s(device, nbytes: int = 16 << 20) -> float:
     return 8 * nbytes / (time.perf_counter() - start)
 
 
+def profile_tokens(engine) -> List[int]:
+    """The row counts the linear layers are timed at: the decode points up to max_num_seqs, then every prompt
+    point (whatever this engine's step budget: the profile is cached per machine and model, not per config)."""
+    decode = [t for t in LINEAR_TOKENS if t <= max(engine.config.max_num_seqs, 1)] or [1]
+    return decode + [t for t in PROMPT_TOKENS if t > decode[-1]]
+
+
 def measure_profile(engine) -> Profile:
     """Times the step's parts on this machine (see the module docstring)."""
     s, c = engine.shape, engine.model.config
     kv_per_token = s.block_bytes // s.block_size
-    tokens = [t for t in LINEAR_TOKENS if t <= max(engine.config.max_num_seqs, 1)] or [1]
+    tokens = profile_tokens(engine)
     with torch.inference_mode():
         linear = [linear_seconds(engine.model, t) for t in tokens]
         gpu_tokens = engine.kv.pools[DEVICE_POOL].num_blocks * s.block_size

@@ -187,6 +187,8 @@ def test_auto_measures_a_profile_once_and_explains_its_verdict(fp32_model, tmp_p
     assert calls == [1] and first.engine.auto_policy.model.profile == second.engine.auto_policy.model.profile
     profile = first.engine.auto_policy.model.profile
     assert all(t > 0 for t in profile.linear_s + profile.gpu_attention_s + profile.cpu_attention_s)
+    assert profile.linear_tokens == perf_profile.profile_tokens(first.engine)  # prompt steps' rows too
+    assert profile.linear_tokens[-1] == perf_profile.PROMPT_TOKENS[-1]
     assert "verdict:" in first.offload_decision() and "ideal_gain" in first.offload_decision()
 
 

@@ -383,3 +383,20 @@ def test_the_cpu_attention_bandwidth_is_probed_over_the_host_pool(tiny_llama, mo
     assert rate == pytest.approx(probed[0] * (s.block_bytes // s.block_size) / 0.5)
     monkeypatch.undo()
     assert perf_profile.cpu_attention_bandwidth(engine) > 0  # the op itself, on this host
+
+
+def test_the_linear_layers_are_timed_at_decode_rows_and_prompt_steps_tokens():
+    """The profile times the linear layers at the decode rows (up to max_num_seqs) and at prompt steps' token
+    counts, so that a prompt step is priced from measured points, not the decode points' slope extrapolated."""
+    import types
+
+    from apex_compile.runtime import perf_profile
+
+    def tokens(max_num_seqs):
+        return perf_profile.profile_tokens(types.SimpleNamespace(config=types.SimpleNamespace(
+            max_num_seqs=max_num_seqs)))
+
+    assert tokens(64) == [1, 8, 32, 512, 1024, 2048, 4096]
+    assert tokens(256) == [1, 8, 32, 128, 512, 1024, 2048, 4096]
+    assert tokens(1) == [1, 512, 1024, 2048, 4096]
+    assert perf_profile.PROMPT_TOKENS[0] > perf_profile.LINEAR_TOKENS[-1]
