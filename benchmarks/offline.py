@@ -81,7 +81,8 @@ def engine_counters(engine) -> dict:
 
 
 def difference(after, before):
-    """after - before, through dicts and [count, seconds] lists."""
+    """after - before, through dicts and [count, seconds, longest] lists (a fresh engine's warm-up zeroes its
+    counters, so the longest is the batch's)."""
     if isinstance(after, dict):
         return {k: difference(v, before.get(k, 0 if not isinstance(v, (dict, list)) else type(v)()))
                 for k, v in after.items()}
@@ -160,9 +161,9 @@ def print_row(pool, mode, requests, result, base):
               f"s: {phases}; GPU waited {d['cpu_job_wait_s']:.1f} s for CPU jobs; moved {d['moved']}, parked "
               f"{d['parked']}, migrated {d['migrated']}, parked by a falling ceiling {d['emptied']}", flush=True)
         own = (result.get("predicted") or {}).get(result.get("predicted_plan"), {}).get("step_kinds", {})
-        kinds = [f"{kind} {n} x {1e3 * s / n:.2f} ms"
+        kinds = [f"{kind} {n} x {1e3 * s / n:.2f} ms (longest {1e3 * longest:.1f})"
                  + (f" (predicted {own[kind][0]} x {1e3 * own[kind][1] / max(own[kind][0], 1):.2f})" if kind in own
-                    else "") for kind, (n, s) in d["step_kinds"].items() if n]
+                    else "") for kind, (n, s, longest) in d["step_kinds"].items() if n]
         print(f"      steps by kind: {'; '.join(kinds)}", flush=True)
 
 

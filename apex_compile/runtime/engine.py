@@ -72,10 +72,11 @@ class EngineStats:
     # graphs or running the step), pipeline (the staggered block's host work behind it), wait (for the sampled
     # ids: where the GPU sets the pace), finish (stop checks, the scheduler's updates)
     phase_seconds: Dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
-    # per kind of step (`STEP_KINDS`): [steps, seconds of the step() calls that took their tokens]; each call takes
-    # one step's tokens, so in a run where the GPU sets the pace a call's time is its step's on the GPU
+    # per kind of step (`STEP_KINDS`): [steps, seconds of the step() calls that took their tokens, the longest
+    # call]; each call takes one step's tokens, so in a run where the GPU sets the pace a call's time is its step's
+    # on the GPU; the longest tells a one-off (a graph captured, a shape compiled mid-run) from a per-step cost
     step_kinds: Dict[str, List[float]] = dataclasses.field(
-        default_factory=lambda: {kind: [0, 0.0] for kind in STEP_KINDS})
+        default_factory=lambda: {kind: [0, 0.0, 0.0] for kind in STEP_KINDS})
 
     def as_dict(self) -> dict:
         """Plain dict for printing / JSON."""
@@ -408,8 +409,10 @@ class Engine(EngineAPI):
             self._last_tick = None
         if self._resolved_kind is not None:
             record = self.stats.step_kinds[self._resolved_kind]
+            seconds = time.perf_counter() - start
             record[0] += 1
-            record[1] += time.perf_counter() - start
+            record[1] += seconds
+            record[2] = max(record[2], seconds)
         if gap_sample is not None and self._decode_only:
             plan.observe_gap(gap_sample, time.perf_counter() - start)
         return sampled
