@@ -76,7 +76,8 @@ def engine_counters(engine) -> dict:
     return {"ahead_steps": stats.ahead_steps, "not_ahead": dict(stats.not_ahead),
             "phase_seconds": dict(stats.phase_seconds), "forward_seconds": stats.forward_seconds,
             "moved": stats.moved, "parked": stats.parked, "recomputed": stats.recomputed,
-            "migrated": stats.migrated, "emptied": stats.emptied, "cpu_job_wait_s": getattr(executor, "waited_s", 0.0),
+            "migrated": stats.migrated, "emptied": stats.emptied, "last_host_entry_step": stats.last_host_entry_step,
+            "cpu_job_wait_s": getattr(executor, "waited_s", 0.0),
             "step_kinds": {kind: list(v) for kind, v in stats.step_kinds.items()}}
 
 
@@ -123,7 +124,8 @@ def run_batch(model, config: ApexConfig, prompts, lengths, progress_s: float = 1
         own = predicted.get("auto", predicted.get("never"))
         if own is not None:
             result["predicted"] = {plan: {"makespan_s": p.makespan_s, "steps": p.steps, "host_requests":
-                                          p.host_requests, "parks": p.parks,
+                                          p.host_requests, "parks": p.parks, "migrated": p.migrated,
+                                          "last_entry_step": p.last_entry_step,
                                           "step_kinds": {k: list(v) for k, v in p.kinds.items()}}
                                    for plan, p in predicted.items()}
             result["predicted_plan"] = own.plan
@@ -159,7 +161,13 @@ def print_row(pool, mode, requests, result, base):
         not_ahead = ", ".join(f"{k} {v}" for k, v in sorted(d["not_ahead"].items()) if v)
         print(f"      {result['steps']} steps, {d['ahead_steps']} queued ahead (not: {not_ahead or '-'}); main thread "
               f"s: {phases}; GPU waited {d['cpu_job_wait_s']:.1f} s for CPU jobs; moved {d['moved']}, parked "
-              f"{d['parked']}, migrated {d['migrated']}, parked by a falling ceiling {d['emptied']}", flush=True)
+              f"{d['parked']}, migrated {d['migrated']}, parked by a falling ceiling {d['emptied']}"
+              + (f", last host entry at step {d['last_host_entry_step']}" if result["requests_per_pool"]["host"] else ""),
+              flush=True)
+        predicted = (result.get("predicted") or {}).get(result.get("predicted_plan"))
+        if predicted and predicted["host_requests"]:
+            print(f"      predicted: {predicted['steps']} steps, {predicted['host_requests']} host requests, migrated "
+                  f"{predicted['migrated']}, last host entry at step {predicted['last_entry_step']}", flush=True)
         own = (result.get("predicted") or {}).get(result.get("predicted_plan"), {}).get("step_kinds", {})
         kinds = [f"{kind} {n} x {1e3 * s / n:.2f} ms (longest {1e3 * longest:.1f})"
                  + (f" (predicted {own[kind][0]} x {1e3 * own[kind][1] / max(own[kind][0], 1):.2f})" if kind in own

@@ -74,6 +74,7 @@ class BatchPrediction:
     host_requests: int = 0  # requests that entered the pipeline
     migrated: int = 0  # members moved on to the device pool
     parks: int = 0  # device requests swapped out when the pool's blocks ran out
+    last_entry_step: int = 0  # the step whose prompt was the last to enter the pipeline
     # per kind of step (the engine's `STEP_KINDS`): (steps, seconds)
     kinds: Dict[str, Tuple[int, float]] = dataclasses.field(default_factory=dict)
 
@@ -139,7 +140,7 @@ class _BatchSim:
         self.m_tokens = self.m_rest = self.m_start = 0
         self.step = 0
         self.seconds = 0.0
-        self.host_requests = self.migrated = 0
+        self.host_requests = self.migrated = self.last_entry_step = 0
         self.dirty = True  # a request ended or joined since the device pool's last admission check
         self._prices: Dict[tuple, float] = {}
         self.kinds: Dict[str, Tuple[int, float]] = {}
@@ -335,6 +336,7 @@ class _BatchSim:
         index = self.waiting.pop()
         self.waiting_rest -= output
         self.host_requests += 1
+        self.last_entry_step = self.step
         if output > 1:  # its first token comes with its prompt's step
             self.join(_Member(prompt + 1, output - 1, self.step + 1, index))
         return prompt
@@ -402,7 +404,7 @@ class _BatchSim:
                 raise RuntimeError(f"predict_batch: the batch did not end within {max_steps} steps")
             self.run_step()
         return BatchPrediction("auto" if self.entries else "never", self.seconds, self.step, self.output_tokens,
-                               self.host_requests, self.migrated, self.parks, self.kinds)
+                               self.host_requests, self.migrated, self.parks, self.last_entry_step, self.kinds)
 
 
 def predict_batch(policy, lengths: Sequence[Tuple[int, int]], limits: BatchLimits, pipeline: bool = False,

@@ -63,6 +63,9 @@ class EngineStats:
     recomputed: int = 0
     migrated: int = 0  # pipeline members moved to the device pool
     emptied: int = 0  # pipeline members parked because auto's ceiling fell to 0 (they resume in the device pool)
+    # the step (`steps` then) at which the last request first ran in the host pool: a pipeline member gains a token
+    # per cycle steps, so a batch's late entrants set its end unless they move to the device pool
+    last_host_entry_step: int = 0
     ahead_steps: int = 0  # steps queued before the previous step's tokens reached the host (async scheduling)
     # why a step was not queued ahead, per reason (`Engine._ahead_chunks`): each such step leaves the GPU idle while
     # the host schedules and prepares it
@@ -364,6 +367,8 @@ class Engine(EngineAPI):
         for chunk in batch.chunks:
             if chunk.request.steps_per_pool[chunk.pool] == 1:
                 self.stats.requests_per_pool[chunk.pool] += 1
+                if chunk.pool == HOST_POOL:
+                    self.stats.last_host_entry_step = self.stats.steps
         self.kv.wait_for_moves()
         return order_chunks(batch.chunks)
 

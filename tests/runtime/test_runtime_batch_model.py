@@ -63,6 +63,7 @@ def test_the_pipeline_shortens_a_long_batch_and_would_lengthen_a_short_one():
     long_never = predict_batch(policy, [(1024, 256)] * 400, limits())
     long_auto = predict_batch(policy, [(1024, 256)] * 400, limits(), pipeline=True)
     assert long_auto.host_requests > 100
+    assert 0 < long_auto.last_entry_step < long_auto.steps and long_never.last_entry_step == 0
     assert long_auto.makespan_s < 0.8 * long_never.makespan_s
     assert long_auto.steps < long_never.steps
     short_never = predict_batch(policy, [(768, 192)] * 192, limits())
@@ -190,12 +191,24 @@ def test_the_engine_counts_its_steps_by_the_kinds_the_batch_model_prices():
 
     apex = staggered(sharp_model(), width=2, device_blocks=2)
     engine = apex.engine
+    entries, step = [], engine.step
+
+    def counted_step():
+        before, host = engine.stats.steps, engine.stats.requests_per_pool[1]
+        out = step()
+        if engine.stats.requests_per_pool[1] > host:
+            entries.append(before)
+        return out
+
+    engine.step = counted_step
     engine.generate([[5 + i, 6, 7, 8, 9, 10, 11, 12, 13][: 4 + i % 5] for i in range(8)],
                     SamplingParams(max_new_tokens=12))
     kinds = engine.stats.step_kinds
     assert set(kinds) == set(STEP_KINDS)
     assert sum(n for n, _, _ in kinds.values()) == engine.stats.steps
     assert kinds["pipeline prompt"][0] >= 1 and kinds["staggered decode"][0] >= 1
+    # the last host-pool entrant: the step (counted before it) whose chunks first put a request in the host pool
+    assert engine.stats.last_host_entry_step == entries[-1] < engine.stats.steps - 12
     # the longest call of a kind lies between its mean and its total
     assert all(seconds / n <= longest <= seconds and longest > 0 for n, seconds, longest in kinds.values() if n)
     apex.close()
