@@ -5,6 +5,8 @@ default config (but the pools), warmed up, is handed all R requests in one `stre
 the batch's last token. Reports makespan, requests/s, output tokens/s, TTFT and TPOT (p50/p90/p99), the
 requests that ran in each pool, GPU energy per token on CUDA, and each mode's tokens/s against the first mode
 (the baseline, "never" by default). Several --requests values give one row each (tokens/s against R in the plot).
+On CUDA each row also keeps the batch model's prediction and its inputs (the profile, the graphs' calibration,
+the limits: `model_inputs`), so that the prediction can be replayed off the GPU.
 
 Before the first measured row, a rehearsal engine runs a slice of the workload (its first prompts, a few
 tokens each) and is discarded: the process's first engine otherwise pays torch.compile's traces of the prompt
@@ -17,6 +19,7 @@ up to 2x slower on a short batch).
     python benchmarks/offline.py --shape smollm2 --requests 16 --prompt 64 --output 32 --device-gib 0.01  # CPU smoke
 """
 import argparse
+import dataclasses
 import gc
 import os
 import sys
@@ -29,6 +32,8 @@ from workload import (GiB, Lengths, RequestTimes, EnergyMeter, build_model, fmt_
                       parse_range, prompts_for, run_to_length, summarize, write_json)
 
 from apex_compile import ApexConfig, optimize  # noqa: E402
+from apex_compile.runtime.batch_model import engine_limits  # noqa: E402
+from apex_compile.runtime.perf_profile import engine_profile  # noqa: E402
 
 
 def parse_offload(mode: str):
@@ -129,6 +134,13 @@ def run_batch(model, config: ApexConfig, prompts, lengths, progress_s: float = 1
                                           "step_kinds": {k: list(v) for k, v in p.kinds.items()}}
                                    for plan, p in predicted.items()}
             result["predicted_plan"] = own.plan
+            # what the prediction was made from, so that it can be replayed (and its prices studied) off the GPU:
+            # the profile, the graphs' calibration and the batch limits
+            profile = (engine.auto_policy.model.profile if engine.auto_policy is not None
+                       else engine_profile(engine))  # (read from the on-disk cache predict_batch filled)
+            result["model_inputs"] = {"profile": dataclasses.asdict(profile),
+                                      "calibration": dataclasses.asdict(engine.calibration),
+                                      "limits": dataclasses.asdict(engine_limits(engine))}
             result["predicted_makespan_s"] = own.makespan_s
             result["prediction_error"] = own.makespan_s / result["duration_s"] - 1
         result["steps"] = engine.stats.steps - steps_before
