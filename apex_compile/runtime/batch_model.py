@@ -15,8 +15,11 @@ module replays the scheduler's rules over the batch's lengths and prices every s
 - with the staggered pipeline (offload="auto", the makespan objective), the queue's last request enters it when
   the pipeline has a row (the model's host rows for the step, `AutoOffload.stagger_rows`) and it is predicted to
   finish sooner there (`PipelineRules.pays`: own tokens x cycle <= the device rows' backlog per row + own); its
-  whole prompt takes one step (at most one a step), then it gains a token per cycle steps. Once nothing waits,
-  members move to the device pool as it has room (most tokens left first).
+  whole prompt takes one step (at most one a step), then it gains a token per cycle steps while the pipeline's
+  rows serve every member: a step serves at most the rows whose CPU job fits `job_share` of the step (the
+  adaptive row limit, `RowLimit`, priced with the profile's CPU rate at the members' context), and members past
+  rows x cycle wait their turn, so each gains its tokens that much slower. Once nothing waits, members move to
+  the device pool as it has room (most tokens left first).
 
 A step's price: a decode step is the model's GPU-only or staggered step plus its learned host gap; prompt tokens
 add their linear layers' time (`PerfModel.linear_s`), a pipeline prompt its K/V's copy to the host. Prefill
@@ -51,6 +54,7 @@ class BatchLimits:
     max_rows: int = 0
     pipeline_prompt_tokens: int = 0
     host_blocks: int = 0
+    job_share: float = 0.95  # the share of a step the CPU job keeps within (`TuningConfig.job_share`)
 
 
 @dataclasses.dataclass
@@ -98,7 +102,8 @@ class _Device:
 
 
 class _Member:
-    """A pipeline member: `tokens` tokens and `rest` to go at step `start`, a token per cycle steps from then."""
+    """A pipeline member: `tokens` tokens and `rest` to go at pipeline time `start`, a token per cycle of pipeline
+    time from then (`_BatchSim.clock`: a step's worth where the rows serve every member, less where they wait)."""
 
     __slots__ = ("tokens", "rest", "start", "index")
 
@@ -135,9 +140,12 @@ class _BatchSim:
         self.ctx_sum = 0  # their tokens,
         self.device_rest = 0  # and their remaining tokens
         self.members: Dict[int, _Member] = {}
-        self.member_ends: List[Tuple[int, int]] = []  # (last step, index); a moved member's stays behind
-        # sums over the members of tokens, rest and start: their current totals follow from the step
+        self.member_ends: List[Tuple[float, int]] = []  # (last clock, index); a moved member's stays behind
+        # sums over the members of tokens, rest and start: their current totals follow from the clock
         self.m_tokens = self.m_rest = self.m_start = 0
+        # pipeline time: +1 a step while its rows serve every member, rows x cycle / members where they do not
+        self.clock = 0.0
+        self._fits: Dict[tuple, float] = {}
         self.step = 0
         self.seconds = 0.0
         self.host_requests = self.migrated = self.last_entry_step = 0
@@ -182,7 +190,7 @@ class _BatchSim:
         """(tokens, rest) summed over the members now (each gains a token per cycle steps)."""
         if not self.members:
             return 0, 0
-        gained = (len(self.members) * self.step - self.m_start) // self.limits.cycle
+        gained = int((len(self.members) * self.clock - self.m_start) // self.limits.cycle)
         return self.m_tokens + gained, self.m_rest - gained
 
     def decode(self, r: _Device, tokens: int) -> None:
@@ -207,7 +215,11 @@ class _BatchSim:
         self.m_tokens += member.tokens
         self.m_rest += member.rest
         self.m_start += member.start
-        heapq.heappush(self.member_ends, (member.start + member.rest * self.limits.cycle - 1, member.index))
+        heapq.heappush(self.member_ends, (self.end_clock(member), member.index))
+
+    def end_clock(self, member: _Member) -> float:
+        """The pipeline time at which `member` has its last token."""
+        return member.start + member.rest * self.limits.cycle - 1
 
     def leave(self, member: _Member) -> None:
         del self.members[member.index]
@@ -225,8 +237,8 @@ class _BatchSim:
         cached = self._prices.get(key)
         if cached is None:
             model, dense = self.model, max(rows, 1)
-            if host_rows:
-                cached = self.auto._staggered_step(dense, math.ceil(host_rows), context, host_context or None).step_s
+            if host_rows:  # the job covers every group at one layer each: the rows' average, unrounded
+                cached = self.auto._staggered_step(dense, host_rows, context, host_context or None).step_s
                 dense += math.ceil(host_rows)
             else:
                 gap = self.auto.gap.seconds(False) if self.auto is not None else 0.0
@@ -244,6 +256,22 @@ class _BatchSim:
             self._verdicts[key] = self.auto.stagger_rows(self.decode_rows, context, self.limits.max_rows,
                                                          keep=bool(self.members), host_context=host_context or None)
         return self._verdicts[key]
+
+    def fit_rows(self, context: float, host_context: float) -> float:
+        """Host rows a staggered step serves (unrounded, 1..max_rows): those whose CPU job fits `job_share` of the
+        step's GPU work beside the device rows, priced with the learned job where there is one, else at the
+        profile's CPU bandwidth (`RowLimit.update`'s rule)."""
+        key = (self.decode_rows, int(context) >> 5, int(host_context) >> 5)
+        fit = self._fits.get(key)
+        if fit is None:
+            auto, limits = self.auto, self.limits
+            step = auto.model.predict("staggered", max(self.decode_rows, 1), limits.max_rows, context,
+                                      cpu_job=(0.0, 0.0), cpu_context=host_context).step_s + auto.gap.seconds(True)
+            fixed, per_token = auto.cpu_job or (0.0, auto.model.cpu_seconds_per_token())
+            budget = limits.job_share * step - fixed
+            fit = max(1.0, min(float(limits.max_rows), budget / max(per_token * host_context, 1e-12)))
+            self._fits[key] = fit
+        return fit
 
     # ------------------------------------------------------------------------------------------------
     # a step
@@ -276,9 +304,9 @@ class _BatchSim:
         if not (self.pipeline and self.members) or self.waiting:
             return
         cycle = limits.cycle
-        for member in sorted(self.members.values(), key=lambda m: m.rest - (self.step - m.start) // cycle,
+        for member in sorted(self.members.values(), key=lambda m: m.rest - (self.clock - m.start) // cycle,
                              reverse=True):
-            gained = max(self.step - member.start, 0) // cycle
+            gained = int(max(self.clock - member.start, 0) // cycle)
             tokens, rest = member.tokens + gained, member.rest - gained
             if rest <= 0:
                 continue
@@ -338,7 +366,7 @@ class _BatchSim:
         self.host_requests += 1
         self.last_entry_step = self.step
         if output > 1:  # its first token comes with its prompt's step
-            self.join(_Member(prompt + 1, output - 1, self.step + 1, index))
+            self.join(_Member(prompt + 1, output - 1, self.clock + 1, index))
         return prompt
 
     def run_step(self) -> None:
@@ -362,8 +390,13 @@ class _BatchSim:
                 sampled.append(r)
         context = self.ctx_sum / self.decode_rows if self.decode_rows else 0.0
         tokens, _ = self.members_now()
-        host_rows = len(self.members) / limits.cycle if self.pipeline else 0.0
         host_context = tokens / len(self.members) if self.members else 0.0
+        host_rows = len(self.members) / limits.cycle if self.pipeline else 0.0
+        speed = 1.0
+        if host_rows:  # members past the rows the CPU job fits wait their turn
+            fit = self.fit_rows(context, host_context)
+            if host_rows > fit:
+                speed, host_rows = fit / host_rows, fit
         seconds = self.price(self.decode_rows, context, chunk_tokens + host_prompt, host_rows, host_context)
         seconds += host_prompt * self.copy_s_per_token
         self.seconds += seconds
@@ -390,10 +423,11 @@ class _BatchSim:
             self.decode_rows -= 1
             self.ctx_sum -= r.tokens0 + r.rest
             self.dirty = True
-        while self.member_ends and self.member_ends[0][0] <= self.step:
+        self.clock += speed
+        while self.member_ends and self.member_ends[0][0] < self.clock:
             member = self.members.get(self.member_ends[0][1])
             heapq.heappop(self.member_ends)
-            if member is not None and member.start + member.rest * limits.cycle - 1 <= self.step:
+            if member is not None and self.end_clock(member) < self.clock:
                 self.leave(member)
                 self.dirty = True
         self.step += 1
@@ -428,7 +462,7 @@ def engine_limits(engine) -> BatchLimits:
                        cycle=pipeline.cycle if pipeline is not None else 0,
                        max_rows=pipeline.width if pipeline is not None else 0,
                        pipeline_prompt_tokens=config.tuning.pipeline_prompt_tokens,
-                       host_blocks=kv.pools[HOST_POOL].num_blocks)
+                       host_blocks=kv.pools[HOST_POOL].num_blocks, job_share=config.tuning.job_share)
 
 
 def engine_state(engine) -> Tuple[List[Tuple[int, int]], BatchState]:

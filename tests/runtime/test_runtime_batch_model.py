@@ -8,7 +8,7 @@ import pytest
 from apex_compile import SamplingParams
 from apex_compile.runtime.batch_model import BatchLimits, BatchState, engine_limits, engine_state, predict_batch
 from apex_compile.runtime.perf_model import AutoOffload, PerfModel, StepCalibration
-from tests.runtime.test_runtime_perf_model import profile
+from tests.runtime.test_runtime_perf_model import KV_PER_TOKEN, profile
 from tests.runtime.test_runtime_stagger import sharp_model, staggered
 
 CYCLE = 33  # one lane x (32 layers + 1)
@@ -84,6 +84,28 @@ def test_members_finish_or_move_to_the_device_pool_once_nothing_waits():
     # token per cycle in the pipeline), at least 100 + 97 + 94 steps (more where growth parks one)
     waves = predict_batch(policy, [], limits(), pipeline=True, state=state)
     assert waves.migrated == 20 and 291 <= waves.steps < 400
+
+
+def test_members_past_the_rows_the_cpu_job_fits_wait_their_turn():
+    """Members and no room in the device pool: where the CPU job fits a row per step for every 33 members, each
+    gains a token per cycle (66 members, 10 tokens: ~10 cycles). Where a row's job takes 5 ms, a step serves the
+    rows whose job fits 95% of its GPU work (`RowLimit`'s rule: ~1.45 rows), the 66 members share them and their
+    tokens take 660 / 1.45 steps, each priced at the GPU's work (the job fits under it), not stretched to the
+    two rows' 10 ms job."""
+    state = BatchState(members=[(1000, 10)] * 66)
+    tight = limits(device_blocks=16)  # no room to move a member into
+    fast = predict_batch(h100_like(), [], tight, pipeline=True, state=state)
+    assert fast.migrated == 0 and 10 * CYCLE - 1 <= fast.steps <= 10 * CYCLE + 1
+    row_s = 5e-3
+    calibration = h100_like().model.calibration
+    slow_policy = AutoOffload(PerfModel(profile(1000 * KV_PER_TOKEN / row_s / 1e9, 3000.0, 5.4), calibration),
+                              stagger_groups=CYCLE, max_stagger_rows=12)
+    slow = predict_batch(slow_policy, [], tight, pipeline=True, state=state)
+    gpu_step = slow_policy.model.predict("staggered", 1, 12, 1000, cpu_job=(0.0, 0.0)).step_s
+    fit = 0.95 * gpu_step / row_s
+    assert 1.2 < fit < 2
+    assert slow.steps == pytest.approx(660 / fit, rel=0.03)
+    assert slow.makespan_s == pytest.approx(slow.steps * gpu_step, rel=0.05)
 
 
 def test_a_state_mid_batch_is_predicted_from_where_it_stands():
