@@ -96,8 +96,10 @@ class DecodeGraphs:
         return out
 
 
-# Steps above this many tokens run uncaptured: their GPU time outgrows the host's launch time, and the buffers
-# between pieces grow with it.
+# GPU-only steps above this many tokens run uncaptured: their GPU time outgrows the host's launch time. The
+# staggered plan's pieces also cover its pipeline prompt steps (a host request's whole prompt, up to
+# `TuningConfig.pipeline_prompt_tokens` past the budget): there the uncaptured step's host time (~56 ms for
+# 1,043 tokens of an 8B model, the staggered CPU job beside it) was twice its GPU time (DECISIONS 48).
 PIECEWISE_MAX_TOKENS = 512
 
 
@@ -185,7 +187,10 @@ class MixedGraphs:
 # stream or thread that reads them after the call returns (the host rows' device-to-host copy).
 _ASYNC_READERS = ("offload_launch",)
 RUNNER_METHODS = ("attention", "offload_launch", "device_attention", "offload_wait")
-# Runner methods that write into a given output (the persistent buffer: no copy at each replay).
+# Runner methods that write into a given output (the persistent buffer: no copy at each replay). Their buffer
+# is shared by every layer: the piece after a layer's call reads it before the next layer's call writes it
+# (one stream, in order), and a buffer per layer would hold layers x rows x hidden (~0.7 GB for an 8B model's
+# 2.5k-row pipeline prompt steps).
 _WRITES_OUT = ("attention",)
 # Runner methods that only copy between device buffers at fixed addresses: captured inside the piece.
 CAPTURED_METHODS = ("stagger_residual", "stagger_rope_layers")
@@ -275,8 +280,9 @@ class PiecewiseGraphs:
         return padded_key(self.sizes, rows, num_logits)
 
     def persistent(self, method: str, layer: int, like: torch.Tensor) -> torch.Tensor:
-        """The buffer a call's result is copied into: one per (method, layer), shared by every key."""
-        key = (method, layer, tuple(like.shape[1:]), like.dtype, like.device)
+        """The buffer a call's result is copied into: one per (method, layer), shared by every key (a method that
+        writes into its output: one for every layer, `_WRITES_OUT`)."""
+        key = (method, None if method in _WRITES_OUT else layer, tuple(like.shape[1:]), like.dtype, like.device)
         buf = self.buffers.get(key)
         if buf is None:
             buf = torch.empty((max(self.max_rows, like.shape[0]),) + tuple(like.shape[1:]), dtype=like.dtype,

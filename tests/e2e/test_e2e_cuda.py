@@ -501,6 +501,24 @@ def test_decode_steps_never_wait_for_the_gpu(fp32_model, offload):
     apex.close()
 
 
+def test_pipeline_prompt_steps_past_512_rows_replay_pieces_and_equal_hf_generate_fp32():
+    """Host-pool prompts longer than the step budget enter the pipeline whole, in steps of up to ~900 rows: those
+    replay the staggered plan's piecewise graphs (captured past PIECEWISE_MAX_TOKENS for them), the prompts'
+    K/V exported to the host cache from the eager attention calls between the pieces; HF's tokens."""
+    from apex_compile.runtime.cuda_graphs import PIECEWISE_MAX_TOKENS
+
+    ids, mask, ref, block, model = sharp_small_pool_case(lengths=[600, 880, 40, 700, 65, 530])
+    apex = optimize(model, ApexConfig(offload="staggered", stagger_width=3, gpu_cache_size=8 * block,
+                                      cpu_cache_size=32 * MB))
+    out = apex.generate(ids, attention_mask=mask, **GREEDY_20)
+    assert torch.equal(out, ref)
+    pieces = apex.engine.stagger_pieces
+    assert any(rows > PIECEWISE_MAX_TOKENS for rows, _ in pieces.pieces) and pieces.replays > 0
+    assert apex.engine.stats.step_kinds["pipeline prompt"][0] >= 3
+    assert apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+    apex.close()
+
+
 def test_pipeline_members_moving_to_the_device_pool_equal_hf_generate_fp32():
     """Staggered requests move to the device pool once the device requests finish (each parked at a token
     boundary with its host KV, copied over, resumed ahead of waiting ones): HF's tokens, every block back."""

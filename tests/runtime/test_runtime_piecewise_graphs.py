@@ -9,6 +9,7 @@ from apex_compile.runtime.cuda_graphs import LOGITS_FLOOR, PiecewiseGraphs, _Rec
 
 class FakeGraph:
     log: list = []
+    on_replay = None  # called with the graph's id at each replay (what the piece would read then)
 
     def capture_begin(self, pool=None, capture_error_mode="global"):
         assert capture_error_mode == "thread_local"
@@ -20,17 +21,20 @@ class FakeGraph:
 
     def replay(self):
         FakeGraph.log.append(("replay", self.id))
+        if FakeGraph.on_replay is not None:
+            FakeGraph.on_replay(self.id)
 
 
 class Runner:
     """Attention = q * (layer + 1) + a per-runner offset, so replays show which runner served them."""
 
     def __init__(self, offset):
-        self.offset, self.calls = offset, []
+        self.offset, self.calls, self.results = offset, [], []
 
     def attention(self, layer_idx, q, k, v, scale, out=None):
         self.calls.append(("attention", layer_idx))
         result = q * (layer_idx + 1) + self.offset
+        self.results.append(result.clone())
         return result if out is None else out.copy_(result)
 
     def offload_launch(self, layer_idx, q, k, v, scale):
@@ -67,10 +71,14 @@ def test_a_step_is_recorded_as_pieces_between_the_calls():
                                                                                 "attention"]
     assert FakeGraph.log == [("begin", 0), ("end", 0), ("begin", 2), ("end", 2), ("begin", 4), ("end", 4),
                              ("begin", 6), ("end", 6)]
-    # eager results, returned as views of the persistent per-(method, layer) buffers
+    # eager results, returned as views of the persistent buffers: per (method, layer), but one for every layer
+    # of a method that writes into its output (the next piece reads it before the next layer's call writes it)
     assert torch.equal(out, (x + 1) * 2 * 2)
-    first = recorder.calls[0]
-    assert first.out.data_ptr() == pieces.buffers[("attention", 0, (), torch.float32, x.device)].data_ptr()
+    first, last = recorder.calls[0], recorder.calls[2]
+    assert first.out.data_ptr() == pieces.buffers[("attention", None, (), torch.float32, x.device)].data_ptr()
+    assert last.out.data_ptr() == first.out.data_ptr()
+    assert recorder.calls[1].out.data_ptr() == pieces.buffers[("offload_launch", 1, (), torch.float32,
+                                                                x.device)].data_ptr()
     # tensor arguments alias the step's tensors without owning them, except those of the async launch
     assert first.args[1].data_ptr() != 0 and first.args[0] == 0 and first.args[4] == 0.5
     launch = recorder.calls[1]
@@ -86,11 +94,18 @@ def test_replay_interleaves_pieces_and_calls_on_the_replaying_runner():
     pieces.pieces[(4, 2)] = (recorder.graphs, recorder.calls, out)
     FakeGraph.log = []
     later = Runner(100.0)
-    pieces.replay((4, 2), later)
+    read = {}
+    FakeGraph.on_replay = lambda graph: read.setdefault(graph, recorder.calls[0].out.clone())
+    try:
+        pieces.replay((4, 2), later)
+    finally:
+        FakeGraph.on_replay = None
     assert [e for e in FakeGraph.log] == [("replay", 0), ("replay", 2), ("replay", 4), ("replay", 6)]
     assert later.calls == [("attention", 0), ("offload_launch", 1), ("attention", 1)]
-    # the first call's result (written by the replaying runner) sits where the next piece reads it
-    assert torch.equal(recorder.calls[0].out, (x + 1) + 100.0)
+    # the first call's result (written by the replaying runner) sits where the next piece reads it when that
+    # piece runs; the second layer's call then writes the same buffer (one for every layer)
+    assert torch.equal(read[2], (x + 1) + 100.0) and torch.equal(later.results[0], (x + 1) + 100.0)
+    assert torch.equal(recorder.calls[2].out, later.results[1])
     assert pieces.replays == 1
 
 
@@ -99,7 +114,7 @@ def test_buffers_are_shared_across_keys_and_sized_for_the_largest_step():
     small, _ = record(pieces, Runner(0.0), torch.arange(2.0))
     large, _ = record(pieces, Runner(0.0), torch.arange(8.0))
     assert small.calls[0].out.data_ptr() == large.calls[0].out.data_ptr()
-    assert pieces.buffers[("attention", 0, (), torch.float32, torch.device("cpu"))].shape[0] == 8
+    assert pieces.buffers[("attention", None, (), torch.float32, torch.device("cpu"))].shape[0] == 8
 
 
 def test_keys_pad_rows_and_logits_rows_to_sizes():

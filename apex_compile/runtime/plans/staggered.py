@@ -19,8 +19,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
-from apex_compile.runtime.cuda_graphs import (PIECEWISE_MAX_TOKENS, DecodeGraphs, MixedGraphs, PiecewiseGraphs,
-                                              piecewise_sizes)
+from apex_compile.runtime.cuda_graphs import DecodeGraphs, MixedGraphs, PiecewiseGraphs, piecewise_sizes
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL
 from apex_compile.runtime.plans.base import typical_contexts
 from apex_compile.runtime.plans.gpu_only import GpuOnlyPlan, rows_of
@@ -108,7 +107,9 @@ class StaggeredPlan(GpuOnlyPlan):
         if self.pieces is None:
             return
         width = self.block_width
-        rows = min(max_rows + width, PIECEWISE_MAX_TOKENS)  # the staggered graph's pieces (rows include the block)
+        # the staggered graph's pieces (rows include the block): every step up to PIECEWISE_MAX_TOKENS, and the
+        # pipeline prompt steps past it (their uncaptured host time was twice their GPU time: DECISIONS 48)
+        rows = max_rows + width + self.engine.config.tuning.pipeline_prompt_tokens
         self.stagger_pieces = PiecewiseGraphs(piecewise_sizes(rows), rows, self.pieces.pool)
         self.stagger_graphs = DecodeGraphs([n for n in self.sizes if n <= max_rows])
         if self.mixed is not None:
