@@ -239,8 +239,8 @@ def main(argv=None):
     pools = [float(x) for x in args.device_gib.split(",")]
     counts = [int(x) for x in args.requests.split(",")]
     model, label = build_model(args.shape)
-    result = {"benchmark": "offline", "model": label, "lengths": lengths_spec.describe(), "modes": modes,
-              "host_gib": args.host_gib, "machine": machine(), "rows": []}
+    result = {"benchmark": "offline", "model": label, "lengths": lengths_spec.describe(), "seed": args.seed,
+              "modes": modes, "host_gib": args.host_gib, "machine": machine(), "rows": []}
     print(f"offline: {label}, {lengths_spec.describe()}, modes {modes}, device pools {pools} GiB, "
           f"host {args.host_gib} GiB", flush=True)
     for count in counts:

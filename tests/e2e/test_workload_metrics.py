@@ -77,3 +77,34 @@ def test_the_offline_benchmark_measures_a_whole_batch_and_says_where_its_steps_w
         assert 0 < row["steps"] and 0 <= d["ahead_steps"] <= row["steps"]
         assert d["forward_seconds"] > 0 and d["phase_seconds"]["forward"] > 0
         assert d["cpu_job_wait_s"] == 0.0  # no staggered pipeline on a CPU-only run under these modes
+
+
+def test_a_measured_row_is_replayed_from_the_inputs_its_prediction_was_made_from():
+    """benchmarks/replay_batch_model.py: a row's kept model inputs (profile, calibration, limits) and its
+    workload re-drawn from the result's lengths and seed give back the batch model's prediction, printed beside
+    the measured steps by kind."""
+    import dataclasses
+
+    from replay_batch_model import replay_row, report
+
+    from apex_compile.runtime.batch_model import predict_batch
+    from tests.runtime.test_runtime_batch_model import h100_like, limits
+
+    policy, batch_limits = h100_like(), limits()
+    lengths = Lengths("uniform", (900, 1100), (200, 300)).draw(300, 3)
+    expected = predict_batch(policy, lengths, batch_limits, pipeline=True)
+    model = policy.model
+    row = {"mode": "auto", "num_requests": 300, "device_gib": 1.0, "predicted_plan": "auto", "steps": 9000,
+           "duration_s": 80.0, "diagnostics": {"step_kinds": {"staggered decode": [8000, 56.0, 0.1]}},
+           "model_inputs": {"profile": dataclasses.asdict(model.profile),
+                            "calibration": dataclasses.asdict(model.calibration),
+                            "limits": dataclasses.asdict(batch_limits)}}
+    result = {"lengths": "uniform prompt 900:1100 output 200:300", "seed": 3, "rows": [row]}
+    replayed = replay_row(result, row)
+    assert replayed["auto"] == expected and replayed["auto"].host_requests > 0
+    assert replayed["never"] == predict_batch(model, lengths, batch_limits)
+    lines = report(row, replayed)
+    assert f"{expected.steps} steps" in lines[0] and f"{expected.makespan_s:.1f} s" in lines[0]
+    assert any("staggered decode" in line and "measured 8000 x 7.00 ms" in line for line in lines)
+    with pytest.raises(ValueError, match="model_inputs"):
+        replay_row(result, {"num_requests": 3})
