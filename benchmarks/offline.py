@@ -174,8 +174,8 @@ def print_row(pool, mode, requests, result, base):
         print(f"      {result['steps']} steps, {d['ahead_steps']} queued ahead (not: {not_ahead or '-'}); main thread "
               f"s: {phases}; GPU waited {d['cpu_job_wait_s']:.1f} s for CPU jobs; moved {d['moved']}, parked "
               f"{d['parked']}, migrated {d['migrated']}, parked by a falling ceiling {d['emptied']}"
-              + (f", last host entry at step {d['last_host_entry_step']}" if result["requests_per_pool"]["host"] else ""),
-              flush=True)
+              + (f", last host entry at step {d['last_host_entry_step']}" if result["requests_per_pool"]["host"]
+                 else ""), flush=True)
         predicted = (result.get("predicted") or {}).get(result.get("predicted_plan"))
         if predicted and predicted["host_requests"]:
             print(f"      predicted: {predicted['steps']} steps, {predicted['host_requests']} host requests, migrated "

@@ -37,6 +37,7 @@ import math
 from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 from apex_compile.runtime.scheduler import LOOKAHEAD_TOKENS  # tokens a running request holds blocks for ahead
+from apex_compile.runtime.stagger.row_limit import fitting_rows
 
 
 @dataclasses.dataclass
@@ -260,7 +261,7 @@ class _BatchSim:
     def fit_rows(self, context: float, host_context: float) -> float:
         """Host rows a staggered step serves (unrounded, 1..max_rows): those whose CPU job fits `job_share` of the
         step's GPU work beside the device rows, priced with the learned job where there is one, else at the
-        profile's CPU bandwidth (`RowLimit.update`'s rule)."""
+        profile's CPU bandwidth (`RowLimit.update`'s rule, `fitting_rows`)."""
         key = (self.decode_rows, int(context) >> 5, int(host_context) >> 5)
         fit = self._fits.get(key)
         if fit is None:
@@ -268,8 +269,7 @@ class _BatchSim:
             step = auto.model.predict("staggered", max(self.decode_rows, 1), limits.max_rows, context,
                                       cpu_job=(0.0, 0.0), cpu_context=host_context).step_s + auto.gap.seconds(True)
             fixed, per_token = auto.cpu_job or (0.0, auto.model.cpu_seconds_per_token())
-            budget = limits.job_share * step - fixed
-            fit = max(1.0, min(float(limits.max_rows), budget / max(per_token * host_context, 1e-12)))
+            fit = fitting_rows(step, fixed, per_token * host_context, limits.max_rows, limits.job_share)
             self._fits[key] = fit
         return fit
 

@@ -98,8 +98,8 @@ class DecodeGraphs:
 
 # GPU-only steps above this many tokens run uncaptured: their GPU time outgrows the host's launch time. The
 # staggered plan's pieces also cover its pipeline prompt steps (a host request's whole prompt, up to
-# `TuningConfig.pipeline_prompt_tokens` past the budget): there the uncaptured step's host time (~56 ms for
-# 1,043 tokens of an 8B model, the staggered CPU job beside it) was twice its GPU time (DECISIONS 48).
+# `TuningConfig.pipeline_prompt_tokens` past the budget): there the uncaptured step's host time, beside the
+# staggered plan's own host work, outgrew its GPU time (DECISIONS 48).
 PIECEWISE_MAX_TOKENS = 512
 
 

@@ -21,10 +21,10 @@ from apex_compile.runtime.perf_model import Profile, cached_profile
 LINEAR_TOKENS = (1, 8, 32, 128)  # decode rows (up to max_num_seqs)
 # prompt steps' tokens (a step holds max_num_batched_tokens, plus a pipeline prompt's
 # TuningConfig.pipeline_prompt_tokens; past the last point the time grows linearly): past ~128 rows the GEMMs
-# turn compute-bound, so the decode points' slope, extrapolated, priced an H100's 512-token prompt step at half
-# its measured time (8.1 against 16.2 ms). 2048 at most: the LM head's output at these rows is transient memory
+# turn compute-bound, so the decode points' slope, extrapolated, priced a prompt step at about half its measured
+# time (DECISIONS 47). 2048 at most: the LM head's output at these rows is transient memory
 # (0.5 GiB for a 128k vocabulary at 2048), and it overprices a prompt token (which computes no logits) by the
-# head's share of the weights, about 6% for Llama-3-8B
+# head's share of the weights
 PROMPT_TOKENS = (512, 1024, 2048)
 PROFILE_VERSION = 2  # in the cache key: a profile measured without PROMPT_TOKENS is measured again
 BATCH = 8  # sequences of the attention probes (their total context is what the model interpolates over)

@@ -108,7 +108,7 @@ class StaggeredPlan(GpuOnlyPlan):
             return
         width = self.block_width
         # the staggered graph's pieces (rows include the block): every step up to PIECEWISE_MAX_TOKENS, and the
-        # pipeline prompt steps past it (their uncaptured host time was twice their GPU time: DECISIONS 48)
+        # pipeline prompt steps past it (uncaptured, their host time outgrew their GPU time: DECISIONS 48)
         rows = max_rows + width + self.engine.config.tuning.pipeline_prompt_tokens
         self.stagger_pieces = PiecewiseGraphs(piecewise_sizes(rows), rows, self.pieces.pool)
         self.stagger_graphs = DecodeGraphs([n for n in self.sizes if n <= max_rows])

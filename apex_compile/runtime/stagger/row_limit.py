@@ -25,6 +25,11 @@ IDLE_HOLD = 256
 MAX_IDLE_HOLD = 16384
 
 
+def fitting_rows(step_s: float, fixed_s: float, row_s: float, width: int, job_share: float) -> float:
+    """Rows (unrounded, 1..width) whose CPU job, `fixed_s` plus `row_s` a row, fits `job_share` of a `step_s` step."""
+    return max(1.0, min(float(width), (job_share * step_s - fixed_s) / max(row_s, 1e-12)))
+
+
 class RowLimit:
     """How many rows of a lane's turn hold requests (beyond it, requests wait to rejoin), where the pipeline adapts
     it: the most whose CPU job fits in `job_share` of a step, from a running fit of the job's seconds as a fixed part
@@ -181,8 +186,8 @@ class RowLimit:
             self._context = mean_context
         per_row = self.row_seconds()
         if self.adaptive and per_row is not None and self.step is not None:
-            budget = self.job_share * self.step - self.fixed
-            self.fraction = max(1.0, min(float(self.width), budget / per_row, float(self.guard)))
+            self.fraction = min(fitting_rows(self.step, self.fixed, per_row, self.width, self.job_share),
+                                float(self.guard))
             self.measured = int(self.fraction)
         else:
             self.fraction = float(self.measured)
