@@ -22,10 +22,10 @@ module replays the scheduler's rules over the batch's lengths and prices every s
   the device pool as it has room (most tokens left first).
 
 A step's price: a decode step is the model's GPU-only or staggered step plus its learned host gap; prompt tokens
-add their linear layers' time (`PerfModel.linear_s`), a pipeline prompt its K/V's copy to the host. Prefill
-attention (compute-bound, a few percent of a prompt's GEMMs below 2k tokens of context), the swaps' copies and
-the host's time of the pipeline's steps are left out: the benchmark's measured makespan beside the prediction
-(`benchmarks/offline.py`) tells how much they weigh.
+add `PerfModel.prompt_s` (their linear layers, and per token what the warm-up's timed prompt-only step took
+beyond that), a pipeline prompt its K/V's copy to the host. Prefill attention's growth past the calibrated
+step's context, the swaps' copies and the host's time of the pipeline's steps are left out: the benchmark's
+measured makespan beside the prediction (`benchmarks/offline.py`) tells how much they weigh.
 
 `StaggeredPlan.batch_pays` asks it, both ways, whether a batch ends sooner with the pipeline at all: `pays` judges
 one request, but each member's staggered steps slow every device row while it lives.
@@ -244,8 +244,7 @@ class _BatchSim:
             else:
                 gap = self.auto.gap.seconds(False) if self.auto is not None else 0.0
                 cached = model.predict("never", dense, 0, context).step_s + gap
-            if prompt_tokens:
-                cached += model.linear_s(dense + prompt_tokens) - model.linear_s(dense)
+            cached += model.prompt_s(dense, prompt_tokens)
             self._prices[key] = cached
         return cached
 

@@ -615,7 +615,30 @@ class Engine(EngineAPI):
             self.generate([prompt], SamplingParams(max_new_tokens=2, ignore_eos=True))
         self.runner.compile_decode_variants(self.model.config.num_attention_heads)
         self.plan.warmup()  # its graphs captured, its other compiled steps (the staggered one) compiled
+        self._calibrate_prompt_step()
         self.stats = EngineStats()  # counters describe the user's runs, not the warm-up
+
+    def _calibrate_prompt_step(self) -> None:
+        """Times a prompt-only step of a full step budget as a batch runs it (its graph, the host's work, the
+        first token's sample) into the calibration (`PerfModel.prompt_s` prices prompt tokens with it). Only
+        where the decode graphs were timed (CUDA graphs) and the device pool holds such a prompt."""
+        if not self.calibration.rows:
+            return
+        tokens = min(self.config.max_num_batched_tokens, self.max_model_len - 1)
+        block_size = self.shape.block_size
+        if self.kv.pools[DEVICE_POOL].num_blocks * block_size < tokens + 2 * block_size:
+            return
+        prompt = [int(self.model.config.bos_token_id or 1)] * tokens
+        sampling = SamplingParams(max_new_tokens=1, ignore_eos=True)
+        seconds = []
+        for _ in range(3):  # the first captures the step's graph
+            self.stats = EngineStats()
+            self.generate([prompt], sampling, progress=False)
+            count, total, _ = self.stats.step_kinds["prompt"]
+            if count == 1:
+                seconds.append(total)
+        if len(seconds) > 1:
+            self.calibration.prompt_tokens, self.calibration.prompt_s = tokens, min(seconds[1:])
 
     def blocks_in_use(self) -> dict:
         """Blocks held by requests in each pool (all zero when idle)."""

@@ -31,7 +31,10 @@ A `StepCalibration` (an engine's own captured decode graphs replayed over paddin
 are captured) replaces T_lin by the step as it really runs: the merged GEMMs, the norms, RoPE, the cache
 appends, the kernel boundaries and, for the staggered graph, the block's row exchange. A calibrated step is
 T_graph(rows) + T_gatt(ctx) - T_gatt(rows) (the replays' padding rows each read one token); the staggered
-plan adds the block's copies of all its rows (they run outside the graph, on the compute stream).
+plan adds the block's copies of all its rows (they run outside the graph, on the compute stream). The engine's
+warm-up also times one prompt-only step of its step budget as a batch runs it (`Engine._calibrate_prompt_step`):
+prompt tokens are priced at their linear layers plus, per token, what that step took beyond the model's price
+(`prompt_s`).
 
 A `HostGap` adds what neither the profile nor the replays see: the host's time between two steps that the GPU
 waits for (scheduling, filling the step's buffers, the staggered block's collect), learned online from the
@@ -98,6 +101,10 @@ class StepCalibration:
     stagger_rows: List[int] = dataclasses.field(default_factory=list)
     stagger_s: List[float] = dataclasses.field(default_factory=list)
     stagger_width: int = 0
+    # a prompt-only step of `prompt_tokens` tokens (one request's chunk of the step budget) as the engine's
+    # warm-up ran it: its graph, the host's work around it and its token's sample (0: not measured)
+    prompt_tokens: int = 0
+    prompt_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -129,6 +136,28 @@ class PerfModel:
         """Whether the replays of the GPU-only (or, with `stagger`, the staggered) graphs are in."""
         c = self.calibration
         return c is not None and bool(c.stagger_rows if stagger else c.rows)
+
+    def prompt_s(self, rows: int, tokens: int) -> float:
+        """Seconds that `tokens` prompt tokens add to a step of `rows` decode rows: their linear layers (the
+        profile's GEMM points) and, where the calibration timed a prompt-only step, what those points miss, per
+        token (prefill attention, the norms and RoPE at that many rows, the step's host work; less the LM head the
+        points include and a prompt token does not compute). That residual is one measurement at one context;
+        prefill attention's growth with a longer context is left out."""
+        if not tokens:
+            return 0.0
+        dense = max(rows, 1)
+        linear = self.linear_s(dense + tokens) - self.linear_s(dense)
+        return max(linear + tokens * self.prompt_residual_s(), 0.0)
+
+    def prompt_residual_s(self) -> float:
+        """Seconds per prompt token that the calibration's prompt-only step took beyond the model's price of it
+        (a decode step of one row plus the prompt's linear layers); 0 without that measurement."""
+        c = self.calibration
+        if c is None or not c.prompt_tokens or not self.is_calibrated(False):
+            return 0.0
+        tokens = c.prompt_tokens
+        base = self.predict("never", 1, 0, 1.0).step_s + self.linear_s(1 + tokens) - self.linear_s(1)
+        return (c.prompt_s - base) / tokens
 
     def linear_s(self, tokens: int) -> float:
         p = self.profile

@@ -192,6 +192,19 @@ def test_auto_measures_a_profile_once_and_explains_its_verdict(fp32_model, tmp_p
     assert "verdict:" in first.offload_decision() and "ideal_gain" in first.offload_decision()
 
 
+@pytest.mark.parametrize("offload", ["never", "auto"])
+def test_the_warm_up_times_a_prompt_only_step_into_the_calibration(fp32_model, offload, tmp_path, monkeypatch):
+    """warmup() runs a prompt of the step budget through the engine (its graph captured first) and keeps the
+    step's time for the model's prompt price; the user's counters and pools start clean."""
+    monkeypatch.setenv("APEX_COMPILE_CACHE_DIR", str(tmp_path))
+    apex = optimize(fp32_model, ApexConfig(offload=offload, gpu_cache_size=32 * MB, cpu_cache_size=32 * MB))
+    engine = apex.engine
+    engine.warmup()
+    c = engine.calibration
+    assert c.rows and c.prompt_tokens == engine.config.max_num_batched_tokens and c.prompt_s > 0
+    assert engine.stats.steps == 0 and engine.blocks_in_use() == {"device": 0, "host": 0}
+
+
 GREEDY_20 = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
 
 

@@ -54,6 +54,20 @@ def test_a_pool_for_one_request_runs_the_batch_one_after_another():
     assert out.steps == 5 * (2 + 9)
 
 
+def test_a_calibrated_prompt_step_prices_every_prompt_token_of_the_batch():
+    """Where the warm-up timed a prompt-only step above the model's price of it, each prompt step of the batch
+    costs that much more per prompt token: 8 prompts of 32 tokens in one step, 256 tokens at the residual."""
+    model = h100_like().model
+    c = model.calibration
+    price = model.predict("never", 1, 0, 1.0).step_s + model.linear_s(1 + 512) - model.linear_s(1)
+    timed = PerfModel(model.profile, StepCalibration(c.rows, c.step_s, c.stagger_rows, c.stagger_s,
+                                                     c.stagger_width, prompt_tokens=512, prompt_s=price + 4e-3))
+    batch, pool = [(32, 6)] * 8, limits(device_blocks=4096, growth_reserve=0.0)
+    plain, calibrated = predict_batch(model, batch, pool), predict_batch(timed, batch, pool)
+    assert calibrated.steps == plain.steps
+    assert calibrated.makespan_s - plain.makespan_s == pytest.approx(256 * 4e-3 / 512)
+
+
 def test_the_pipeline_shortens_a_long_batch_and_would_lengthen_a_short_one():
     """A long queue behind a 1 GiB pool: the pipeline takes the tail and the batch ends well before GPU-only's.
     A short batch: `pays` still lets a few tail requests in (each alone finishes sooner there), but their

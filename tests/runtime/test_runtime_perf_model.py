@@ -171,6 +171,30 @@ def test_a_calibrated_step_is_the_replayed_graph_plus_the_context_beyond_one_tok
     assert partial.predict("never", 16, 0, 1024).step_s == pytest.approx(never)
 
 
+def test_prompt_tokens_add_their_linear_layers_and_the_calibrated_prompt_steps_residual():
+    """A prompt token costs its linear layers; where the warm-up timed a prompt-only step, what the model's price
+    of that step missed is added per token (a measured step under the price takes it back, never below zero)."""
+    model = calibrated()
+    linear = model.linear_s(6 + 200) - model.linear_s(6)
+    assert model.prompt_s(6, 200) == pytest.approx(linear)
+    assert model.prompt_s(0, 200) == pytest.approx(model.linear_s(201) - model.linear_s(1))
+    assert model.prompt_s(6, 0) == 0.0
+    c = model.calibration
+    price = model.predict("never", 1, 0, 1.0).step_s + model.linear_s(1 + 256) - model.linear_s(1)
+    slow = PerfModel(model.profile, StepCalibration(c.rows, c.step_s, prompt_tokens=256, prompt_s=price + 2e-3))
+    assert slow.prompt_residual_s() == pytest.approx(2e-3 / 256)
+    assert slow.prompt_s(6, 200) == pytest.approx(linear + 200 * 2e-3 / 256)
+    # the calibrated step itself is priced at what was measured
+    assert slow.predict("never", 1, 0, 1.0).step_s + slow.prompt_s(1, 256) == pytest.approx(price + 2e-3)
+    fast = PerfModel(model.profile, StepCalibration(c.rows, c.step_s, prompt_tokens=256, prompt_s=price - 2e-4))
+    assert 0 < fast.prompt_s(6, 200) == pytest.approx(linear - 200 * 2e-4 / 256)
+    far = PerfModel(model.profile, StepCalibration(c.rows, c.step_s, prompt_tokens=256, prompt_s=price - 1.0))
+    assert far.prompt_s(6, 200) == 0.0
+    # the residual needs the decode graphs' replays it is measured against
+    alone = PerfModel(model.profile, StepCalibration(prompt_tokens=256, prompt_s=price + 2e-3))
+    assert alone.prompt_s(6, 200) == pytest.approx(linear)
+
+
 def test_auto_stagger_rows_follow_the_calibrated_model():
     """auto's host rows per step: the best count when it beats GPU-only by the margin, else 0."""
     fast = AutoOffload(calibrated(cpu_gbps=90), stagger_groups=GROUPS)
