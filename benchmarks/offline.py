@@ -22,8 +22,10 @@ import argparse
 import dataclasses
 import gc
 import os
+import statistics
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -86,6 +88,20 @@ def engine_counters(engine) -> dict:
             "step_kinds": {kind: list(v) for kind, v in stats.step_kinds.items()}}
 
 
+def row_limit_sample(engine) -> Optional[dict]:
+    """Where the staggered pipeline's adaptive row limit stands (None without a pipeline or before its CPU job was
+    fitted): the rows a step serves (unrounded) and the job's fitted rate beside the profile's, in seconds per
+    context token over all layers, so a run tells whether the profile's CPU rate held while the pipeline ran."""
+    pipeline = getattr(getattr(engine, "plan", None), "pipeline", None)
+    rows = getattr(pipeline, "rows", None)
+    if rows is None or rows.rate is None:
+        return None
+    layers = rows.num_layers
+    return {"step": engine.stats.steps, "rows": rows.fraction, "rate_s_per_token": rows.rate * layers,
+            "fixed_s": rows.fixed,
+            "profile_s_per_token": None if rows.prior_rate is None else rows.prior_rate * layers}
+
+
 def difference(after, before):
     """after - before, through dicts and [count, seconds, longest] lists (a fresh engine's warm-up zeroes its
     counters, so the longest is the batch's)."""
@@ -113,11 +129,16 @@ def run_batch(model, config: ApexConfig, prompts, lengths, progress_s: float = 1
         with EnergyMeter() as energy:
             start = time.perf_counter()
             times = [RequestTimes(start) for _ in prompts]
-            last_print, done = start, 0
+            last_print, last_sample, done, samples = start, start, 0, []
             for event in engine.stream(prompts, sampling, progress=False):
                 now = time.perf_counter()
                 times[event.index].token_times.append(now)
                 done += event.finish_reason is not None
+                if now - last_sample > 1.0:
+                    last_sample = now
+                    sample = row_limit_sample(engine)
+                    if sample is not None:
+                        samples.append(sample)
                 if now - last_print > progress_s:
                     last_print = now
                     print(f"    {now - start:6.0f}s  {done}/{len(prompts)} requests done", flush=True)
@@ -148,6 +169,8 @@ def run_batch(model, config: ApexConfig, prompts, lengths, progress_s: float = 1
                                                (a - b for a, b in zip(engine.stats.requests_per_pool,
                                                                       requests_before))))
         result["diagnostics"] = difference(engine_counters(engine), counters_before)
+        if samples:
+            result["row_limit"] = samples
         return result
     finally:
         apex.close()
@@ -185,6 +208,13 @@ def print_row(pool, mode, requests, result, base):
                  + (f" (predicted {own[kind][0]} x {1e3 * own[kind][1] / max(own[kind][0], 1):.2f})" if kind in own
                     else "") for kind, (n, s, longest) in d["step_kinds"].items() if n]
         print(f"      steps by kind: {'; '.join(kinds)}", flush=True)
+    samples = result.get("row_limit")
+    if samples:
+        mid = lambda key: statistics.median(s[key] for s in samples)  # noqa: E731
+        prior = samples[-1]["profile_s_per_token"]
+        print(f"      CPU job (median of {len(samples)} samples): {mid('rows'):.2f} rows a step, "
+              f"{1e6 * mid('rate_s_per_token'):.2f} us per context token (all layers) + {1e3 * mid('fixed_s'):.2f} ms"
+              + (f"; profile {1e6 * prior:.2f} us" if prior else ""), flush=True)
 
 
 def plot(result: dict, path: str) -> None:

@@ -108,3 +108,24 @@ def test_a_measured_row_is_replayed_from_the_inputs_its_prediction_was_made_from
     assert any("staggered decode" in line and "measured 8000 x 7.00 ms" in line for line in lines)
     with pytest.raises(ValueError, match="model_inputs"):
         replay_row(result, {"num_requests": 3})
+
+
+def test_offline_rows_sample_the_pipelines_row_limit_beside_the_profiles_cpu_rate():
+    """A row's `row_limit` samples: the rows a step serves and the CPU job's fitted rate over all layers, beside the
+    profile's; none without a pipeline or before its first fitted job."""
+    from types import SimpleNamespace
+
+    from offline import row_limit_sample
+
+    from apex_compile.runtime.stagger.row_limit import RowLimit
+
+    rows = RowLimit(8, 32, adaptive=True, prior_rate=40e-9)
+    engine = SimpleNamespace(plan=SimpleNamespace(pipeline=SimpleNamespace(rows=rows)), stats=SimpleNamespace(steps=7))
+    assert row_limit_sample(engine) is None
+    for work in (3000.0, 4000.0, 5000.0, 6000.0):  # jobs of growing work: the fit's slope
+        rows.observe_job(5e-4 + 42e-9 * work, work)
+    sample = row_limit_sample(engine)
+    assert sample["step"] == 7 and sample["rows"] == rows.fraction
+    assert sample["rate_s_per_token"] == pytest.approx(rows.rate * 32)
+    assert sample["profile_s_per_token"] == pytest.approx(40e-9 * 32)
+    assert row_limit_sample(SimpleNamespace(plan=SimpleNamespace(pipeline=None), stats=engine.stats)) is None
