@@ -400,9 +400,11 @@ def test_parked_requests_join_the_pipeline_on_the_gpu_equal_hf_generate_fp32(mon
 
 def test_auto_that_chooses_the_staggered_plan_equals_hf_generate_fp32(tmp_path, monkeypatch):
     """offload="auto" whose model predicts the staggered plan pays (a profile with a fast CPU, the model's
-    rows per step pinned to the block's width so the choice does not hang on this tiny model's timings):
-    it builds the pipeline, its captured graphs calibrate the model, and the tokens are HF's."""
+    rows per step pinned to the block's width and the batch gate open, so the choice does not hang on this tiny
+    model's timings: the gate has its own tests in test_runtime_batch_model.py): it builds the pipeline, its
+    captured graphs calibrate the model, and the tokens are HF's."""
     from apex_compile.runtime import perf_model, perf_profile
+    from apex_compile.runtime.plans.staggered import StaggeredPlan
 
     torch.backends.cuda.matmul.allow_tf32 = False
     monkeypatch.setenv("APEX_COMPILE_CACHE_DIR", str(tmp_path))
@@ -416,6 +418,7 @@ def test_auto_that_chooses_the_staggered_plan_equals_hf_generate_fp32(tmp_path, 
     monkeypatch.setattr(perf_profile, "measure_profile", fast_cpu)
     monkeypatch.setattr(perf_model.AutoOffload, "stagger_rows",
                         lambda self, gpu, context, width, keep=False, host_context=None, hold=False: width)
+    monkeypatch.setattr(StaggeredPlan, "batch_pays", lambda self: True)
     model = random_llama(torch.float32)
     ids, mask, ref, block = small_pool_case(model)
     apex = optimize(model, ApexConfig(offload="auto", gpu_cache_size=8 * block, cpu_cache_size=32 * MB))
