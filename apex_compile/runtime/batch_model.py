@@ -451,6 +451,23 @@ def predict_batch(policy, lengths: Sequence[Tuple[int, int]], limits: BatchLimit
     return _BatchSim(policy, lengths, limits, pipeline, state, entries).run(max_steps)
 
 
+# offload="auto", a batch (the makespan objective): the share by which the batch's predicted makespan must shrink
+# with the pipeline taking its tail before any request enters it (`batch_verdict`). The simulation prices steps
+# by the calibrated model and leaves out the host's launch time of the pipeline's prompt steps and swaps, which
+# weigh against the pipeline.
+BATCH_MARGIN = 0.05
+
+
+def batch_verdict(policy, lengths: Sequence[Tuple[int, int]], limits: BatchLimits,
+                  state: Optional[BatchState] = None) -> Tuple[BatchPrediction, BatchPrediction, bool]:
+    """offload="auto"'s batch gate: (the batch without new pipeline members, with the pipeline taking the queue's
+    tail where each request finishes sooner there, whether the second ends sooner by BATCH_MARGIN), both simulated
+    from `state` (None: the batch starts now)."""
+    without = predict_batch(policy, lengths, limits, pipeline=True, state=state, entries=False)
+    with_pipeline = predict_batch(policy, lengths, limits, pipeline=True, state=state)
+    return without, with_pipeline, with_pipeline.makespan_s < without.makespan_s * (1 - BATCH_MARGIN)
+
+
 def engine_limits(engine) -> BatchLimits:
     """The limits of an `Engine`'s batches (its pools, batching limits and, with the staggered plan, pipeline)."""
     from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL

@@ -129,3 +129,33 @@ def test_offline_rows_sample_the_pipelines_row_limit_beside_the_profiles_cpu_rat
     assert sample["rate_s_per_token"] == pytest.approx(rows.rate * 32)
     assert sample["profile_s_per_token"] == pytest.approx(40e-9 * 32)
     assert row_limit_sample(SimpleNamespace(plan=SimpleNamespace(pipeline=None), stats=engine.stats)) is None
+
+
+def test_the_replay_maps_the_batch_gates_verdicts_over_a_grid_of_batches():
+    """replay_batch_model.py --map: with a row's model, each batch of the grid predicted without new pipeline
+    members and with them, the gate's verdict as the engine's (`batch_verdict`), and auto's ratio: 1 where the
+    gate stays shut, the pipeline's gain where it opens (a long queue behind a small pool)."""
+    import dataclasses
+
+    from replay_batch_model import map_rows
+
+    from apex_compile.runtime.batch_model import BATCH_MARGIN, predict_batch
+    from tests.runtime.test_runtime_batch_model import h100_like, limits
+
+    policy, batch_limits = h100_like(), limits()
+    model = policy.model
+    row = {"device_gib": 1.0, "model_inputs": {"profile": dataclasses.asdict(model.profile),
+                                               "calibration": dataclasses.asdict(model.calibration),
+                                               "limits": dataclasses.asdict(batch_limits)}}
+    grid = map_rows(row, workloads=(("fixed", (1024, 1024), (256, 256)),), counts=(8, 400), pools_gib=(1.0, 2.0))
+    assert [(m["device_gib"], m["requests"]) for m in grid] == [(1.0, 8), (1.0, 400), (2.0, 8), (2.0, 400)]
+    lengths = Lengths("fixed", (1024, 1024), (256, 256)).draw(400, 0)
+    alone = predict_batch(policy, lengths, batch_limits, pipeline=True, entries=False)
+    assert grid[1]["gpu_only_s"] == pytest.approx(alone.makespan_s)
+    for m in grid:
+        assert m["gate"] == (m["pipeline_s"] < m["gpu_only_s"] * (1 - BATCH_MARGIN))
+        assert m["auto_vs_gpu_only"] == (m["gpu_only_s"] / m["pipeline_s"] if m["gate"] else 1.0)
+    assert not grid[0]["gate"] and grid[1]["gate"] and grid[1]["auto_vs_gpu_only"] > 1.2
+    row["model_inputs"]["limits"]["cycle"] = 0
+    with pytest.raises(ValueError, match="no staggered plan"):
+        map_rows(row)

@@ -145,7 +145,7 @@ def test_the_batch_gate_never_predicts_a_batch_slower_than_gpu_only(count, promp
     """offload="auto"'s batch gate on an engine (a CPU staggered engine run as auto, its policy the synthetic
     H100-like model): with the gate's verdict, the batch's predicted makespan is GPU-only's or shorter by the
     gate's margin; the gate opens exactly where the pipeline's prediction is shorter by that margin."""
-    from apex_compile.runtime.plans.staggered import BATCH_MARGIN
+    from apex_compile.runtime.batch_model import BATCH_MARGIN
 
     apex = staggered(sharp_model(), width="auto", device_blocks=6)
     engine = apex.engine

@@ -37,11 +37,6 @@ STAGGER_RISE_STEPS = 64
 # refilling it takes a rise and a lane's cycle; a dip of the measured rows, the job fit's noise, read as a verdict
 # of 0 for one step)
 STAGGER_FALL_STEPS = 32
-# offload="auto", a batch (the makespan objective): the share by which the batch's predicted makespan must shrink
-# with the pipeline taking its tail before any request enters it (`batch_pays`). The simulation prices steps
-# by the calibrated model and leaves out the host's launch time of the pipeline's prompt steps and swaps
-# (`runtime/batch_model.py`), which weigh against the pipeline.
-BATCH_MARGIN = 0.05
 
 
 class StaggeredPlan(GpuOnlyPlan):
@@ -223,11 +218,11 @@ class StaggeredPlan(GpuOnlyPlan):
     def batch_pays(self) -> bool:
         """offload="auto" with the makespan objective: whether the batch as it stands (running, parked, waiting
         requests and members) is predicted to end sooner, by BATCH_MARGIN, with the pipeline taking the queue's
-        tail where each request finishes sooner there than without new members (`runtime/batch_model.py`, both
+        tail where each request finishes sooner there than without new members (`batch_model.batch_verdict`, both
         simulated from now). Predicted again once requests were added or the queue fell to half of what the
         last prediction saw. It runs on the launching thread, a few microseconds per simulated step (on the 2-core
         CI machine: 0.3 s for 1,000 x (1024 + 256) at 1 GiB, 4 s for 4,000 x (2048 + 512), a batch of an hour)."""
-        from apex_compile.runtime.batch_model import engine_limits, engine_state, predict_batch
+        from apex_compile.runtime.batch_model import batch_verdict, engine_limits, engine_state
 
         engine = self.engine
         scheduler = engine.scheduler
@@ -236,11 +231,7 @@ class StaggeredPlan(GpuOnlyPlan):
         if last is not None and last[0] == engine.requests_added and queued > last[1] // 2:
             return last[2]
         lengths, state = engine_state(engine)
-        limits = engine_limits(engine)
-        policy = engine.auto_policy
-        without = predict_batch(policy, lengths, limits, pipeline=True, state=state, entries=False)
-        with_pipeline = predict_batch(policy, lengths, limits, pipeline=True, state=state)
-        verdict = with_pipeline.makespan_s < without.makespan_s * (1 - BATCH_MARGIN)
+        verdict = batch_verdict(engine.auto_policy, lengths, engine_limits(engine), state)[2]
         self._batch_verdict = (engine.requests_added, queued, verdict)
         return verdict
 
