@@ -77,11 +77,11 @@ def map_rows(row: dict, workloads=MAP_WORKLOADS, counts=MAP_COUNTS, pools_gib=MA
         pool = dataclasses.replace(limits, device_blocks=int(round(blocks_per_gib * gib)))
         for dist, prompt, output in workloads:
             for count in counts:
-                lengths = Lengths(dist, prompt, output).draw(count, seed)
+                spec = Lengths(dist, prompt, output)
                 policy = AutoOffload(model, stagger_groups=pool.cycle, max_stagger_rows=pool.max_rows)
-                without, with_pipeline, opens = batch_verdict(policy, lengths, pool)
-                out.append({"device_gib": gib, "workload": f"{dist} prompt {prompt[0]}:{prompt[1]} output "
-                            f"{output[0]}:{output[1]}", "requests": count, "gpu_only_s": without.makespan_s,
+                without, with_pipeline, opens = batch_verdict(policy, spec.draw(count, seed), pool)
+                out.append({"device_gib": gib, "workload": spec.describe(), "requests": count,
+                            "gpu_only_s": without.makespan_s,
                             "pipeline_s": with_pipeline.makespan_s, "host_requests": with_pipeline.host_requests,
                             "gate": opens,
                             "auto_vs_gpu_only": without.makespan_s / with_pipeline.makespan_s if opens else 1.0})
