@@ -220,8 +220,8 @@ class StaggeredPlan(GpuOnlyPlan):
         requests and members) is predicted to end sooner, by BATCH_MARGIN, with the pipeline taking the queue's
         tail where each request finishes sooner there than without new members (`batch_model.batch_verdict`, both
         simulated from now). Predicted again once requests were added or the queue fell to half of what the
-        last prediction saw. It runs on the launching thread, a few microseconds per simulated step (on the 2-core
-        CI machine: 0.3 s for 1,000 x (1024 + 256) at 1 GiB, 4 s for 4,000 x (2048 + 512), a batch of an hour)."""
+        last prediction saw. It runs on the launching thread, a few microseconds per simulated step (DECISIONS 45
+        has its cost on the CI machine)."""
         from apex_compile.runtime.batch_model import batch_verdict, engine_limits, engine_state
 
         engine = self.engine
