@@ -85,7 +85,25 @@ def engine_counters(engine) -> dict:
             "moved": stats.moved, "parked": stats.parked, "recomputed": stats.recomputed,
             "migrated": stats.migrated, "emptied": stats.emptied, "last_host_entry_step": stats.last_host_entry_step,
             "cpu_job_wait_s": getattr(executor, "waited_s", 0.0),
-            "step_kinds": {kind: list(v) for kind, v in stats.step_kinds.items()}}
+            "step_kinds": {kind: list(v) for kind, v in stats.step_kinds.items()},
+            "captures": graph_captures(getattr(engine, "plan", None))}
+
+
+# the plan's graph families captured lazily, the first time a step meets a key (the decode graphs are captured by
+# the warm-up): the piecewise and whole mixed graphs, GPU-only and staggered
+LAZY_GRAPHS = ("pieces", "mixed", "stagger_pieces", "stagger_mixed")
+
+
+def graph_captures(plan) -> dict:
+    """{family: [keys captured, seconds]} of the plan's lazily captured graphs (none without CUDA graphs): over a
+    batch, the captures that landed inside it, whose seconds its makespan includes and the batch model leaves out."""
+    out = {}
+    for name in LAZY_GRAPHS:
+        graphs = getattr(plan, name, None)
+        if graphs is not None:
+            keys = getattr(graphs, "pieces", None)
+            out[name] = [len(keys if keys is not None else graphs.graphs), graphs.capture_seconds]
+    return out
 
 
 def row_limit_sample(engine) -> Optional[dict]:
@@ -208,6 +226,9 @@ def print_row(pool, mode, requests, result, base):
                  + (f" (predicted {own[kind][0]} x {1e3 * own[kind][1] / max(own[kind][0], 1):.2f})" if kind in own
                     else "") for kind, (n, s, longest) in d["step_kinds"].items() if n]
         print(f"      steps by kind: {'; '.join(kinds)}", flush=True)
+        captured = [f"{name} {n} in {seconds:.1f} s" for name, (n, seconds) in d.get("captures", {}).items() if n]
+        if captured:
+            print(f"      graphs captured inside the batch: {'; '.join(captured)}", flush=True)
     samples = result.get("row_limit")
     if samples:
         mid = lambda key: statistics.median(s[key] for s in samples)  # noqa: E731

@@ -159,3 +159,21 @@ def test_the_replay_maps_the_batch_gates_verdicts_over_a_grid_of_batches():
     row["model_inputs"]["limits"]["cycle"] = 0
     with pytest.raises(ValueError, match="no staggered plan"):
         map_rows(row)
+
+
+def test_offline_rows_count_the_graphs_captured_inside_the_batch():
+    """A row's `captures`: per lazily captured graph family of the plan, the keys captured and their seconds (over a
+    batch: the difference, the captures its makespan paid); families the plan lacks are left out."""
+    from types import SimpleNamespace
+
+    from offline import difference, graph_captures
+
+    pieces = SimpleNamespace(pieces={(64, 64): None}, capture_seconds=0.5)
+    mixed = SimpleNamespace(graphs={(8, 8): None, (16, 16): None}, capture_seconds=0.2)
+    plan = SimpleNamespace(pieces=pieces, mixed=mixed, stagger_pieces=None)
+    before = graph_captures(plan)
+    assert before == {"pieces": [1, 0.5], "mixed": [2, 0.2]}
+    pieces.pieces[(1088, 64)] = None
+    pieces.capture_seconds += 3.0
+    assert difference(graph_captures(plan), before) == {"pieces": [1, pytest.approx(3.0)], "mixed": [0, 0.0]}
+    assert graph_captures(None) == {}
