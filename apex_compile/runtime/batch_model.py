@@ -35,7 +35,7 @@ import heapq
 import math
 from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
-from apex_compile.runtime.scheduler import LOOKAHEAD_TOKENS  # tokens a running request holds blocks for ahead
+from apex_compile.runtime.scheduler import LOOKAHEAD_TOKENS
 from apex_compile.runtime.stagger.row_limit import fitting_rows
 
 
@@ -48,6 +48,10 @@ class BatchLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
     growth_reserve: float = 0.0
+    # tokens past its own that a running request keeps blocks for: the scheduler's look-ahead where its parks are
+    # issued ahead, beside the next step (`Scheduler.parks_ahead`: a CUDA engine's overlapped moves); 0 where a
+    # shortfall evicts at the step that needs the blocks (a CPU-only engine)
+    lookahead: int = LOOKAHEAD_TOKENS
     # the staggered pipeline (cycle 0: none): steps between two tokens of a member, the most host rows per step,
     # the longest prompt it takes, and the host pool's blocks
     cycle: int = 0
@@ -281,7 +285,7 @@ class _BatchSim:
         used = self.used_blocks()
         while self.parked and len(self.running) < limits.max_num_seqs:  # swapped-out requests resume first
             tokens, rest = self.parked[0]
-            if used + self.need(tokens + LOOKAHEAD_TOKENS, rest) > limits.device_blocks:
+            if used + self.need(tokens + limits.lookahead, rest) > limits.device_blocks:
                 return
             self.parked.popleft()
             self.parked_rest -= rest
@@ -325,7 +329,7 @@ class _BatchSim:
         bs = limits.block_size
         prefill = sum(r.prompt + 1 for r in self.prefilling) + len(self.prefilling) * bs // 2
         while self.decode_rows > 1:
-            held = (self.ctx_sum + prefill + self.decode_rows * (LOOKAHEAD_TOKENS + bs // 2)) / bs
+            held = (self.ctx_sum + prefill + self.decode_rows * (limits.lookahead + bs // 2)) / bs
             if held <= limits.device_blocks:
                 return
             victim = next(r for r in reversed(self.running) if r.serial in self.by_serial)
@@ -474,6 +478,7 @@ def engine_limits(engine) -> BatchLimits:
     config, kv, pipeline = engine.config, engine.kv, engine.plan.pipeline
     return BatchLimits(kv.pools[DEVICE_POOL].num_blocks, kv.block_size, config.max_num_seqs,
                        config.max_num_batched_tokens, config.growth_reserve,
+                       lookahead=LOOKAHEAD_TOKENS if engine.scheduler.parks_ahead else 0,
                        cycle=pipeline.cycle if pipeline is not None else 0,
                        max_rows=pipeline.width if pipeline is not None else 0,
                        pipeline_prompt_tokens=config.tuning.pipeline_prompt_tokens,

@@ -261,7 +261,7 @@ class Scheduler:
             end = max(end, self._reserve_target(request))
         need = blocks + self.kv.extra_blocks(request.request_id, end)
         # the running requests' look-ahead (else it would be parked again at once) and growth reserve
-        need += self._running_need(lookahead=self._parks_ahead(), reserve=True)
+        need += self._running_need(lookahead=self.parks_ahead, reserve=True)
         return num_tokens if self.kv.num_free(self.run_pools[0]) >= need else None
 
     def _reserve_target(self, request: Request) -> int:
@@ -297,7 +297,8 @@ class Scheduler:
         need += self._running_need(lookahead=False, reserve=True)
         return need <= self.kv.num_free(DEVICE_POOL) + self.kv.num_held(DEVICE_POOL)
 
-    def _parks_ahead(self) -> bool:
+    @property
+    def parks_ahead(self) -> bool:
         """Whether the device pool's evictions are parks ahead (overlapped moves, parked in the host pool, which
         runs no request beside the device pool's except in the staggered pipeline)."""
         return (self.kv.overlaps_moves and self.park_pool == HOST_POOL and self.run_pools[0] == DEVICE_POOL
@@ -313,7 +314,7 @@ class Scheduler:
         """A step queued ahead computing `step_tokens` (request id -> tokens): the parks that step leaves due
         (`_plan_parks`), issued by `park_launched` once it is queued."""
         self._park_after = []
-        if self._parks_ahead():
+        if self.parks_ahead:
             self._plan_parks(step_tokens)
 
     def _plan_parks(self, step_tokens: dict) -> None:
@@ -472,7 +473,7 @@ class Scheduler:
             budget -= num_tokens
         for chunk in out.chunks:
             chunk.request.steps_per_pool[chunk.pool] += 1
-        if self._parks_ahead():
+        if self.parks_ahead:
             self._plan_parks({c.request.request_id: c.num_tokens for c in out.chunks})
         return out
 

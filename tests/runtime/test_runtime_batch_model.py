@@ -2,10 +2,11 @@
 follow by hand, the pipeline's batch-level trade (a long queue behind a small device pool gains; a short one
 would lose to the staggered steps' overhead although each request it takes finishes sooner), the state of a
 running engine, and offload="auto"'s batch gate built on it: a simulated finite batch is never predicted slower
-than GPU-only."""
+than GPU-only. GPU-only batches are also checked against the scheduler itself: a CPU engine's steps."""
 import pytest
+import torch
 
-from apex_compile import SamplingParams
+from apex_compile import ApexConfig, SamplingParams, optimize
 from apex_compile.runtime.batch_model import BatchLimits, BatchState, engine_limits, engine_state, predict_batch
 from apex_compile.runtime.perf_model import AutoOffload, PerfModel, StepCalibration
 from tests.runtime.test_runtime_perf_model import KV_PER_TOKEN, profile
@@ -247,6 +248,47 @@ def test_the_engine_counts_its_steps_by_the_kinds_the_batch_model_prices():
     assert engine.stats.last_host_entry_step == entries[-1] < engine.stats.steps - 12
     # the longest call of a kind lies between its mean and its total
     assert all(seconds / n <= longest <= seconds and longest > 0 for n, seconds, longest in kinds.values() if n)
+    apex.close()
+
+
+@pytest.fixture(scope="module")
+def two_layer_llama():
+    from tests.helpers import tiny_model
+
+    model = tiny_model("llama", layers=2, max_position_embeddings=1024)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+# (requests, prompt range, output range, device pool blocks, step budget): each pool small enough to swap
+SCHEDULER_BATCHES = [(60, (20, 300), (5, 60), 40, 128), (40, (10, 500), (1, 100), 100, 512),
+                     (120, (50, 120), (30, 30), 30, 64)]
+
+
+@pytest.mark.parametrize("seed", range(len(SCHEDULER_BATCHES)))
+def test_gpu_only_batches_take_the_steps_the_engines_scheduler_takes(two_layer_llama, seed):
+    """The batch model replays the scheduler's rules (admission with the growth reserve, chunked prefill, swaps
+    when the pool's blocks run out): on a CPU engine's GPU-only batches of random lengths, in pools small enough
+    to swap, it predicts the engine's steps within 2%. Its look-ahead is the engine's (`engine_limits`): none on
+    a CPU engine, whose evictions wait for the step that needs the blocks (with a CUDA engine's 8 tokens it
+    predicts 2-8% more steps of these batches: twice the swaps)."""
+    count, prompt, output, blocks, budget = SCHEDULER_BATCHES[seed]
+    block_bytes = 2 * 2 * 2 * 16 * 16 * 4  # K and V, 2 layers, 2 KV heads x 16 dims, fp32, 16-token blocks
+    apex = optimize(two_layer_llama, ApexConfig(offload="never", gpu_cache_size=blocks * block_bytes,
+                                                cpu_cache_size=400 * block_bytes, max_model_len=700,
+                                                max_num_batched_tokens=budget))
+    engine = apex.engine
+    g = torch.Generator().manual_seed(seed)
+    lengths = [(int(torch.randint(prompt[0], prompt[1] + 1, (1,), generator=g)),
+                int(torch.randint(output[0], output[1] + 1, (1,), generator=g))) for _ in range(count)]
+    prompts = [torch.randint(3, 96, (p,), generator=g).tolist() for p, _ in lengths]
+    engine.generate(prompts, [SamplingParams(max_new_tokens=o, ignore_eos=True) for _, o in lengths],
+                    progress=False)
+    limits = engine_limits(engine)
+    predicted = predict_batch(PerfModel(profile(100.0)), lengths, limits)
+    assert limits.lookahead == 0 and engine.stats.parked > 0 and predicted.parks > 0
+    assert predicted.steps == pytest.approx(engine.stats.steps, rel=0.02)
+    assert predicted.output_tokens == sum(o for _, o in lengths)
     apex.close()
 
 

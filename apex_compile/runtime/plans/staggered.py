@@ -332,7 +332,7 @@ class StaggeredPlan(GpuOnlyPlan):
             return kv.blocks_for(scheduler._reserve_target(request))
 
         room = (kv.num_free(DEVICE_POOL) + kv.num_held(DEVICE_POOL)
-                - scheduler._running_need(lookahead=scheduler._parks_ahead(), reserve=True)
+                - scheduler._running_need(lookahead=scheduler.parks_ahead, reserve=True)
                 - sum(need(r) for r in list(scheduler.parked) + leaving))
         rest = lambda r: scheduler.max_tokens(r) - r.num_tokens  # noqa: E731
         for request in sorted((r for r in members if r.request_id not in stagger.leaving), key=rest, reverse=True):
