@@ -13,11 +13,13 @@ module replays the scheduler's rules over the batch's lengths and prices every s
   rules alone (within 1% of the measured step counts: DECISIONS 45);
 - with the staggered pipeline (offload="auto", the makespan objective), the queue's last request enters it when
   the pipeline has a row (the model's host rows for the step, `AutoOffload.stagger_rows`) and it is predicted to
-  finish sooner there (`PipelineRules.pays`: own tokens x cycle <= the device rows' backlog per row + own); its
-  whole prompt takes one step (at most one a step), then it gains a token per cycle steps while the pipeline's
-  rows serve every member: a step serves at most the rows whose CPU job fits `job_share` of the step (the
-  adaptive row limit, `RowLimit`, priced with the profile's CPU rate at the members' context), and members past
-  rows x cycle wait their turn, so each gains its tokens that much slower. Once nothing waits, members move to
+  finish sooner there (`PipelineRules.pays`: own tokens x cycle <= the device requests' backlog per request +
+  own); its whole prompt joins a step after the device pool's chunks, where they left some of the step budget
+  (then the next tail request may follow while budget is left, as the scheduler takes them), then it gains a
+  token per cycle steps while the pipeline's rows serve every member: a step serves at most the rows whose CPU
+  job fits `job_share` of the step (the adaptive row limit, `RowLimit`, priced with the profile's CPU rate at
+  the members' context), and members past rows x cycle wait their turn, so each gains its tokens that much
+  slower. Once nothing waits, members move to
   the device pool as it has room (most tokens left first).
 
 A step's price: a decode step is the model's GPU-only or staggered step plus its learned host gap; prompt tokens
@@ -361,7 +363,7 @@ class _BatchSim:
             return 0
         backlog = (self.device_rest + sum(r.rest for r in self.prefilling) + self.parked_rest + self.waiting_rest
                    - output + rest)
-        if output * limits.cycle > backlog / max(self.decode_rows, 1) + output:
+        if output * limits.cycle > backlog / max(len(self.running), 1) + output:  # device rows, prefilling too
             return 0
         index = self.waiting.pop()
         self.waiting_rest -= output
@@ -377,7 +379,6 @@ class _BatchSim:
             self.dirty = False
             self.admit()
         self.park_overflow()
-        host_prompt = self.enter_pipeline() if self.entries and self.waiting else 0
         # prompt chunks in admission order, in the budget the decode rows leave
         chunk_tokens, left = 0, limits.max_num_batched_tokens - self.decode_rows
         sampled = []
@@ -390,6 +391,17 @@ class _BatchSim:
             chunk_tokens += take
             if r.computed == r.prompt:
                 sampled.append(r)
+        # pipeline prompts come last, from the queue's tail while the device pool's chunks and the prompts before
+        # them left some of the budget (`Scheduler.schedule`: a prompt past what is left ends the step's entries)
+        host_prompt = entered = 0
+        while (self.entries and self.waiting and left > 0
+               and len(self.running) + entered < limits.max_num_seqs):
+            prompt = self.enter_pipeline()
+            if not prompt:
+                break
+            host_prompt += prompt
+            left -= prompt
+            entered += 1
         context = self.ctx_sum / self.decode_rows if self.decode_rows else 0.0
         tokens, _ = self.members_now()
         host_context = tokens / len(self.members) if self.members else 0.0
