@@ -34,7 +34,7 @@ from workload import (GiB, Lengths, RequestTimes, EnergyMeter, build_model, fmt_
                       parse_range, prompts_for, run_to_length, summarize, write_json)
 
 from apex_compile import ApexConfig, optimize  # noqa: E402
-from apex_compile.runtime.batch_model import engine_limits  # noqa: E402
+from apex_compile.runtime.batch_model import engine_limits, engine_state  # noqa: E402
 from apex_compile.runtime.perf_profile import engine_profile  # noqa: E402
 
 
@@ -140,6 +140,7 @@ def run_batch(model, config: ApexConfig, prompts, lengths, progress_s: float = 1
         engine.warmup()
         warmup_s = time.perf_counter() - start
         predicted = engine.predict_batch(lengths) if engine.device.type == "cuda" else {}
+        held = sorted(engine_state(engine)[1].captured)  # the pipeline prompt sizes captured before the batch
         sampling = [run_to_length(out) for _, out in lengths]
         requests_before = list(engine.stats.requests_per_pool)
         steps_before = engine.stats.steps
@@ -169,17 +170,17 @@ def run_batch(model, config: ApexConfig, prompts, lengths, progress_s: float = 1
         if own is not None:
             result["predicted"] = {plan: {"makespan_s": p.makespan_s, "steps": p.steps, "host_requests":
                                           p.host_requests, "parks": p.parks, "migrated": p.migrated,
-                                          "last_entry_step": p.last_entry_step,
+                                          "last_entry_step": p.last_entry_step, "captures": p.captures,
                                           "step_kinds": {k: list(v) for k, v in p.kinds.items()}}
                                    for plan, p in predicted.items()}
             result["predicted_plan"] = own.plan
             # what the prediction was made from, so that it can be replayed (and its prices studied) off the GPU:
-            # the profile, the graphs' calibration and the batch limits
+            # the profile, the graphs' calibration, the batch limits and the piece sizes captured before it
             profile = (engine.auto_policy.model.profile if engine.auto_policy is not None
                        else engine_profile(engine))  # (read from the on-disk cache predict_batch filled)
             result["model_inputs"] = {"profile": dataclasses.asdict(profile),
                                       "calibration": dataclasses.asdict(engine.calibration),
-                                      "limits": dataclasses.asdict(engine_limits(engine))}
+                                      "limits": dataclasses.asdict(engine_limits(engine)), "captured": held}
             result["predicted_makespan_s"] = own.makespan_s
             result["prediction_error"] = own.makespan_s / result["duration_s"] - 1
         result["steps"] = engine.stats.steps - steps_before
@@ -220,7 +221,8 @@ def print_row(pool, mode, requests, result, base):
         predicted = (result.get("predicted") or {}).get(result.get("predicted_plan"))
         if predicted and predicted["host_requests"]:
             print(f"      predicted: {predicted['steps']} steps, {predicted['host_requests']} host requests, migrated "
-                  f"{predicted['migrated']}, last host entry at step {predicted['last_entry_step']}", flush=True)
+                  f"{predicted['migrated']}, last host entry at step {predicted['last_entry_step']}, "
+                  f"{predicted.get('captures', 0)} pipeline prompt sizes captured", flush=True)
         own = (result.get("predicted") or {}).get(result.get("predicted_plan"), {}).get("step_kinds", {})
         kinds = [f"{kind} {n} x {1e3 * s / n:.2f} ms (longest {1e3 * longest:.1f})"
                  + (f" (predicted {own[kind][0]} x {1e3 * own[kind][1] / max(own[kind][0], 1):.2f})" if kind in own

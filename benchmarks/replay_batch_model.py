@@ -26,8 +26,8 @@ from typing import Dict, List, Optional, Tuple
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workload import Lengths, parse_range  # noqa: E402
 
-from apex_compile.runtime.batch_model import (BatchLimits, BatchPrediction, batch_verdict,  # noqa: E402
-                                              predict_batch)
+from apex_compile.runtime.batch_model import (BatchLimits, BatchPrediction, BatchState,  # noqa: E402
+                                              batch_verdict, predict_batch)
 from apex_compile.runtime.perf_model import AutoOffload, PerfModel, Profile, StepCalibration  # noqa: E402
 
 
@@ -49,7 +49,8 @@ def row_model(row: dict) -> Tuple[PerfModel, BatchLimits]:
     if inputs is None:
         raise ValueError("the row has no model_inputs (a CPU run, or one from before they were kept)")
     fields = BatchLimits.__dataclass_fields__
-    limits = BatchLimits(**{k: v for k, v in inputs["limits"].items() if k in fields})
+    limits = BatchLimits(**{k: tuple(v) if k == "piece_sizes" else v for k, v in inputs["limits"].items()
+                            if k in fields})
     fields = StepCalibration.__dataclass_fields__
     calibration = StepCalibration(**{k: v for k, v in inputs["calibration"].items() if k in fields})
     return PerfModel(Profile(**inputs["profile"]), calibration), limits
@@ -92,10 +93,11 @@ def replay_row(result: dict, row: dict) -> Dict[str, BatchPrediction]:
     """The batch model's predictions for `row` ("never", and "auto" where the engine ran the pipeline)."""
     model, limits = row_model(row)
     lengths = row_lengths(result, row)
-    out = {"never": predict_batch(model, lengths, limits)}
+    state = BatchState(captured=set(row["model_inputs"].get("captured", ())))  # as the engine stood before it
+    out = {"never": predict_batch(model, lengths, limits, state=state)}
     if limits.cycle and row.get("predicted_plan") == "auto":
         policy = AutoOffload(model, stagger_groups=limits.cycle, max_stagger_rows=limits.max_rows)
-        out["auto"] = predict_batch(policy, lengths, limits, pipeline=True)
+        out["auto"] = predict_batch(policy, lengths, limits, pipeline=True, state=state)
     return out
 
 

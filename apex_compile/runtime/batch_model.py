@@ -24,19 +24,23 @@ module replays the scheduler's rules over the batch's lengths and prices every s
 
 A step's price: a decode step is the model's GPU-only or staggered step plus its learned host gap; prompt tokens
 add `PerfModel.prompt_s` (their linear layers, and per token what the warm-up's timed prompt-only step took
-beyond that), a pipeline prompt its K/V's copy to the host. Prefill attention's growth past the calibrated
-step's context, the swaps' copies and the host's time of the pipeline's steps are left out: the benchmark's
-measured makespan beside the prediction (`benchmarks/offline.py`) tells how much they weigh.
+beyond that), a pipeline prompt its K/V's copy to the host and, the first time its padded row count comes,
+the capture of its pieces (`StepCalibration.piece_capture_s`, which the warm-up measures). Prefill attention's
+growth past the calibrated step's context, the swaps' copies and the host's time of the pipeline's steps are
+left out: the benchmark's measured makespan beside the prediction (`benchmarks/offline.py`) tells how much they
+weigh.
 
 `StaggeredPlan.batch_pays` asks it, both ways, whether a batch ends sooner with the pipeline at all: `pays` judges
 one request, but each member's staggered steps slow every device row while it lives.
 """
+import bisect
 import collections
 import dataclasses
 import heapq
 import math
-from typing import Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Deque, Dict, List, Optional, Sequence, Set, Tuple
 
+from apex_compile.runtime.cuda_graphs import PIECEWISE_MAX_TOKENS
 from apex_compile.runtime.scheduler import LOOKAHEAD_TOKENS
 from apex_compile.runtime.stagger.row_limit import fitting_rows
 
@@ -61,6 +65,9 @@ class BatchLimits:
     pipeline_prompt_tokens: int = 0
     host_blocks: int = 0
     job_share: float = 0.95  # the share of a step the CPU job keeps within (`TuningConfig.job_share`)
+    # the padded row counts of the staggered plan's piecewise graphs past PIECEWISE_MAX_TOKENS: a pipeline prompt
+    # step of a row count not yet captured pays `StepCalibration.piece_capture_s` (() : no such graphs)
+    piece_sizes: Tuple[int, ...] = ()
 
 
 @dataclasses.dataclass
@@ -71,6 +78,7 @@ class BatchState:
 
     device: List[Tuple[int, int, int]] = dataclasses.field(default_factory=list)
     members: List[Tuple[int, int]] = dataclasses.field(default_factory=list)
+    captured: Set[int] = dataclasses.field(default_factory=set)  # the piece sizes captured so far
 
 
 @dataclasses.dataclass
@@ -87,6 +95,7 @@ class BatchPrediction:
     last_entry_step: int = 0  # the step whose prompt was the last to enter the pipeline
     # per kind of step (the engine's `STEP_KINDS`): (steps, seconds)
     kinds: Dict[str, Tuple[int, float]] = dataclasses.field(default_factory=dict)
+    captures: int = 0  # pipeline prompt steps priced with a capture of their pieces (`BatchLimits.piece_sizes`)
 
     @property
     def tokens_per_s(self) -> float:
@@ -160,6 +169,9 @@ class _BatchSim:
         self.kinds: Dict[str, Tuple[int, float]] = {}
         self._verdicts: Dict[tuple, int] = {}
         self.output_tokens = sum(o for _, o in lengths)
+        self.captured = set(state.captured) if state else set()  # piece sizes whose capture is paid
+        self.capture_s = self.model.calibration.piece_capture_s if limits.piece_sizes else 0.0
+        self.captures = 0
         for computed, prompt, rest in (state.device if state else []):
             self.output_tokens += rest
             r = _Device(prompt, rest)
@@ -413,6 +425,8 @@ class _BatchSim:
                 speed, host_rows = fit / host_rows, fit
         seconds = self.price(self.decode_rows, context, chunk_tokens + host_prompt, host_rows, host_context)
         seconds += host_prompt * self.copy_s_per_token
+        if host_prompt and self.capture_s:
+            seconds += self.capture(limits.max_rows + self.decode_rows + chunk_tokens + host_prompt)
         self.seconds += seconds
         kind = "pipeline prompt" if host_prompt else ("staggered " if host_rows else "") + (
             "prompt" if chunk_tokens else "decode")
@@ -446,13 +460,25 @@ class _BatchSim:
                 self.dirty = True
         self.step += 1
 
+    def capture(self, rows: int) -> float:
+        """The capture a pipeline prompt step of `rows` rows pays: its padded size's first (0 at or below
+        PIECEWISE_MAX_TOKENS, where the pieces are few and small, or past every size: uncaptured)."""
+        sizes = self.limits.piece_sizes
+        index = bisect.bisect_left(sizes, rows)
+        if rows <= PIECEWISE_MAX_TOKENS or index == len(sizes) or sizes[index] in self.captured:
+            return 0.0
+        self.captured.add(sizes[index])
+        self.captures += 1
+        return self.capture_s
+
     def run(self, max_steps: int) -> BatchPrediction:
         while self.waiting or self.running or self.members or self.parked:
             if self.step >= max_steps:
                 raise RuntimeError(f"predict_batch: the batch did not end within {max_steps} steps")
             self.run_step()
         return BatchPrediction("auto" if self.entries else "never", self.seconds, self.step, self.output_tokens,
-                               self.host_requests, self.migrated, self.parks, self.last_entry_step, self.kinds)
+                               self.host_requests, self.migrated, self.parks, self.last_entry_step, self.kinds,
+                               self.captures)
 
 
 def predict_batch(policy, lengths: Sequence[Tuple[int, int]], limits: BatchLimits, pipeline: bool = False,
@@ -488,13 +514,15 @@ def engine_limits(engine) -> BatchLimits:
     from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL
 
     config, kv, pipeline = engine.config, engine.kv, engine.plan.pipeline
+    pieces = getattr(engine.plan, "stagger_pieces", None)
     return BatchLimits(kv.pools[DEVICE_POOL].num_blocks, kv.block_size, config.max_num_seqs,
                        config.max_num_batched_tokens, config.growth_reserve,
                        lookahead=LOOKAHEAD_TOKENS if engine.scheduler.parks_ahead else 0,
                        cycle=pipeline.cycle if pipeline is not None else 0,
                        max_rows=pipeline.width if pipeline is not None else 0,
                        pipeline_prompt_tokens=config.tuning.pipeline_prompt_tokens,
-                       host_blocks=kv.pools[HOST_POOL].num_blocks, job_share=config.tuning.job_share)
+                       host_blocks=kv.pools[HOST_POOL].num_blocks, job_share=config.tuning.job_share,
+                       piece_sizes=tuple(s for s in pieces.sizes if s > PIECEWISE_MAX_TOKENS) if pieces else ())
 
 
 def engine_state(engine) -> Tuple[List[Tuple[int, int]], BatchState]:
@@ -514,4 +542,7 @@ def engine_state(engine) -> Tuple[List[Tuple[int, int]], BatchState]:
             state.members.append((r.num_tokens, rest(r)))
     if engine.plan.pipeline is not None:
         state.members += [(r.num_tokens, rest(r)) for r in engine.plan.pipeline.members()]
+    pieces = getattr(engine.plan, "stagger_pieces", None)
+    if pieces is not None:
+        state.captured = {rows for rows, _ in pieces.pieces}
     return waiting, state

@@ -284,7 +284,7 @@ class Engine(EngineAPI):
         engine (`runtime/batch_model.py`): "never" (GPU-only), and "auto" where offload="auto" runs the
         staggered plan (its pipeline taking the batch's tail where that pays). CUDA only: the prices are the
         engine's measured profile and captured graphs (`warmup` first)."""
-        from apex_compile.runtime.batch_model import engine_limits, predict_batch
+        from apex_compile.runtime.batch_model import engine_limits, engine_state, predict_batch
         from apex_compile.runtime.perf_profile import engine_profile
 
         if self.device.type != "cuda":
@@ -297,9 +297,10 @@ class Engine(EngineAPI):
             raise ValueError("Engine.predict_batch: every request needs >= 1 prompt and >= 1 output token")
         policy = self.auto_policy or PerfModel(engine_profile(self), self.calibration)
         limits = engine_limits(self)
-        out = {"never": predict_batch(policy, lengths, limits)}
+        _, state = engine_state(self)  # idle: only the graphs the engine holds already
+        out = {"never": predict_batch(policy, lengths, limits, state=state)}
         if self.plan.pipeline is not None and self.config.offload == "auto":
-            out["auto"] = predict_batch(policy, lengths, limits, pipeline=True)
+            out["auto"] = predict_batch(policy, lengths, limits, pipeline=True, state=state)
         return out
 
     def has_unfinished(self) -> bool:

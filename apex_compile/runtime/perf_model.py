@@ -105,6 +105,10 @@ class StepCalibration:
     # warm-up ran it: its graph, the host's work around it and its token's sample (0: not measured)
     prompt_tokens: int = 0
     prompt_s: float = 0.0
+    # one capture of the staggered plan's pieces for a pipeline prompt step past PIECEWISE_MAX_TOKENS rows, as its
+    # warm-up timed a second key after the largest (each new row count of such steps is captured once, inside the
+    # run that meets it; 0: not measured)
+    piece_capture_s: float = 0.0
 
 
 @dataclasses.dataclass

@@ -195,13 +195,22 @@ def test_auto_measures_a_profile_once_and_explains_its_verdict(fp32_model, tmp_p
 @pytest.mark.parametrize("offload", ["never", "auto"])
 def test_the_warm_up_times_a_prompt_only_step_into_the_calibration(fp32_model, offload, tmp_path, monkeypatch):
     """warmup() runs a prompt of the step budget through the engine (its graph captured first) and keeps the
-    step's time for the model's prompt price; the user's counters and pools start clean."""
+    step's time for the model's prompt price; with the staggered plan under auto it also captures the pieces of
+    two pipeline prompt sizes (the largest first) and keeps the second's seconds as the price of a capture; the
+    user's counters and pools start clean."""
     monkeypatch.setenv("APEX_COMPILE_CACHE_DIR", str(tmp_path))
     apex = optimize(fp32_model, ApexConfig(offload=offload, gpu_cache_size=32 * MB, cpu_cache_size=32 * MB))
     engine = apex.engine
     engine.warmup()
     c = engine.calibration
     assert c.rows and c.prompt_tokens == engine.config.max_num_batched_tokens and c.prompt_s > 0
+    pieces = getattr(engine.plan, "stagger_pieces", None)
+    if pieces is None:
+        assert c.piece_capture_s == 0.0
+    else:
+        large = [size for size in pieces.sizes if size > 512]
+        assert sorted(rows for rows, _ in pieces.pieces) == sorted({large[len(large) // 2], large[-1]})
+        assert 0 < c.piece_capture_s <= pieces.capture_seconds
     assert engine.stats.steps == 0 and engine.blocks_in_use() == {"device": 0, "host": 0}
 
 
@@ -427,6 +436,8 @@ def test_auto_that_chooses_the_staggered_plan_equals_hf_generate_fp32(tmp_path, 
     calibration = apex.engine.calibration
     assert calibration.rows and calibration.stagger_rows and calibration.stagger_width == TuningConfig().auto_stagger_width
     assert all(t > 0 for t in calibration.step_s + calibration.stagger_s)
+    assert calibration.piece_capture_s > 0  # a pipeline prompt size's pieces captured and timed (two sizes)
+    assert len(apex.engine.plan.stagger_pieces.pieces) == 2
     out = apex.generate(ids, attention_mask=mask, **GREEDY_20)
     assert torch.equal(out, ref)
     assert apex.engine.stats.requests_per_pool[1] >= 2  # some requests ran staggered from the host pool

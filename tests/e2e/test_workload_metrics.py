@@ -108,6 +108,15 @@ def test_a_measured_row_is_replayed_from_the_inputs_its_prediction_was_made_from
     assert any("staggered decode" in line and "measured 8000 x 7.00 ms" in line for line in lines)
     with pytest.raises(ValueError, match="model_inputs"):
         replay_row(result, {"num_requests": 3})
+    # piece captures: priced for the sizes the engine did not hold before the batch (`model_inputs.captured`)
+    inputs = row["model_inputs"]
+    inputs["limits"] = dict(inputs["limits"], piece_sizes=list(range(576, 1600, 64)))
+    inputs["calibration"] = dict(inputs["calibration"], piece_capture_s=2.0)
+    paid = replay_row(result, row)["auto"]
+    assert paid.captures > 1  # prompts of 900-1100 tokens: several sizes
+    assert paid.makespan_s == pytest.approx(expected.makespan_s + 2.0 * paid.captures, rel=1e-3)
+    inputs["captured"] = list(range(576, 1600, 64))
+    assert replay_row(result, row)["auto"].captures == 0
 
 
 def test_offline_rows_sample_the_pipelines_row_limit_beside_the_profiles_cpu_rate():

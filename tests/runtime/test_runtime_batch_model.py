@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from apex_compile import ApexConfig, SamplingParams, optimize
-from apex_compile.runtime.batch_model import BatchLimits, BatchState, engine_limits, engine_state, predict_batch
+from apex_compile.runtime.batch_model import (BatchLimits, BatchState, batch_verdict, engine_limits, engine_state,
+                                              predict_batch)
 from apex_compile.runtime.perf_model import AutoOffload, PerfModel, StepCalibration
 from tests.runtime.test_runtime_perf_model import KV_PER_TOKEN, profile
 from tests.runtime.test_runtime_stagger import sharp_model, staggered
@@ -88,6 +89,35 @@ def test_the_pipeline_shortens_a_long_batch_and_would_lengthen_a_short_one():
     # a pipeline prompt only enters a step whose device chunks left some of the budget, as in the scheduler: the
     # issue's 192 x (768 + 192) batch takes none (the engine took none on the H100 and H200, DECISIONS 45-46)
     assert predict_batch(policy, [(768, 192)] * 192, limits(), pipeline=True).host_requests == 0
+
+
+def test_each_pipeline_prompt_size_a_batch_meets_first_pays_a_capture_of_its_pieces():
+    """A pipeline prompt step past PIECEWISE_MAX_TOKENS rows runs pieces captured for its padded row count, the
+    first time a run meets it: the model prices `piece_capture_s` once per size (none for sizes the engine holds
+    already), so prompts of many lengths pay many captures and fixed ones one; the gate weighs them."""
+    import dataclasses
+
+    policy = h100_like()
+    sizes = tuple(range(576, 2600, 64))
+    lims = limits(piece_sizes=sizes)
+    fixed = [(1024, 256)] * 400
+    free = predict_batch(policy, fixed, lims, pipeline=True)
+    assert free.captures == 0  # not measured (0 s): nothing counted
+    policy.model.calibration = dataclasses.replace(policy.model.calibration, piece_capture_s=2.0)
+    paid = predict_batch(policy, fixed, lims, pipeline=True)
+    assert paid.captures == 1 and paid.steps == free.steps
+    assert paid.makespan_s - free.makespan_s == pytest.approx(2.0)
+    held = predict_batch(policy, fixed, lims, pipeline=True, state=BatchState(captured=set(sizes)))
+    assert held.captures == 0 and held.makespan_s == pytest.approx(free.makespan_s)
+    # prompts of every length: a capture per size their steps pad to, until the gate judges them too many
+    g = __import__("random").Random(5)
+    mixed = [(g.randint(600, 2000), 256) for _ in range(400)]
+    many = predict_batch(policy, mixed, lims, pipeline=True)
+    assert 10 < many.captures <= len(sizes)
+    # about what a capture took on the H100 (DECISIONS 52)
+    policy.model.calibration = dataclasses.replace(policy.model.calibration, piece_capture_s=3.0)
+    assert batch_verdict(policy, fixed, lims)[2] and not batch_verdict(policy, mixed, lims)[2]
+    assert predict_batch(policy, mixed, limits(), pipeline=True).captures == 0  # no piecewise graphs
 
 
 def test_members_finish_or_move_to_the_device_pool_once_nothing_waits():
@@ -214,6 +244,7 @@ def test_engine_limits_and_state_read_the_engine():
     engine = apex.engine
     lims = engine_limits(engine)
     assert lims.device_blocks == 6 and lims.cycle == engine.plan.pipeline.cycle and lims.max_rows == 2
+    assert lims.piece_sizes == () and lims.lookahead == 0  # CPU: no piecewise graphs, evictions not ahead
     for n in (5, 9):
         engine.add_request(list(range(3, 3 + n)), SamplingParams(max_new_tokens=6))
     engine.step()

@@ -19,7 +19,8 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 
-from apex_compile.runtime.cuda_graphs import DecodeGraphs, MixedGraphs, PiecewiseGraphs, piecewise_sizes
+from apex_compile.runtime.cuda_graphs import (PIECEWISE_MAX_TOKENS, DecodeGraphs, MixedGraphs, PiecewiseGraphs,
+                                              piecewise_sizes)
 from apex_compile.runtime.kv_manager import DEVICE_POOL, HOST_POOL
 from apex_compile.runtime.plans.base import typical_contexts
 from apex_compile.runtime.plans.gpu_only import GpuOnlyPlan, rows_of
@@ -417,6 +418,27 @@ class StaggeredPlan(GpuOnlyPlan):
         with self._quiet(True):
             self.run_model(parts, width + 2, 2, stagger_rows=width)
         self.capture_stagger_graphs()
+        self._time_piece_captures()
+
+    def _time_piece_captures(self) -> None:
+        """offload="auto" with CUDA graphs: captures the pieces of the largest pipeline prompt step, then of one
+        halfway up the sizes past PIECEWISE_MAX_TOKENS, and keeps the second's seconds as the price the batch
+        model gives each such size a run meets first (`StepCalibration.piece_capture_s`; the batch gate weighs
+        them against the pipeline's gain). The largest goes first, as the decode graphs do, so that the graph
+        pool holds its memory and it pays what the first large step of the process pays."""
+        pieces = self.stagger_pieces
+        if pieces is None or self.engine.auto_policy is None:
+            return
+        large = [size for size in pieces.sizes if size > PIECEWISE_MAX_TOKENS]
+        seconds = 0.0
+        for rows in dict.fromkeys((large[-1], large[len(large) // 2]) if large else ()):
+            key = pieces.key_for(rows, 1)  # the logits rows of a step of `rows`: LOGITS_FLOOR
+            if key in pieces.pieces:  # (a second warm-up)
+                continue
+            before = pieces.capture_seconds
+            self._capture_pieces(pieces, key, self.pipeline.width)
+            seconds = pieces.capture_seconds - before
+        self.engine.calibration.piece_capture_s = seconds
 
     def captured_seconds(self) -> float:
         return sum(g.capture_seconds for g in (self.pieces, self.stagger_pieces, self.mixed, self.stagger_mixed)
