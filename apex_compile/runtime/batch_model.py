@@ -423,10 +423,18 @@ class _BatchSim:
             fit = self.fit_rows(context, host_context)
             if host_rows > fit:
                 speed, host_rows = fit / host_rows, fit
-        seconds = self.price(self.decode_rows, context, chunk_tokens + host_prompt, host_rows, host_context)
-        seconds += host_prompt * self.copy_s_per_token
-        if host_prompt and self.capture_s:
-            seconds += self.capture(limits.max_rows + self.decode_rows + chunk_tokens + host_prompt)
+        padding, capture = 0, 0.0
+        if host_prompt:  # pieces of the step's padded size, captured the first time it comes
+            rows = limits.max_rows + self.decode_rows + chunk_tokens + host_prompt
+            size = self.piece_size(rows)
+            if size is not None:
+                padding = size - rows
+                if size not in self.captured:
+                    self.captured.add(size)
+                    self.captures += bool(self.capture_s)
+                    capture = self.capture_s
+        seconds = self.price(self.decode_rows, context, chunk_tokens + host_prompt + padding, host_rows, host_context)
+        seconds += host_prompt * self.copy_s_per_token + capture
         self.seconds += seconds
         kind = "pipeline prompt" if host_prompt else ("staggered " if host_rows else "") + (
             "prompt" if chunk_tokens else "decode")
@@ -460,16 +468,13 @@ class _BatchSim:
                 self.dirty = True
         self.step += 1
 
-    def capture(self, rows: int) -> float:
-        """The capture a pipeline prompt step of `rows` rows pays: its padded size's first (0 at or below
-        PIECEWISE_MAX_TOKENS, where the pieces are few and small, or past every size: uncaptured)."""
+    def piece_size(self, rows: int) -> Optional[int]:
+        """The padded row count of the pieces a pipeline prompt step of `rows` rows replays; None at or below
+        PIECEWISE_MAX_TOKENS (a whole mixed graph or small pieces, captured in ~0.1 s, padding a few rows) or past
+        every size (uncaptured)."""
         sizes = self.limits.piece_sizes
         index = bisect.bisect_left(sizes, rows)
-        if rows <= PIECEWISE_MAX_TOKENS or index == len(sizes) or sizes[index] in self.captured:
-            return 0.0
-        self.captured.add(sizes[index])
-        self.captures += 1
-        return self.capture_s
+        return sizes[index] if rows > PIECEWISE_MAX_TOKENS and index < len(sizes) else None
 
     def run(self, max_steps: int) -> BatchPrediction:
         while self.waiting or self.running or self.members or self.parked:

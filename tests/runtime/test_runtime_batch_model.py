@@ -93,8 +93,9 @@ def test_the_pipeline_shortens_a_long_batch_and_would_lengthen_a_short_one():
 
 def test_each_pipeline_prompt_size_a_batch_meets_first_pays_a_capture_of_its_pieces():
     """A pipeline prompt step past PIECEWISE_MAX_TOKENS rows runs pieces captured for its padded row count, the
-    first time a run meets it: the model prices `piece_capture_s` once per size (none for sizes the engine holds
-    already), so prompts of many lengths pay many captures and fixed ones one; the gate weighs them."""
+    first time a run meets it, over its rows padded to that count: the model prices `piece_capture_s` once per
+    size (none for sizes the engine holds already), so prompts of many lengths pay many captures and fixed ones
+    one; the gate weighs them."""
     import dataclasses
 
     policy = h100_like()
@@ -103,6 +104,8 @@ def test_each_pipeline_prompt_size_a_batch_meets_first_pays_a_capture_of_its_pie
     fixed = [(1024, 256)] * 400
     free = predict_batch(policy, fixed, lims, pipeline=True)
     assert free.captures == 0  # not measured (0 s): nothing counted
+    # the step's rows padded to its size's: the GEMMs run those rows too
+    assert free.makespan_s > predict_batch(policy, fixed, limits(), pipeline=True).makespan_s
     policy.model.calibration = dataclasses.replace(policy.model.calibration, piece_capture_s=2.0)
     paid = predict_batch(policy, fixed, lims, pipeline=True)
     assert paid.captures == 1 and paid.steps == free.steps
