@@ -142,6 +142,11 @@ class _BatchSim:
         self.entries = pipeline and entries  # whether requests enter the pipeline (else its members only finish)
         profile = self.model.profile
         self.copy_s_per_token = profile.kv_bytes_per_token / profile.copy_bytes_per_s
+        room = limits.device_blocks * limits.block_size
+        too_long = next(((p, o) for p, o in lengths if p + o > room), None)
+        if too_long is not None:  # the engine refuses it (`Scheduler.check_fits`): it would wait forever here
+            raise ValueError(f"predict_batch: a request of {too_long[0]} + {too_long[1]} tokens never fits the "
+                             f"device pool's {room} tokens")
         self.waiting = collections.deque(range(len(lengths)))
         self.waiting_rest = sum(o for _, o in lengths)  # the waiting requests' output tokens
         self.running: List[_Device] = []

@@ -187,8 +187,12 @@ class Scheduler:
         self.to_device: set = set()  # ids of parked pipeline members bound for the device pool (not to rejoin)
 
     def capacity_tokens(self) -> int:
-        """Tokens the largest pool that runs requests can hold (the longest request that can ever run)."""
-        return max(self.kv.pools[p].num_blocks for p in self.run_pools) * self.kv.block_size
+        """Tokens the largest pool that runs requests can hold (the longest request that can ever run). Under
+        offload="auto" the device pool's: auto puts a request in the host pool only where its model says it pays
+        (the staggered pipeline: the queue's tail, under the makespan objective), so one that only the host pool
+        could hold might wait for the device pool forever."""
+        pools = (DEVICE_POOL,) if self.config.offload == "auto" else self.run_pools
+        return max(self.kv.pools[p].num_blocks for p in pools) * self.kv.block_size
 
     def max_tokens(self, request: Request) -> int:
         """The most tokens (prompt + generated) the request can reach: max_new_tokens capped by max_model_len."""
@@ -208,11 +212,16 @@ class Scheduler:
         """Raises ValueError if the request could never fit in a pool that runs requests."""
         total = self.max_tokens(request)
         if total > self.capacity_tokens():
+            auto = self.config.offload == "auto"
+            where = ("the device pool (offload='auto' runs every request there unless its model finds the host "
+                     "pool pays)" if auto else f"the largest pool that runs requests under offload="
+                     f"{self.config.offload!r}")
             raise ValueError(
                 f"request {request.request_id} needs KV for {total} tokens (prompt {len(request.prompt_token_ids)}"
-                f" + max_new_tokens {request.sampling.max_new_tokens}) but the largest pool that runs requests "
-                f"under offload={self.config.offload!r} holds {self.capacity_tokens()} tokens: raise "
-                f"ApexConfig.gpu_cache_size / cpu_cache_size or lower max_new_tokens")
+                f" + max_new_tokens {request.sampling.max_new_tokens}) but {where} holds {self.capacity_tokens()} "
+                f"tokens: raise ApexConfig.gpu_cache_size / cpu_cache_size or lower max_new_tokens"
+                + ("; offload='staggered' runs a request the device pool cannot hold from the host pool"
+                   if auto and HOST_POOL in self.run_pools else ""))
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting, running, parked or in the staggered pipeline."""

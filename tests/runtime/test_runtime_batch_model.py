@@ -169,6 +169,13 @@ def test_a_state_mid_batch_is_predicted_from_where_it_stands():
     assert out.steps == 5 and out.output_tokens == 8
 
 
+def test_a_request_the_device_pool_never_holds_is_refused_at_once():
+    """The engine refuses such a request at add (`Scheduler.check_fits`); simulated, it would wait for the device
+    pool forever, so the model refuses it too instead of running out of steps."""
+    with pytest.raises(ValueError, match="never fits the device pool's 8192 tokens"):
+        predict_batch(h100_like(), [(1024, 256), (8000, 500)], limits(), pipeline=True)
+
+
 def test_bad_pipeline_limits_are_refused():
     with pytest.raises(ValueError, match="pipeline"):
         predict_batch(h100_like().model, [(8, 8)], limits(), pipeline=True)

@@ -246,6 +246,20 @@ def test_request_larger_than_every_running_pool_is_refused_at_add():
     assert not sched.has_unfinished()
 
 
+def test_under_auto_a_request_only_the_host_pool_could_hold_is_refused_at_add():
+    """offload="auto" puts a request in the host pool only where its model says it pays (the staggered pipeline:
+    the queue's tail, under the makespan objective), so one that only the host pool could hold could wait for
+    the device pool forever (the engine stopped with "nothing to run" once the others were done): it is refused
+    at add, the message naming the mode that runs it."""
+    kv_shape = make(4, 100)[1]
+    sched = Scheduler(ApexConfig(offload="auto"), kv_shape, host_policy=object())
+    assert sched.run_pools == (DEVICE_POOL, HOST_POOL)
+    with pytest.raises(ValueError, match=r"device pool \(offload='auto'.*holds 64 tokens.*offload='staggered'"):
+        add(sched, 0, 40, 30)
+    assert not sched.has_unfinished()
+    add(sched, 1, 40, 24)  # 64 tokens: the device pool holds it
+
+
 def test_offload_mode_needs_blocks_in_the_pools_it_runs():
     with pytest.raises(ValueError, match="cpu_cache_size"):
         make(10, 0, offload="all")

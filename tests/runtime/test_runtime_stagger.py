@@ -1078,6 +1078,20 @@ def test_a_pipeline_the_keep_verdict_drops_closes_and_its_members_finish(monkeyp
     apex.close()
 
 
+def test_a_request_only_the_host_pool_holds_runs_in_the_staggered_pipeline():
+    """offload="staggered" (what auto's refusal names): a request longer than the device pool holds enters the
+    pipeline at the queue's head and gets HF's tokens, beside requests the device pool runs."""
+    torch.manual_seed(3)
+    model = sharp_model()
+    prompts = [torch.randint(3, 96, (n,)).tolist() for n in (20, 6, 9)]  # 20 + 20 tokens: past 2 blocks (32)
+    reference = hf_tokens(model, prompts, 20)
+    apex = staggered(model, width=2, device_blocks=2)
+    done = apex.engine.generate(prompts, SamplingParams(max_new_tokens=20))
+    assert [c.token_ids for c in done] == reference
+    assert done[0].steps_per_pool["host"] > 0 and apex.engine.blocks_in_use() == {"device": 0, "host": 0}
+    apex.close()
+
+
 def test_under_the_makespan_objective_a_falling_verdict_keeps_members_while_requests_wait(monkeypatch):
     """auto, a batch (the makespan objective): members entered the pipeline because each finishes sooner there
     than waiting, so while requests wait a verdict that no longer pays closes the pipeline at its rows (none
