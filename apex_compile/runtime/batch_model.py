@@ -304,8 +304,8 @@ class _BatchSim:
         used = self.used_blocks()
         while self.parked and len(self.running) < limits.max_num_seqs:  # swapped-out requests resume first
             tokens, rest = self.parked[0]
-            if used + self.need(tokens + limits.lookahead, rest) > limits.device_blocks:
-                return
+            if self.running and used + self.need(tokens + limits.lookahead, rest) > limits.device_blocks:
+                return  # (into an empty pool it goes whatever its reserve: it fits, and nothing else can run)
             self.parked.popleft()
             self.parked_rest -= rest
             used += self.need(tokens, rest)
@@ -314,7 +314,7 @@ class _BatchSim:
             self.decode_now(r, tokens)  # its KV swapped back in (overlapped with the steps)
         while self.waiting and len(self.running) < limits.max_num_seqs:
             prompt, output = self.lengths[self.waiting[0]]
-            if used + self.need(prompt + 1, output) > limits.device_blocks:
+            if self.running and used + self.need(prompt + 1, output) > limits.device_blocks:
                 return
             self.waiting.popleft()
             self.waiting_rest -= output

@@ -176,6 +176,14 @@ def test_a_request_the_device_pool_never_holds_is_refused_at_once():
         predict_batch(h100_like(), [(1024, 256), (8000, 500)], limits(), pipeline=True)
 
 
+def test_requests_that_fill_the_device_pool_run_one_after_another():
+    """A request whose tokens fill the device pool exactly enters an empty pool whatever its growth reserve and
+    look-ahead would ask (the engine runs it: nothing else can; a CPU engine took the same 27 steps), so the
+    batch ends instead of waiting forever."""
+    out = predict_batch(h100_like().model, [(63, 1)] * 3 + [(40, 24)], limits(device_blocks=4), max_steps=1000)
+    assert out.steps == 3 + 24 and out.output_tokens == 3 + 24
+
+
 def test_bad_pipeline_limits_are_refused():
     with pytest.raises(ValueError, match="pipeline"):
         predict_batch(h100_like().model, [(8, 8)], limits(), pipeline=True)
