@@ -257,6 +257,26 @@ def test_the_gate_is_predicted_again_only_when_requests_arrive_or_the_queue_halv
     apex.close()
 
 
+def test_a_batch_the_model_cannot_simulate_runs_gpu_only_with_a_warning(monkeypatch):
+    """The gate runs on the launching thread: a simulation that does not end (a model fault) closes the pipeline
+    for that batch, GPU-only being never slower, and says so; it does not stop the engine."""
+    apex = staggered(sharp_model(), width="auto", device_blocks=6)
+    engine = apex.engine
+    engine.config.offload = "auto"
+    engine.auto_policy = h100_like()
+    engine.plan.attach(engine.scheduler)
+    import apex_compile.runtime.batch_model as batch_model
+
+    def stuck(*args, **kwargs):
+        raise RuntimeError("predict_batch: the batch did not end within 10 steps")
+
+    monkeypatch.setattr(batch_model, "batch_verdict", stuck)
+    engine.add_request([5, 6, 7], SamplingParams(max_new_tokens=4))
+    with pytest.warns(RuntimeWarning, match="could not predict this batch.*did not end"):
+        assert engine.plan.batch_pays() is False
+    apex.close()
+
+
 def test_engine_limits_and_state_read_the_engine():
     apex = staggered(sharp_model(), width=2, device_blocks=6)
     engine = apex.engine

@@ -14,6 +14,7 @@ pool, moving members to the device pool as it frees room, and teaching the model
 """
 import contextlib
 import math
+import warnings
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -232,7 +233,12 @@ class StaggeredPlan(GpuOnlyPlan):
         if last is not None and last[0] == engine.requests_added and queued > last[1] // 2:
             return last[2]
         lengths, state = engine_state(engine)
-        verdict = batch_verdict(engine.auto_policy, lengths, engine_limits(engine), state)[2]
+        try:
+            verdict = batch_verdict(engine.auto_policy, lengths, engine_limits(engine), state)[2]
+        except RuntimeError as error:  # a simulation that did not end: GPU-only, which is never slower
+            warnings.warn(f"offload='auto': the batch model could not predict this batch ({error}); no request "
+                          f"enters the staggered pipeline for it", RuntimeWarning, stacklevel=2)
+            verdict = False
         self._batch_verdict = (engine.requests_added, queued, verdict)
         return verdict
 
