@@ -19,8 +19,7 @@ module replays the scheduler's rules over the batch's lengths and prices every s
   token per cycle steps while the pipeline's rows serve every member: a step serves at most the rows whose CPU
   job fits `job_share` of the step (the adaptive row limit, `RowLimit`, priced with the profile's CPU rate at
   the members' context), and members past rows x cycle wait their turn, so each gains its tokens that much
-  slower. Once nothing waits, members move to
-  the device pool as it has room (most tokens left first).
+  slower. Once nothing waits, members move to the device pool as it has room (most tokens left first).
 
 A step's price: a decode step is the model's GPU-only or staggered step plus its learned host gap; prompt tokens
 add `PerfModel.prompt_s` (their linear layers, and per token what the warm-up's timed prompt-only step took

@@ -436,15 +436,13 @@ class StaggeredPlan(GpuOnlyPlan):
         if pieces is None or self.engine.auto_policy is None:
             return
         large = [size for size in pieces.sizes if size > PIECEWISE_MAX_TOKENS]
-        seconds = 0.0
         for rows in dict.fromkeys((large[-1], large[len(large) // 2]) if large else ()):
             key = pieces.key_for(rows, 1)  # the logits rows of a step of `rows`: LOGITS_FLOOR
-            if key in pieces.pieces:  # (a second warm-up)
+            if key in pieces.pieces:  # (a second warm-up: the price stays the first's)
                 continue
             before = pieces.capture_seconds
             self._capture_pieces(pieces, key, self.pipeline.width)
-            seconds = pieces.capture_seconds - before
-        self.engine.calibration.piece_capture_s = seconds
+            self.engine.calibration.piece_capture_s = pieces.capture_seconds - before
 
     def captured_seconds(self) -> float:
         return sum(g.capture_seconds for g in (self.pieces, self.stagger_pieces, self.mixed, self.stagger_mixed)
