@@ -212,7 +212,7 @@ class Scheduler:
         """Raises ValueError if the request could never fit in a pool that runs requests."""
         total = self.max_tokens(request)
         if total > self.capacity_tokens():
-            auto = self.config.offload == "auto"
+            auto = self.config.offload == "auto" and HOST_POOL in self.run_pools  # (else GPU-only: no choice)
             where = ("the device pool (offload='auto' runs every request there unless its model finds the host "
                      "pool pays)" if auto else f"the largest pool that runs requests under offload="
                      f"{self.config.offload!r}")
@@ -221,7 +221,7 @@ class Scheduler:
                 f" + max_new_tokens {request.sampling.max_new_tokens}) but {where} holds {self.capacity_tokens()} "
                 f"tokens: raise ApexConfig.gpu_cache_size / cpu_cache_size or lower max_new_tokens"
                 + ("; offload='staggered' runs a request the device pool cannot hold from the host pool"
-                   if auto and HOST_POOL in self.run_pools else ""))
+                   if auto else ""))
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting, running, parked or in the staggered pipeline."""
