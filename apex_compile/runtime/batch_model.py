@@ -32,14 +32,13 @@ weigh.
 `StaggeredPlan.batch_pays` asks it, both ways, whether a batch ends sooner with the pipeline at all: `pays` judges
 one request, but each member's staggered steps slow every device row while it lives.
 """
-import bisect
 import collections
 import dataclasses
 import heapq
 import math
 from typing import Deque, Dict, List, Optional, Sequence, Set, Tuple
 
-from apex_compile.runtime.cuda_graphs import PIECEWISE_MAX_TOKENS
+from apex_compile.runtime.cuda_graphs import PIECEWISE_MAX_TOKENS, padded_key
 from apex_compile.runtime.scheduler import LOOKAHEAD_TOKENS
 from apex_compile.runtime.stagger.row_limit import fitting_rows
 
@@ -476,9 +475,8 @@ class _BatchSim:
         """The padded row count of the pieces a pipeline prompt step of `rows` rows replays; None at or below
         PIECEWISE_MAX_TOKENS (a whole mixed graph or small pieces, captured in ~0.1 s, padding a few rows) or past
         every size (uncaptured)."""
-        sizes = self.limits.piece_sizes
-        index = bisect.bisect_left(sizes, rows)
-        return sizes[index] if rows > PIECEWISE_MAX_TOKENS and index < len(sizes) else None
+        key = padded_key(self.limits.piece_sizes, rows, 1) if rows > PIECEWISE_MAX_TOKENS else None
+        return key[0] if key is not None else None
 
     def run(self, max_steps: int) -> BatchPrediction:
         while self.waiting or self.running or self.members or self.parked:
