@@ -6,7 +6,9 @@ the batch's last token. Reports makespan, requests/s, output tokens/s, TTFT and 
 requests that ran in each pool, GPU energy per token on CUDA, and each mode's tokens/s against the first mode
 (the baseline, "never" by default). Several --requests values give one row each (tokens/s against R in the plot).
 On CUDA each row also keeps the batch model's prediction and its inputs (the profile, the graphs' calibration,
-the limits: `model_inputs`), so that the prediction can be replayed off the GPU.
+the limits: `model_inputs`), so that the prediction can be replayed off the GPU. Each row's `diagnostics` say
+where its steps went: per kind of step (count, seconds, the longest), the graphs captured inside the batch, and
+the batch's five slowest steps with the main thread's phases inside each (where a one-off spent its time).
 
 Before the first measured row, a rehearsal engine runs a slice of the workload (its first prompts, a few
 tokens each) and is discarded: the process's first engine otherwise pays torch.compile's traces of the prompt
@@ -188,6 +190,8 @@ def run_batch(model, config: ApexConfig, prompts, lengths, progress_s: float = 1
                                                (a - b for a, b in zip(engine.stats.requests_per_pool,
                                                                       requests_before))))
         result["diagnostics"] = difference(engine_counters(engine), counters_before)
+        # the batch's slowest steps: the warm-up zeroed the counters, so every step kept is the batch's
+        result["diagnostics"]["slowest_steps"] = [dict(entry) for entry in engine.stats.slowest_steps]
         if samples:
             result["row_limit"] = samples
         return result
@@ -231,6 +235,12 @@ def print_row(pool, mode, requests, result, base):
         captured = [f"{name} {n} in {seconds:.1f} s" for name, (n, seconds) in d.get("captures", {}).items() if n]
         if captured:
             print(f"      graphs captured inside the batch: {'; '.join(captured)}", flush=True)
+        slowest = [f"#{e['step']} {e['kind']} {1e3 * e['seconds']:.0f} ms ("
+                   + ", ".join(f"{phase} {1e3 * t:.0f}" for phase, t in e["phases"].items() if t >= 0.1 * e["seconds"])
+                   + (f", captures {1e3 * e['captured']:.0f}" if e["captured"] else "") + ")"
+                   for e in d.get("slowest_steps", [])]
+        if slowest:
+            print(f"      slowest steps: {'; '.join(slowest)}", flush=True)
     samples = result.get("row_limit")
     if samples:
         mid = lambda key: statistics.median(s[key] for s in samples)  # noqa: E731

@@ -38,6 +38,7 @@ from apex_compile.runtime.step_buffers import DeviceIds, StepBuffers
 PHASES = ("schedule", "prepare", "forward", "pipeline", "wait", "finish")
 # what a step computes (`step_kind`), the kinds the batch model prices apart (`runtime/batch_model.py`)
 STEP_KINDS = ("decode", "staggered decode", "prompt", "staggered prompt", "pipeline prompt")
+SLOWEST_STEPS = 5  # how many of a run's longest step() calls `EngineStats.slowest_steps` keeps
 
 
 def step_kind(chunks, staggered: bool) -> str:
@@ -80,6 +81,10 @@ class EngineStats:
     # on the GPU; the longest tells a one-off (a graph captured, a shape compiled mid-run) from a per-step cost
     step_kinds: Dict[str, List[float]] = dataclasses.field(
         default_factory=lambda: {kind: [0, 0.0, 0.0] for kind in STEP_KINDS})
+    # the SLOWEST_STEPS longest step() calls, longest first, each {"step", "kind", "seconds", "phases": the main
+    # thread's seconds per phase of that call, "captured": seconds of CUDA graphs captured inside it}: where a
+    # one-off of a run (a capture, a compile, a first allocation) spent its time
+    slowest_steps: List[dict] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
         """Plain dict for printing / JSON."""
@@ -404,6 +409,8 @@ class Engine(EngineAPI):
         self._check_open()
         plan = self.plan
         plan.enter_step()
+        phases_before = list(self.stats.phase_seconds.values())
+        captured_before = plan.captured_seconds()
         self._last_tick = start = time.perf_counter()
         gap_sample = plan.gap_sample()
         self._decode_only = False
@@ -419,9 +426,22 @@ class Engine(EngineAPI):
             record[0] += 1
             record[1] += seconds
             record[2] = max(record[2], seconds)
+            slowest = self.stats.slowest_steps
+            if len(slowest) < SLOWEST_STEPS or seconds > slowest[-1]["seconds"]:
+                self._note_slow_step(seconds, phases_before, plan.captured_seconds() - captured_before)
         if gap_sample is not None and self._decode_only:
             plan.observe_gap(gap_sample, time.perf_counter() - start)
         return sampled
+
+    def _note_slow_step(self, seconds: float, phases_before: List[float], captured: float) -> None:
+        """Keeps this step() call among `stats.slowest_steps` (longest first, SLOWEST_STEPS of them)."""
+        phases = {phase: now - before
+                  for (phase, now), before in zip(self.stats.phase_seconds.items(), phases_before) if now > before}
+        slowest = self.stats.slowest_steps
+        slowest.append({"step": self.stats.steps, "kind": self._resolved_kind, "seconds": seconds, "phases": phases,
+                        "captured": captured})
+        slowest.sort(key=lambda entry: -entry["seconds"])
+        del slowest[SLOWEST_STEPS:]
 
     def _step(self) -> List[Request]:
         plan = self.plan

@@ -77,6 +77,11 @@ def test_the_offline_benchmark_measures_a_whole_batch_and_says_where_its_steps_w
         assert 0 < row["steps"] and 0 <= d["ahead_steps"] <= row["steps"]
         assert d["forward_seconds"] > 0 and d["phase_seconds"]["forward"] > 0
         assert d["cpu_job_wait_s"] == 0.0  # no staggered pipeline on a CPU-only run under these modes
+        # the batch's slowest steps (longest first, within the batch's steps), as printed
+        slowest = d["slowest_steps"]
+        assert len(slowest) == min(5, row["steps"]) and all(1 <= e["step"] <= row["steps"] for e in slowest)
+        assert slowest[0]["seconds"] == max(longest for n, _, longest in d["step_kinds"].values() if n)
+    assert result.stdout.count("slowest steps: #") == 2
 
 
 def test_a_measured_row_is_replayed_from_the_inputs_its_prediction_was_made_from():

@@ -294,9 +294,9 @@ def test_engine_limits_and_state_read_the_engine():
 
 def test_the_engine_counts_its_steps_by_the_kinds_the_batch_model_prices():
     """Every step is counted under one kind (`STEP_KINDS`), with the time of the step() calls that took its tokens
-    and the longest of them:
+    and the longest of them; the run's slowest calls are kept with their phases (`EngineStats.slowest_steps`):
     a staggered engine's host-pool prompts are pipeline prompts, its steps beside members staggered ones."""
-    from apex_compile.runtime.engine import STEP_KINDS
+    from apex_compile.runtime.engine import PHASES, SLOWEST_STEPS, STEP_KINDS
 
     apex = staggered(sharp_model(), width=2, device_blocks=2)
     engine = apex.engine
@@ -320,6 +320,17 @@ def test_the_engine_counts_its_steps_by_the_kinds_the_batch_model_prices():
     assert engine.stats.last_host_entry_step == entries[-1] < engine.stats.steps - 12
     # the longest call of a kind lies between its mean and its total
     assert all(seconds / n <= longest <= seconds and longest > 0 for n, seconds, longest in kinds.values() if n)
+    # the run's slowest calls, longest first, each with the main thread's phases inside it
+    slowest = engine.stats.slowest_steps
+    assert len(slowest) == SLOWEST_STEPS
+    assert [e["seconds"] for e in slowest] == sorted((e["seconds"] for e in slowest), reverse=True)
+    assert slowest[0]["seconds"] == max(longest for _, _, longest in kinds.values())
+    for e in slowest:
+        assert e["kind"] in STEP_KINDS and 1 <= e["step"] <= engine.stats.steps
+        assert set(e["phases"]) <= set(PHASES) and 0 < sum(e["phases"].values()) <= e["seconds"]
+        assert e["captured"] == 0.0  # CPU: no CUDA graphs
+        # a kind among them: its longest call is too
+        assert max(f["seconds"] for f in slowest if f["kind"] == e["kind"]) == kinds[e["kind"]][2]
     apex.close()
 
 
